@@ -1,0 +1,14 @@
+"""The schedule language (layer 1): actions, schedules, families, validator.
+
+Pure Python: nothing here imports torch.
+"""
+
+from .costs import Costs, StageCosts
+from .ir import BW, B, F, W, Action, Schedule, looped_placement, v_placement
+from .registry import FAMILIES, build
+from .validate import validate
+
+__all__ = [
+    "Action", "Schedule", "Costs", "StageCosts", "F", "B", "W", "BW",
+    "FAMILIES", "build", "validate", "looped_placement", "v_placement",
+]

@@ -1,0 +1,133 @@
+"""What each action kind needs, what it does to memory, and when it can run.
+
+Dependencies are implied by the kinds (DESIGN.md): F(s,i) after F(s-1,i);
+B(s,i) and BW(s,i) after F(s,i) and the backward of (s+1,i); W(s,i) after
+B(s,i). :func:`asap` runs every rank's list in order, each action as soon as
+its rank is free and its inputs exist; the simulator times schedules with it
+and the validator finds deadlocks with it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Iterable
+
+from ..errors import ScheduleError
+from .ir import BW, B, F, W, Action, Schedule
+
+
+def dependencies(action: Action, schedule: Schedule, present: set[Action]) -> list[Action]:
+    """The actions whose results ``action`` consumes."""
+    kind, s, i = action.kind, action.stage, action.microbatch
+    if kind == F:
+        return [Action(F, s - 1, i)] if s > 0 else []
+    if kind in (B, BW):
+        deps = [Action(F, s, i)]
+        if s + 1 < schedule.stages:
+            grad = Action(B, s + 1, i)
+            deps.append(grad if grad in present else Action(BW, s + 1, i))
+        return deps
+    if kind == W:
+        return [Action(B, s, i)]
+    raise ScheduleError(f"action {action}: unknown kind {kind!r}; known kinds: F, B, W, BW")
+
+
+def activation_delta(action: Action, m_b: float, m_w: float) -> float:
+    """Change of the rank's activation memory caused by ``action``.
+
+    F keeps ``m_b``; B frees all but ``m_w`` (kept for W); W frees ``m_w``;
+    a fused BW frees ``m_b``.
+    """
+    return {F: m_b, B: m_w - m_b, W: -m_w, BW: -m_b}.get(action.kind, 0.0)
+
+
+def all_actions(schedule: Schedule) -> set[Action]:
+    return {a for actions in schedule.ranks for a in actions}
+
+
+def asap(
+    schedule: Schedule,
+    duration: Callable[[Action], float],
+    transfer: Callable[[Action], float] = lambda producer: 0.0,
+) -> tuple[list[list[float]], list[list[float]]]:
+    """Start and end time of every action when each rank runs its list in
+    order and an action waits for its inputs; an input produced on another
+    rank arrives ``transfer(producer)`` after its producer ends.
+
+    Sends never block (the runtime posts them non-blocking); a receive blocks
+    its rank until the data arrives. Raises :class:`ScheduleError` naming the
+    ranks, the actions and what they wait for if the lists deadlock.
+    """
+    present = all_actions(schedule)
+    placement = schedule.placement
+    lists = schedule.ranks
+    p = len(lists)
+    starts = [[0.0] * len(actions) for actions in lists]
+    ends = [[0.0] * len(actions) for actions in lists]
+    finished: dict[Action, float] = {}
+    waiting: dict[Action, list[int]] = {}
+    blocked_on: dict[int, Action] = {}
+    pos = [0] * p
+    clock = [0.0] * p
+    ready = deque(range(p))
+    while ready:
+        r = ready.popleft()
+        blocked_on.pop(r, None)
+        actions, k, t = lists[r], pos[r], clock[r]
+        while k < len(actions):
+            action = actions[k]
+            start = t
+            missing = None
+            for dep in dependencies(action, schedule, present):
+                end = finished.get(dep)
+                if end is None:
+                    missing = dep
+                    break
+                if placement[dep.stage] != r:
+                    end += transfer(dep)
+                if end > start:
+                    start = end
+            if missing is not None:
+                if missing not in present:
+                    raise ScheduleError(f"rank {r}: action {action} needs {missing}, which no rank runs")
+                waiting.setdefault(missing, []).append(r)
+                blocked_on[r] = missing
+                break
+            t = start + duration(action)
+            starts[r][k] = start
+            ends[r][k] = t
+            finished[action] = t
+            k += 1
+            for other in waiting.pop(action, ()):
+                ready.append(other)
+        pos[r], clock[r] = k, t
+    if any(pos[r] < len(lists[r]) for r in range(p)):
+        raise ScheduleError(_deadlock_message(schedule, pos, blocked_on))
+    return starts, ends
+
+
+def _deadlock_message(schedule: Schedule, pos: list[int], blocked_on: dict[int, Action]) -> str:
+    """Describe the cycle of waiting ranks (or the first stuck rank)."""
+    def waits(r: int) -> str:
+        dep = blocked_on[r]
+        return f"rank {r} waits at {schedule.ranks[r][pos[r]]} for {dep} from rank {schedule.placement[dep.stage]}"
+
+    start = min(blocked_on)
+    seen: list[int] = []
+    r = start
+    while r in blocked_on and r not in seen:
+        seen.append(r)
+        r = schedule.placement[blocked_on[r].stage]
+    if r in seen:
+        cycle = seen[seen.index(r):]
+        return "deadlock: " + "; ".join(waits(q) for q in cycle) + " (a cycle: none can proceed)"
+    return "deadlock: " + "; ".join(waits(q) for q in seen)
+
+
+def peak_activation(actions: Iterable[Action], m_b: Callable[[int], float], m_w: Callable[[int], float]) -> float:
+    """Peak activation memory of one rank's list, which depends on the order only."""
+    level = peak = 0.0
+    for action in actions:
+        level += activation_delta(action, m_b(action.stage), m_w(action.stage))
+        peak = max(peak, level)
+    return peak

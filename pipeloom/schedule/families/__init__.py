@@ -1,0 +1,3 @@
+"""Generators of every schedule family; importing this registers them all."""
+
+from . import classic  # noqa: F401

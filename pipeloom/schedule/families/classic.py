@@ -1,0 +1,78 @@
+"""GPipe, 1F1B (PipeDream-Flush), interleaved 1F1B and PipeDream-2BW."""
+
+from __future__ import annotations
+
+from ...errors import PipeloomError
+from ..ir import BW, F, Action, Schedule, looped_placement
+from ..registry import register
+
+
+def one_f_one_b(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:
+    """``warmup`` forwards, then one forward and one backward in turn, then the
+    remaining backwards (GPipe is the case ``warmup = len(forwards)``)."""
+    order = forwards[:warmup]
+    pending = iter(forwards[warmup:])
+    for backward in backwards:
+        order.extend(f for f in [next(pending, None)] if f is not None)
+        order.append(backward)
+    return order
+
+
+def _single_chunk(family: str, pp: int, microbatches: int, warmup, steps: int = 1, versions: int = 1) -> Schedule:
+    n = microbatches * steps
+    ranks = []
+    for r in range(pp):
+        fwd = [Action(F, r, i) for i in range(n)]
+        bwd = [Action(BW, r, i) for i in range(n)]
+        ranks.append(tuple(one_f_one_b(fwd, bwd, min(warmup(r), n))))
+    return Schedule(family, pp, microbatches, looped_placement(pp, pp), tuple(ranks), steps=steps, weight_versions=versions)
+
+
+@register("gpipe", "all forwards, then all backwards (GPipe)")
+def gpipe(pp: int, microbatches: int, chunks: int) -> Schedule:
+    return _single_chunk("gpipe", pp, microbatches, warmup=lambda r: microbatches)
+
+
+@register("1f1b", "one forward, one backward (PipeDream-Flush)")
+def one_f_one_b_flush(pp: int, microbatches: int, chunks: int) -> Schedule:
+    return _single_chunk("1f1b", pp, microbatches, warmup=lambda r: pp - r - 1)
+
+
+@register("2bw", "PipeDream-2BW: 1F1B with no flush, two weight versions, update every step")
+def pipedream_2bw(pp: int, microbatches: int, chunks: int, steps: int = 4) -> Schedule:
+    if microbatches < pp:
+        raise PipeloomError(
+            f"2bw needs microbatches >= pp so that at most two weight versions are in flight; "
+            f"got microbatches={microbatches} with pp={pp}"
+        )
+    if not isinstance(steps, int) or steps < 1:
+        raise PipeloomError(f"2bw: steps={steps!r} must be a whole number >= 1")
+    return _single_chunk("2bw", pp, microbatches, warmup=lambda r: pp - r - 1, steps=steps, versions=2)
+
+
+def _rounds(pp: int, microbatches: int) -> int:
+    """Microbatches per round of interleaving (PyTorch's rule): the largest
+    even split of ``microbatches`` into ``max(1, m // pp)`` rounds."""
+    rounds = max(1, microbatches // pp)
+    if microbatches % rounds:
+        fits = sorted({r * pp for r in (rounds, rounds + 1)} | ({microbatches - microbatches % pp} if microbatches > pp else set()))
+        raise PipeloomError(
+            f"interleaved-1f1b with pp={pp} runs microbatches in {rounds} equal rounds, "
+            f"which microbatches={microbatches} does not divide; use e.g. {' or '.join(map(str, fits))}"
+        )
+    return microbatches // rounds
+
+
+@register("interleaved-1f1b", "1F1B over v looped chunks per rank (Megatron-LM)", chunks=None, default_chunks=2)
+def interleaved_1f1b(pp: int, microbatches: int, chunks: int) -> Schedule:
+    per_round = _rounds(pp, microbatches)
+    ranks = []
+    for r in range(pp):
+        fwd, bwd = [], []
+        for first in range(0, microbatches, per_round):
+            group = range(first, first + per_round)
+            fwd += [Action(F, c * pp + r, i) for c in range(chunks) for i in group]
+            bwd += [Action(BW, c * pp + r, i) for c in reversed(range(chunks)) for i in group]
+        warmup = min((chunks - 1) * per_round + 2 * (pp - 1 - r), len(fwd))
+        ranks.append(tuple(one_f_one_b(fwd, bwd, warmup)))
+    return Schedule("interleaved-1f1b", pp, microbatches, looped_placement(pp, pp * chunks), tuple(ranks))

@@ -1,0 +1,182 @@
+"""The schedule language: actions, schedules, their JSON and text forms.
+
+An :class:`Action` is one unit of work on one rank. A :class:`Schedule` is
+the ordered action list of every rank plus the facts needed to read it
+(pipeline size, stage count, microbatch count, placement). Dependencies are
+not stored: :mod:`pipeloom.schedule.deps` derives them from the kinds.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ..errors import ScheduleError
+
+#: Forward pass of a stage.
+F = "F"
+#: Input-gradient backward (the "B" of zero bubble; PyTorch calls it "I").
+B = "B"
+#: Weight-gradient backward.
+W = "W"
+#: Fused backward: B then W in one pass (PyTorch's "B").
+BW = "BW"
+
+#: Our kind -> the letter PyTorch's pipelining runtime uses in action strings.
+TORCH_CODE = {F: "F", B: "I", W: "W", BW: "B"}
+_FROM_TORCH_CODE = {code: kind for kind, code in TORCH_CODE.items()}
+_ACTION_RE = re.compile(r"^(\d+)([A-Z_]+)(\d+)$")
+
+
+class Action(NamedTuple):
+    """One unit of work: ``kind`` on ``stage`` for ``microbatch``.
+
+    ``str(action)`` is PyTorch's action string (``1F3``, ``1I3``, ``1W3``,
+    ``1B3``: stage, kind, microbatch), which :meth:`parse` reads back.
+    """
+
+    kind: str
+    stage: int
+    microbatch: int
+    payload: tuple = ()
+
+    def __str__(self) -> str:
+        return f"{self.stage}{TORCH_CODE.get(self.kind, self.kind)}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        match = _ACTION_RE.match(text.strip())
+        if not match:
+            raise ScheduleError(
+                f"cannot read action {text!r}: expected STAGE KIND MICROBATCH such as '1F3', '1I3', '1W3' or '1B3'"
+            )
+        stage, code, mb = match.groups()
+        return cls(_FROM_TORCH_CODE.get(code, code), int(stage), int(mb))
+
+
+def looped_placement(pp: int, stages: int) -> tuple[int, ...]:
+    """Stage ``s`` on rank ``s % pp`` (GPipe, 1F1B, interleaved 1F1B)."""
+    return tuple(s % pp for s in range(stages))
+
+
+def v_placement(pp: int) -> tuple[int, ...]:
+    """Two chunks per rank in a V: stage ``s`` on rank ``s`` for ``s < pp``,
+    on rank ``2pp - 1 - s`` otherwise (ZB-V, V-Min, V-Half, V-ZB)."""
+    return tuple(s if s < pp else 2 * pp - 1 - s for s in range(2 * pp))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The ordered actions of every rank and the facts to read them by.
+
+    ``microbatches`` is per training step; a schedule that spans several
+    steps (PipeDream-2BW) numbers its microbatches ``0 .. steps*microbatches-1``.
+    ``weight_versions`` is 1 for synchronous schedules (a flush per step) and
+    2 for PipeDream-2BW's double-buffered weights.
+    """
+
+    family: str
+    pp: int
+    microbatches: int
+    placement: tuple[int, ...]
+    ranks: tuple[tuple[Action, ...], ...]
+    steps: int = 1
+    weight_versions: int = 1
+    options: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def stages(self) -> int:
+        return len(self.placement)
+
+    @property
+    def chunks(self) -> int:
+        """Stages per rank (1 for GPipe and 1F1B, v for interleaved, 2 for V)."""
+        return self.stages // self.pp
+
+    @property
+    def total_microbatches(self) -> int:
+        return self.microbatches * self.steps
+
+    @property
+    def split_backward(self) -> bool:
+        """True when backward is split into B and W (zero-bubble families)."""
+        return any(a.kind == W for actions in self.ranks for a in actions)
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [s for s, r in enumerate(self.placement) if r == rank]
+
+    def weight_version(self, microbatch: int) -> int:
+        """The weight version microbatch ``microbatch`` (0-based) runs with.
+
+        Flushing schedules use version ``t`` in step ``t``. PipeDream-2BW
+        uses ``max(t - 1, 0)``: the update of step ``t`` lands one step late.
+        """
+        step = microbatch // self.microbatches
+        return max(step - 1, 0) if self.weight_versions == 2 else step
+
+    def num_actions(self) -> int:
+        return sum(len(actions) for actions in self.ranks)
+
+    # -- serialisation ---------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "family": self.family,
+            "pp": self.pp,
+            "microbatches": self.microbatches,
+            "steps": self.steps,
+            "weight_versions": self.weight_versions,
+            "placement": list(self.placement),
+            "options": self.options,
+            "ranks": [[_action_to_json(a) for a in actions] for actions in self.ranks],
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Schedule:
+        try:
+            return cls(
+                family=str(data["family"]),
+                pp=int(data["pp"]),
+                microbatches=int(data["microbatches"]),
+                placement=tuple(int(r) for r in data["placement"]),
+                ranks=tuple(tuple(_action_from_json(a) for a in actions) for actions in data["ranks"]),
+                steps=int(data.get("steps", 1)),
+                weight_versions=int(data.get("weight_versions", 1)),
+                options=dict(data.get("options", {})),
+            )
+        except KeyError as missing:
+            raise ScheduleError(f"schedule JSON lacks the field {missing}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> Schedule:
+        return cls.from_dict(json.loads(text))
+
+    # -- text ------------------------------------------------------------
+    def text(self) -> str:
+        """One line per rank: ``rank r (stages ...): 0F0 0F1 ... 0B0``."""
+        lines = [
+            f"{self.family}: pp={self.pp} stages={self.stages} microbatches={self.microbatches}"
+            + (f" steps={self.steps}" if self.steps > 1 else "")
+        ]
+        for rank, actions in enumerate(self.ranks):
+            stages = ",".join(map(str, self.stages_of(rank)))
+            lines.append(f"rank {rank} (stages {stages}): " + " ".join(map(str, actions)))
+        return "\n".join(lines)
+
+    __str__ = text
+
+
+def _action_to_json(action: Action):
+    if action.payload:
+        return {"action": str(action), "payload": list(action.payload)}
+    return str(action)
+
+
+def _action_from_json(item) -> Action:
+    if isinstance(item, dict):
+        return Action.parse(item["action"])._replace(payload=tuple(item.get("payload", ())))
+    return Action.parse(item)

@@ -1,0 +1,109 @@
+"""The validator: is a schedule complete, ordered, deadlock-free and within memory?"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from ..errors import ScheduleError
+from .deps import all_actions, asap, dependencies, peak_activation
+from .ir import BW, B, F, W, Schedule
+
+_COMPUTE = (F, B, W, BW)
+
+
+def validate(
+    schedule: Schedule,
+    memory_limit: float | None = None,
+    m_w: float = 0.0,
+) -> Schedule:
+    """Check ``schedule`` and return it unchanged, or raise :class:`ScheduleError`
+    naming the rank, the action and the reason.
+
+    Checks: every stage is placed on a real rank and every action sits on the
+    rank of its stage; each (stage, microbatch) has exactly one F and either
+    one BW or one B and one W; every action comes after its dependencies
+    produced on the same rank; the ranks' lists cannot deadlock when receives
+    block and sends do not; and, with ``memory_limit``, no rank's activation
+    memory exceeds it (in units of one full stage's M_B, a chunk counting its
+    share; ``m_w`` is the fraction of M_B kept from B to W).
+    """
+    _check_shape(schedule)
+    _check_complete(schedule)
+    _check_local_order(schedule)
+    asap(schedule, duration=lambda action: 0.0)
+    if memory_limit is not None:
+        share = 1.0 / schedule.chunks
+        for rank, actions in enumerate(schedule.ranks):
+            peak = peak_activation(actions, lambda s: share, lambda s: share * m_w)
+            if peak > memory_limit + 1e-9:
+                raise ScheduleError(
+                    f"rank {rank}: peak activation memory {peak:g} M_B exceeds the limit {memory_limit:g} M_B"
+                )
+    return schedule
+
+
+def _check_shape(schedule: Schedule) -> None:
+    p = schedule.pp
+    if p < 1:
+        raise ScheduleError(f"pp={p}: a pipeline needs at least 1 rank")
+    if len(schedule.ranks) != p:
+        raise ScheduleError(f"the schedule has {len(schedule.ranks)} action lists for pp={p}; it needs one per rank")
+    if schedule.microbatches < 1:
+        raise ScheduleError(f"microbatches={schedule.microbatches}: a step needs at least 1 microbatch")
+    for stage, rank in enumerate(schedule.placement):
+        if not 0 <= rank < p:
+            raise ScheduleError(f"stage {stage} is placed on rank {rank}, outside 0..{p - 1}")
+    for rank, actions in enumerate(schedule.ranks):
+        for action in actions:
+            if not 0 <= action.stage < schedule.stages:
+                raise ScheduleError(
+                    f"rank {rank}: action {action} names stage {action.stage}; stages are 0..{schedule.stages - 1}"
+                )
+            if not 0 <= action.microbatch < schedule.total_microbatches:
+                raise ScheduleError(
+                    f"rank {rank}: action {action} names microbatch {action.microbatch}; "
+                    f"microbatches are 0..{schedule.total_microbatches - 1}"
+                )
+            owner = schedule.placement[action.stage]
+            if owner != rank:
+                raise ScheduleError(f"rank {rank}: action {action} belongs to rank {owner}, which holds stage {action.stage}")
+
+
+def _check_complete(schedule: Schedule) -> None:
+    counts = Counter(a for actions in schedule.ranks for a in actions if a.kind in _COMPUTE)
+    for action, n in counts.items():
+        if n > 1:
+            rank = schedule.placement[action.stage]
+            raise ScheduleError(f"rank {rank}: action {action} appears {n} times; each must run exactly once")
+    for stage in range(schedule.stages):
+        rank = schedule.placement[stage]
+        for mb in range(schedule.total_microbatches):
+            def has(kind):
+                return counts.get((kind, stage, mb, ()), 0) > 0
+            if not has(F):
+                raise ScheduleError(f"rank {rank}: the forward {stage}F{mb} is missing")
+            split = has(B), has(W)
+            if has(BW):
+                if any(split):
+                    raise ScheduleError(
+                        f"rank {rank}: stage {stage} microbatch {mb} has both a fused backward {stage}B{mb} "
+                        f"and a split one; use BW or B and W, not both"
+                    )
+            elif split == (False, False):
+                raise ScheduleError(f"rank {rank}: the backward of stage {stage} microbatch {mb} is missing")
+            elif not all(split):
+                missing = f"{stage}W{mb}" if split[0] else f"{stage}I{mb}"
+                raise ScheduleError(f"rank {rank}: {missing} is missing (a split backward needs both B and W)")
+
+
+def _check_local_order(schedule: Schedule) -> None:
+    present = all_actions(schedule)
+    for rank, actions in enumerate(schedule.ranks):
+        position = {a: k for k, a in enumerate(actions)}
+        for k, action in enumerate(actions):
+            for dep in dependencies(action, schedule, present):
+                j = position.get(dep)
+                if j is not None and j > k:
+                    raise ScheduleError(
+                        f"rank {rank}: action {action} (position {k}) runs before {dep} (position {j}), which it needs"
+                    )

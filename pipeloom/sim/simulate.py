@@ -1,0 +1,85 @@
+"""The event simulator: time and memory of a schedule under given costs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..schedule.costs import Costs, StageCosts
+from ..schedule.deps import activation_delta, asap
+from ..schedule.ir import Action, Schedule
+
+
+@dataclass(frozen=True)
+class Event:
+    """One action as it ran (or would run): on ``rank`` from ``start`` to ``end``."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class RankStats:
+    busy: float
+    idle: float
+    span: float
+    peak_activation: float
+
+    @property
+    def bubble_rate(self) -> float:
+        return self.idle / self.span if self.span > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Result:
+    """What the simulator predicts for one schedule under one set of costs.
+
+    ``bubble_rate`` is the largest over ranks of (span - busy) / span, the span
+    running from the start of a rank's first action to the end of its last.
+    Activation memory is in the unit of ``Costs.m_b`` (M_B of a full stage).
+    """
+
+    schedule: Schedule
+    costs: StageCosts
+    makespan: float
+    bubble_rate: float
+    ranks: list[RankStats]
+    events: list[list[Event]] = field(repr=False)
+
+    @property
+    def peak_activation(self) -> list[float]:
+        return [r.peak_activation for r in self.ranks]
+
+    def memory_timeline(self, rank: int) -> list[tuple[float, float]]:
+        """(time, activation memory) steps of one rank: memory grows when an
+        action starts and shrinks when it ends."""
+        points, level = [(0.0, 0.0)], 0.0
+        for ev in self.events[rank]:
+            delta = activation_delta(ev.action, self.costs.m_b[ev.action.stage], self.costs.m_w[ev.action.stage])
+            level += delta
+            points.append((ev.start if delta > 0 else ev.end, level))
+        return points
+
+
+def simulate(schedule: Schedule, costs: Costs | StageCosts | None = None) -> Result:
+    """Time every action of ``schedule``: each rank runs its list in order; an
+    action starts when its rank is free and its inputs exist, an input from
+    another rank arriving ``comm`` after its producer ends."""
+    if not isinstance(costs, StageCosts):
+        costs = (costs or Costs()).per_stage(schedule.stages, schedule.chunks)
+    starts, ends = asap(schedule, costs.duration, costs.transfer)
+    events, stats = [], []
+    for rank, actions in enumerate(schedule.ranks):
+        evs = [Event(rank, a, s, e) for a, s, e in zip(actions, starts[rank], ends[rank])]
+        events.append(evs)
+        busy = sum(e.end - e.start for e in evs)
+        span = (evs[-1].end - evs[0].start) if evs else 0.0
+        level = peak = 0.0
+        for a in actions:
+            level += activation_delta(a, costs.m_b[a.stage], costs.m_w[a.stage])
+            peak = max(peak, level)
+        stats.append(RankStats(busy=busy, idle=span - busy, span=span, peak_activation=peak))
+    makespan = max((evs[-1].end for evs in events if evs), default=0.0)
+    bubble = max((s.bubble_rate for s in stats), default=0.0)
+    return Result(schedule, costs, makespan, bubble, stats, events)
