@@ -7,6 +7,7 @@ from .costs import Costs, StageCosts
 from .ir import BW, B, F, W, Action, Schedule, looped_placement, v_placement
 from .registry import FAMILIES, build
 from .validate import validate
+from . import families  # noqa: E402,F401  (registers the built-in families)
 
 __all__ = [
     "Action", "Schedule", "Costs", "StageCosts", "F", "B", "W", "BW",

@@ -16,20 +16,25 @@ from ..errors import ScheduleError
 from .ir import BW, B, F, W, Action, Schedule
 
 
-def dependencies(action: Action, schedule: Schedule, present: set[Action]) -> list[Action]:
-    """The actions whose results ``action`` consumes."""
-    kind, s, i = action.kind, action.stage, action.microbatch
-    if kind == F:
-        return [Action(F, s - 1, i)] if s > 0 else []
-    if kind in (B, BW):
-        deps = [Action(F, s, i)]
-        if s + 1 < schedule.stages:
-            grad = Action(B, s + 1, i)
-            deps.append(grad if grad in present else Action(BW, s + 1, i))
-        return deps
-    if kind == W:
-        return [Action(B, s, i)]
-    raise ScheduleError(f"action {action}: unknown kind {kind!r}; known kinds: F, B, W, BW")
+class Dependencies:
+    """The implied dependencies of one schedule's actions: ``deps(action)``
+    lists the actions whose results ``action`` consumes."""
+
+    def __init__(self, schedule: Schedule):
+        self.last = schedule.stages - 1
+        self.split = frozenset(a.stage for actions in schedule.ranks for a in actions if a.kind == B)
+
+    def __call__(self, action: Action) -> tuple[Action, ...]:
+        kind, s, i = action.kind, action.stage, action.microbatch
+        if kind == F:
+            return (Action(F, s - 1, i),) if s > 0 else ()
+        if kind in (B, BW):
+            if s == self.last:
+                return (Action(F, s, i),)
+            return Action(F, s, i), Action(B if s + 1 in self.split else BW, s + 1, i)
+        if kind == W:
+            return (Action(B, s, i),)
+        raise ScheduleError(f"action {action}: unknown kind {kind!r}; known kinds: F, B, W, BW")
 
 
 def activation_delta(action: Action, m_b: float, m_w: float) -> float:
@@ -39,10 +44,6 @@ def activation_delta(action: Action, m_b: float, m_w: float) -> float:
     a fused BW frees ``m_b``.
     """
     return {F: m_b, B: m_w - m_b, W: -m_w, BW: -m_b}.get(action.kind, 0.0)
-
-
-def all_actions(schedule: Schedule) -> set[Action]:
-    return {a for actions in schedule.ranks for a in actions}
 
 
 def asap(
@@ -58,10 +59,11 @@ def asap(
     its rank until the data arrives. Raises :class:`ScheduleError` naming the
     ranks, the actions and what they wait for if the lists deadlock.
     """
-    present = all_actions(schedule)
+    deps_of = Dependencies(schedule)
     placement = schedule.placement
     lists = schedule.ranks
     p = len(lists)
+    position = {a: (r, k) for r, actions in enumerate(lists) for k, a in enumerate(actions)}
     starts = [[0.0] * len(actions) for actions in lists]
     ends = [[0.0] * len(actions) for actions in lists]
     finished: dict[Action, float] = {}
@@ -70,40 +72,49 @@ def asap(
     pos = [0] * p
     clock = [0.0] * p
     ready = deque(range(p))
+    get = finished.get
     while ready:
         r = ready.popleft()
         blocked_on.pop(r, None)
         actions, k, t = lists[r], pos[r], clock[r]
-        while k < len(actions):
+        n = len(actions)
+        while k < n:
             action = actions[k]
             start = t
-            missing = None
-            for dep in dependencies(action, schedule, present):
-                end = finished.get(dep)
+            for dep in deps_of(action):
+                end = get(dep)
                 if end is None:
-                    missing = dep
+                    _check_can_wait(r, k, action, dep, position)
+                    waiting.setdefault(dep, []).append(r)
+                    blocked_on[r] = dep
                     break
-                if placement[dep.stage] != r:
+                if placement[dep[1]] != r:
                     end += transfer(dep)
                 if end > start:
                     start = end
-            if missing is not None:
-                if missing not in present:
-                    raise ScheduleError(f"rank {r}: action {action} needs {missing}, which no rank runs")
-                waiting.setdefault(missing, []).append(r)
-                blocked_on[r] = missing
-                break
-            t = start + duration(action)
-            starts[r][k] = start
-            ends[r][k] = t
-            finished[action] = t
-            k += 1
-            for other in waiting.pop(action, ()):
-                ready.append(other)
+            else:
+                t = start + duration(action)
+                starts[r][k] = start
+                ends[r][k] = t
+                finished[action] = t
+                k += 1
+                for other in waiting.pop(action, ()):
+                    ready.append(other)
+                continue
+            break
         pos[r], clock[r] = k, t
     if any(pos[r] < len(lists[r]) for r in range(p)):
         raise ScheduleError(_deadlock_message(schedule, pos, blocked_on))
     return starts, ends
+
+
+def _check_can_wait(rank: int, k: int, action: Action, dep: Action, position: dict) -> None:
+    """A missing input must come from a later action of another rank."""
+    where = position.get(dep)
+    if where is None:
+        raise ScheduleError(f"rank {rank}: action {action} needs {dep}, which no rank runs")
+    if where[0] == rank:
+        raise ScheduleError(f"rank {rank}: action {action} (position {k}) runs before {dep} (position {where[1]}), which it needs")
 
 
 def _deadlock_message(schedule: Schedule, pos: list[int], blocked_on: dict[int, Action]) -> str:

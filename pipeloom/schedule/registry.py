@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,6 +20,11 @@ class Family:
     generate: Callable[..., Schedule]
     chunks: tuple[int, ...] | None = (1,)  # allowed chunk counts; None: any >= 2
     default_chunks: int = 1
+
+    @property
+    def options(self) -> list[str]:
+        """Names of the family's own options (beyond pp, microbatches, chunks)."""
+        return list(inspect.signature(self.generate).parameters)[3:]
 
 
 FAMILIES: dict[str, Family] = {}
@@ -48,8 +54,6 @@ def build(
     default 2; V families: 2). Family options (``steps`` for 2bw; ``costs``
     and ``memory_limit`` for zb-auto) go in ``options``.
     """
-    from . import families  # noqa: F401  (registers the built-in families)
-
     family = FAMILIES.get(name)
     if family is None:
         raise PipeloomError(f"unknown schedule {name!r}; valid schedules: {', '.join(FAMILIES)}")
@@ -64,5 +68,9 @@ def build(
     elif chunks not in family.chunks:
         allowed = " or ".join(map(str, family.chunks))
         raise PipeloomError(f"{name} uses chunks={allowed} stages per rank; got chunks={chunks!r}")
+    unknown = sorted(set(options) - set(family.options))
+    if unknown:
+        takes = ", ".join(family.options) or "no options"
+        raise PipeloomError(f"{name} does not take option {unknown[0]!r}; it takes: {takes}")
     schedule = family.generate(pp, microbatches, chunks, **options)
     return validate(schedule) if check else schedule

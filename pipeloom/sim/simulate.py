@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..schedule.costs import Costs, StageCosts
 from ..schedule.deps import activation_delta, asap
 from ..schedule.ir import Action, Schedule
 
 
-@dataclass(frozen=True)
-class Event:
+class Event(NamedTuple):
     """One action as it ran (or would run): on ``rank`` from ``start`` to ``end``."""
 
     rank: int

@@ -51,16 +51,19 @@ def pipedream_2bw(pp: int, microbatches: int, chunks: int, steps: int = 4) -> Sc
 
 
 def _rounds(pp: int, microbatches: int) -> int:
-    """Microbatches per round of interleaving (PyTorch's rule): the largest
-    even split of ``microbatches`` into ``max(1, m // pp)`` rounds."""
-    rounds = max(1, microbatches // pp)
-    if microbatches % rounds:
-        fits = sorted({r * pp for r in (rounds, rounds + 1)} | ({microbatches - microbatches % pp} if microbatches > pp else set()))
+    """Microbatches per round of interleaving (PyTorch's rule): ``microbatches``
+    split evenly into ``max(1, microbatches // pp)`` rounds."""
+    def fits(m: int) -> bool:
+        return m % max(1, m // pp) == 0
+
+    if not fits(microbatches):
+        below = next(m for m in range(microbatches - 1, 0, -1) if fits(m))
+        above = next(m for m in range(microbatches + 1, 2 * microbatches + 2) if fits(m))
         raise PipeloomError(
-            f"interleaved-1f1b with pp={pp} runs microbatches in {rounds} equal rounds, "
-            f"which microbatches={microbatches} does not divide; use e.g. {' or '.join(map(str, fits))}"
+            f"interleaved-1f1b with pp={pp} runs microbatches in {microbatches // pp} equal rounds, "
+            f"which microbatches={microbatches} does not divide; use {below} or {above}"
         )
-    return microbatches // rounds
+    return microbatches // max(1, microbatches // pp)
 
 
 @register("interleaved-1f1b", "1F1B over v looped chunks per rank (Megatron-LM)", chunks=None, default_chunks=2)

@@ -1,0 +1,40 @@
+"""Shared by the benchmarks: where results go and which machine made them."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict:
+    """Facts about the machine a benchmark ran on."""
+    info = {
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return info
+
+
+def write_results(name: str, results: dict, path: str | None = None) -> Path:
+    """Write ``results`` with the machine facts and a timestamp as JSON; return the path."""
+    out = Path(path) if path else RESULTS / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": name, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(), **results}
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    return out

@@ -1,0 +1,205 @@
+"""The ``pipeloom`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import PipeloomError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except PipeloomError as err:
+        print(f"pipeloom {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipeloom", description="Plan, simulate, draw and run pipeline-parallel training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_simulate(sub)
+    return parser
+
+
+# -- simulate ----------------------------------------------------------------
+
+def _add_simulate(sub) -> None:
+    from .schedule import FAMILIES
+
+    p = sub.add_parser(
+        "simulate",
+        help="predict time, bubbles and memory of a schedule and draw it",
+        description="Build a schedule, validate it, simulate it and print a table and a text picture.",
+    )
+    p.add_argument("--schedule", default="1f1b", metavar="NAME", help=f"one of: {', '.join(FAMILIES)} (default 1f1b)")
+    p.add_argument("--compare", metavar="A,B,...", help="simulate several schedules on the same costs, side by side")
+    p.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
+    p.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
+    p.add_argument("--chunks", type=int, help="stages per rank (interleaved-1f1b: >= 2, default 2)")
+    p.add_argument("--steps", type=int, help="consecutive steps to build (2bw)")
+    p.add_argument("--costs", default="", metavar="f=1,b=1,w=1,comm=0",
+                   help="per full stage: f, b, w, comm times; m_b, m_w activation memory (defaults 1,1,1,0,1,0)")
+    p.add_argument("--memory-limit", type=float, metavar="X",
+                   help="activation memory limit per rank in units of a full stage's M_B (zb-auto searches under it; "
+                        "other schedules are checked against it)")
+    p.add_argument("--model", metavar="PRESET", help="derive costs from a model preset instead of --costs")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length with --model (default 2048)")
+    p.add_argument("--microbatch-size", type=int, default=1, help="sequences per microbatch with --model (default 1)")
+    p.add_argument("--device", default="a100", help="device preset with --model (default a100)")
+    p.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace (Perfetto, chrome://tracing)")
+    p.add_argument("--plot", metavar="FILE.png|.svg", help="draw the schedule and its memory with matplotlib")
+    p.add_argument("--torch-csv", metavar="FILE", help="export for torch.distributed.pipelining's runtime schedule")
+    p.add_argument("--json", action="store_true", help="print the facts as one JSON object")
+    p.set_defaults(run=_run_simulate)
+
+
+def _run_simulate(args) -> int:
+    if args.compare:
+        reports = [_simulate_one(args, name.strip(), compare=True) for name in args.compare.split(",") if name.strip()]
+        if args.json:
+            print(json.dumps({"compare": [r for r, _ in reports]}, indent=2))
+        else:
+            print(_compare_table([r for r, _ in reports]))
+        return 0
+    report, result = _simulate_one(args, args.schedule, compare=False)
+    if args.trace:
+        from .sim.trace import write_chrome_trace
+        write_chrome_trace(result, args.trace)
+    if args.plot:
+        from .sim.plot import plot_schedule
+        plot_schedule(result, args.plot)
+    if args.torch_csv:
+        from .schedule.torch_csv import write_torch_csv
+        write_torch_csv(result.schedule, args.torch_csv)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        from .sim.grid import text_grid
+        print(_rank_table(report))
+        print()
+        print(text_grid(result))
+    return 0
+
+
+def _simulate_one(args, name: str, compare: bool):
+    """Build, validate and simulate one schedule; return (report dict, Result)."""
+    from .schedule import FAMILIES, Costs, build, validate
+    from .sim import simulate
+
+    family = FAMILIES.get(name)
+    if family is None:
+        raise PipeloomError(f"unknown schedule {name!r}; valid schedules: {', '.join(FAMILIES)}")
+    chunks = args.chunks
+    if compare and chunks is not None and family.chunks is not None and chunks not in family.chunks:
+        chunks = None  # --chunks applies to the families that can use it
+    costs, model = _costs(args, family, chunks)
+    options = {"costs": costs, "memory_limit": args.memory_limit, "steps": args.steps}
+    options = {k: v for k, v in options.items() if v is not None and k in family.options}
+    schedule = build(name, args.pp, args.microbatches, chunks, **options)
+    if args.memory_limit is not None and "memory_limit" not in options:
+        validate(schedule, memory_limit=args.memory_limit, m_w=_m_w_fraction(costs))
+    result = simulate(schedule, costs)
+    return _report(result, model, args), result
+
+
+def _costs(args, family, chunks):
+    from .schedule import Costs
+
+    if not args.model:
+        return Costs.parse(args.costs), None
+    if args.costs:
+        raise PipeloomError("give either --costs or --model, not both")
+    from .sim.model import DEVICES, MODELS, costs_from_model
+
+    chunks = chunks or family.default_chunks
+    model = MODELS.get(args.model)
+    if model is None:
+        raise PipeloomError(f"unknown model {args.model!r}; presets: {', '.join(MODELS)}")
+    device = DEVICES.get(args.device)
+    if device is None:
+        raise PipeloomError(f"unknown device {args.device!r}; presets: {', '.join(DEVICES)}")
+    costs = costs_from_model(model, args.pp, args.seq, args.microbatch_size, device, chunks=chunks)
+    return costs, (model, device)
+
+
+def _m_w_fraction(costs) -> float:
+    m_b, m_w = costs.m_b, costs.m_w
+    if isinstance(m_b, (int, float)) and isinstance(m_w, (int, float)) and m_b:
+        return m_w / m_b
+    return 0.0
+
+
+def _report(result, model, args) -> dict:
+    schedule = result.schedule
+    report = {
+        "schedule": schedule.family,
+        "pp": schedule.pp,
+        "microbatches": schedule.microbatches,
+        "chunks": schedule.chunks,
+        "stages": schedule.stages,
+        "steps": schedule.steps,
+        "makespan": result.makespan,
+        "bubble_rate": result.bubble_rate,
+        "peak_activation": result.peak_activation,
+        "ranks": [
+            {
+                "rank": r,
+                "stages": schedule.stages_of(r),
+                "busy": stats.busy,
+                "idle": stats.idle,
+                "bubble_rate": stats.bubble_rate,
+                "peak_activation": stats.peak_activation,
+            }
+            for r, stats in enumerate(result.ranks)
+        ],
+    }
+    if model is not None:
+        from .sim.model import peak_memory_bytes
+
+        spec, device = model
+        full_stage_m_b = sum(result.costs.m_b) / schedule.pp  # bytes of M_B for an average full stage
+        report.update(
+            model=spec.name, device=device.name, seq=args.seq, microbatch_size=args.microbatch_size, time_unit="ms",
+            peak_activation=[x / full_stage_m_b for x in result.peak_activation],
+            peak_activation_bytes=result.peak_activation,
+            peak_memory_bytes=peak_memory_bytes(spec, result, args.seq, args.microbatch_size),
+        )
+        for row, value in zip(report["ranks"], report["peak_activation"]):
+            row["peak_activation"] = value
+    return report
+
+
+def _rank_table(report: dict) -> str:
+    unit = f" ({report['time_unit']})" if "time_unit" in report else ""
+    lines = [
+        f"{report['schedule']}: pp={report['pp']} microbatches={report['microbatches']} "
+        f"stages={report['stages']}  makespan={report['makespan']:.4g}{unit}  bubble rate={report['bubble_rate']:.1%}",
+        "",
+    ]
+    memory = report.get("peak_memory_bytes")
+    header = f"{'rank':>4}  {'stages':<10} {'busy':>10} {'idle':>10} {'bubble':>7} {'peak act (M_B)':>15}"
+    lines.append(header + ("  peak memory (GiB)" if memory else ""))
+    for row in report["ranks"]:
+        line = (f"{row['rank']:>4}  {','.join(map(str, row['stages'])):<10} {row['busy']:>10.4g} {row['idle']:>10.4g} "
+                f"{row['bubble_rate']:>7.1%} {row['peak_activation']:>15.4g}")
+        if memory:
+            line += f"  {memory[row['rank']] / 2**30:>17.2f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _compare_table(reports: list[dict]) -> str:
+    lines = [f"{'schedule':<18} {'stages':>6} {'makespan':>10} {'bubble':>7} {'max peak act':>13}"]
+    for r in reports:
+        lines.append(f"{r['schedule']:<18} {r['stages']:>6} {r['makespan']:>10.4g} {r['bubble_rate']:>7.1%} "
+                     f"{max(r['peak_activation']):>13.4g}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""`pipeloom simulate` from the outside: JSON facts, files, and one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pipeloom.cli import main
+from pipeloom.schedule import FAMILIES
+
+
+def run_json(capsys, *args):
+    assert main(["simulate", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_has_the_promised_fields(capsys):
+    out = run_json(capsys, "--schedule", "1f1b", "--pp", "4", "--microbatches", "8")
+    assert out["schedule"] == "1f1b" and out["pp"] == 4 and out["microbatches"] == 8
+    assert out["makespan"] == 33 and out["bubble_rate"] == pytest.approx(3 / 11)
+    assert out["peak_activation"] == [4, 3, 2, 1]
+    assert [set(r) >= {"busy", "idle", "peak_activation"} for r in out["ranks"]] == [True] * 4
+    assert sum(r["busy"] for r in out["ranks"]) == 4 * 8 * 3
+
+
+def test_costs_flag_changes_times(capsys):
+    out = run_json(capsys, "--schedule", "gpipe", "--pp", "2", "--microbatches", "2", "--costs", "f=2,b=3,w=0")
+    assert out["makespan"] == (2 + 2 - 1) * 5
+
+
+def test_table_and_grid(capsys):
+    assert main(["simulate", "--schedule", "1f1b", "--pp", "2", "--microbatches", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "bubble rate=" in out and "peak act" in out
+    assert len([line for line in out.splitlines() if line.strip().startswith("0 ")]) >= 1
+
+
+def test_compare_lists_every_family(capsys):
+    names = ["gpipe", "1f1b", "interleaved-1f1b"]
+    out = run_json(capsys, "--compare", ",".join(names), "--pp", "4", "--microbatches", "8")
+    assert [r["schedule"] for r in out["compare"]] == names
+    assert main(["simulate", "--compare", ",".join(names), "--pp", "4", "--microbatches", "8"]) == 0
+    table = capsys.readouterr().out
+    assert all(name in table for name in names)
+
+
+def test_memory_limit_is_checked(capsys):
+    assert main(["simulate", "--schedule", "gpipe", "--pp", "2", "--microbatches", "4", "--memory-limit", "3"]) == 2
+    assert "exceeds the limit 3 M_B" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--schedule", "nope"], "valid schedules: " + ", ".join(FAMILIES)),
+    (["--pp", "0"], "pp=0"),
+    (["--schedule", "1f1b", "--chunks", "3"], "1f1b uses chunks=1"),
+    (["--costs", "f=1,x=2"], "bad cost 'x=2'"),
+    (["--costs", "f=fast"], "'fast' is not a number"),
+    (["--schedule", "2bw", "--pp", "4", "--microbatches", "2"], "2bw needs microbatches >= pp"),
+])
+def test_bad_input_one_clear_line(args, message):
+    proc = subprocess.run([sys.executable, "-m", "pipeloom", "simulate", *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
