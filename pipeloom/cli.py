@@ -114,16 +114,10 @@ def _costs(args, family, chunks):
         return Costs.parse(args.costs), None
     if args.costs:
         raise PipeloomError("give either --costs or --model, not both")
-    from .sim.model import DEVICES, MODELS, costs_from_model
+    from .sim.model import costs_from_model, get_device, get_model
 
-    chunks = chunks or family.default_chunks
-    model = MODELS.get(args.model)
-    if model is None:
-        raise PipeloomError(f"unknown model {args.model!r}; presets: {', '.join(MODELS)}")
-    device = DEVICES.get(args.device)
-    if device is None:
-        raise PipeloomError(f"unknown device {args.device!r}; presets: {', '.join(DEVICES)}")
-    costs = costs_from_model(model, args.pp, args.seq, args.microbatch_size, device, chunks=chunks)
+    model, device = get_model(args.model), get_device(args.device)
+    costs = costs_from_model(model, args.pp, args.seq, args.microbatch_size, device, chunks=chunks or family.default_chunks)
     return costs, (model, device)
 
 
@@ -167,7 +161,7 @@ def _report(result, model, args) -> dict:
             model=spec.name, device=device.name, seq=args.seq, microbatch_size=args.microbatch_size, time_unit="ms",
             peak_activation=[x / full_stage_m_b for x in result.peak_activation],
             peak_activation_bytes=result.peak_activation,
-            peak_memory_bytes=peak_memory_bytes(spec, result, args.seq, args.microbatch_size),
+            peak_memory_bytes=peak_memory_bytes(spec, result, args.seq),
         )
         for row, value in zip(report["ranks"], report["peak_activation"]):
             row["peak_activation"] = value

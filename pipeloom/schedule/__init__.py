@@ -6,10 +6,12 @@ Pure Python: nothing here imports torch.
 from .costs import Costs, StageCosts
 from .ir import BW, B, F, W, Action, Schedule, looped_placement, v_placement
 from .registry import FAMILIES, build
+from .torch_csv import to_torch_csv, write_torch_csv
 from .validate import validate
 from . import families  # noqa: E402,F401  (registers the built-in families)
 
 __all__ = [
     "Action", "Schedule", "Costs", "StageCosts", "F", "B", "W", "BW",
     "FAMILIES", "build", "validate", "looped_placement", "v_placement",
+    "to_torch_csv", "write_torch_csv",
 ]

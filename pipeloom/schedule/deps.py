@@ -16,6 +16,9 @@ from ..errors import ScheduleError
 from .ir import BW, B, F, W, Action, Schedule
 
 
+_new = tuple.__new__  # builds an Action without NamedTuple's slower constructor (hot path)
+
+
 class Dependencies:
     """The implied dependencies of one schedule's actions: ``deps(action)``
     lists the actions whose results ``action`` consumes."""
@@ -25,15 +28,15 @@ class Dependencies:
         self.split = frozenset(a.stage for actions in schedule.ranks for a in actions if a.kind == B)
 
     def __call__(self, action: Action) -> tuple[Action, ...]:
-        kind, s, i = action.kind, action.stage, action.microbatch
+        kind, s, i, _ = action
         if kind == F:
-            return (Action(F, s - 1, i),) if s > 0 else ()
-        if kind in (B, BW):
+            return (_new(Action, (F, s - 1, i, ())),) if s > 0 else ()
+        if kind == B or kind == BW:
             if s == self.last:
-                return (Action(F, s, i),)
-            return Action(F, s, i), Action(B if s + 1 in self.split else BW, s + 1, i)
+                return (_new(Action, (F, s, i, ())),)
+            return _new(Action, (F, s, i, ())), _new(Action, (B if s + 1 in self.split else BW, s + 1, i, ()))
         if kind == W:
-            return (Action(B, s, i),)
+            return (_new(Action, (B, s, i, ())),)
         raise ScheduleError(f"action {action}: unknown kind {kind!r}; known kinds: F, B, W, BW")
 
 
@@ -63,7 +66,6 @@ def asap(
     placement = schedule.placement
     lists = schedule.ranks
     p = len(lists)
-    position = {a: (r, k) for r, actions in enumerate(lists) for k, a in enumerate(actions)}
     starts = [[0.0] * len(actions) for actions in lists]
     ends = [[0.0] * len(actions) for actions in lists]
     finished: dict[Action, float] = {}
@@ -84,7 +86,8 @@ def asap(
             for dep in deps_of(action):
                 end = get(dep)
                 if end is None:
-                    _check_can_wait(r, k, action, dep, position)
+                    if placement[dep[1]] == r:
+                        _local_order_error(schedule, r, k, action, dep)
                     waiting.setdefault(dep, []).append(r)
                     blocked_on[r] = dep
                     break
@@ -108,13 +111,13 @@ def asap(
     return starts, ends
 
 
-def _check_can_wait(rank: int, k: int, action: Action, dep: Action, position: dict) -> None:
-    """A missing input must come from a later action of another rank."""
-    where = position.get(dep)
-    if where is None:
-        raise ScheduleError(f"rank {rank}: action {action} needs {dep}, which no rank runs")
-    if where[0] == rank:
-        raise ScheduleError(f"rank {rank}: action {action} (position {k}) runs before {dep} (position {where[1]}), which it needs")
+def _local_order_error(schedule: Schedule, rank: int, k: int, action: Action, dep: Action) -> None:
+    """An input produced on the same rank must come earlier in its list."""
+    try:
+        j = schedule.ranks[rank].index(dep)
+    except ValueError:
+        raise ScheduleError(f"rank {rank}: action {action} needs {dep}, which no rank runs") from None
+    raise ScheduleError(f"rank {rank}: action {action} (position {k}) runs before {dep} (position {j}), which it needs")
 
 
 def _deadlock_message(schedule: Schedule, pos: list[int], blocked_on: dict[int, Action]) -> str:
@@ -122,6 +125,10 @@ def _deadlock_message(schedule: Schedule, pos: list[int], blocked_on: dict[int, 
     def waits(r: int) -> str:
         dep = blocked_on[r]
         return f"rank {r} waits at {schedule.ranks[r][pos[r]]} for {dep} from rank {schedule.placement[dep.stage]}"
+
+    for r, dep in sorted(blocked_on.items()):
+        if dep not in schedule.ranks[schedule.placement[dep.stage]]:
+            return f"rank {r}: action {schedule.ranks[r][pos[r]]} needs {dep}, which no rank runs"
 
     start = min(blocked_on)
     seen: list[int] = []

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 from ..schedule.costs import Costs, StageCosts
-from ..schedule.deps import activation_delta, asap
+from ..schedule.deps import activation_delta, asap, peak_activation
 from ..schedule.ir import Action, Schedule
 
 
@@ -45,7 +46,16 @@ class Result:
     makespan: float
     bubble_rate: float
     ranks: list[RankStats]
-    events: list[list[Event]] = field(repr=False)
+    starts: list[list[float]] = field(repr=False)
+    ends: list[list[float]] = field(repr=False)
+
+    @cached_property
+    def events(self) -> list[list[Event]]:
+        """Every action as an :class:`Event`, per rank in list order."""
+        return [
+            [Event(rank, a, s, e) for a, s, e in zip(actions, self.starts[rank], self.ends[rank])]
+            for rank, actions in enumerate(self.schedule.ranks)
+        ]
 
     @property
     def peak_activation(self) -> list[float]:
@@ -69,17 +79,13 @@ def simulate(schedule: Schedule, costs: Costs | StageCosts | None = None) -> Res
     if not isinstance(costs, StageCosts):
         costs = (costs or Costs()).per_stage(schedule.stages, schedule.chunks)
     starts, ends = asap(schedule, costs.duration, costs.transfer)
-    events, stats = [], []
+    m_b, m_w = costs.m_b, costs.m_w
+    stats = []
     for rank, actions in enumerate(schedule.ranks):
-        evs = [Event(rank, a, s, e) for a, s, e in zip(actions, starts[rank], ends[rank])]
-        events.append(evs)
-        busy = sum(e.end - e.start for e in evs)
-        span = (evs[-1].end - evs[0].start) if evs else 0.0
-        level = peak = 0.0
-        for a in actions:
-            level += activation_delta(a, costs.m_b[a.stage], costs.m_w[a.stage])
-            peak = max(peak, level)
+        busy = sum(e - s for s, e in zip(starts[rank], ends[rank]))
+        span = ends[rank][-1] - starts[rank][0] if actions else 0.0
+        peak = peak_activation(actions, m_b.__getitem__, m_w.__getitem__)
         stats.append(RankStats(busy=busy, idle=span - busy, span=span, peak_activation=peak))
-    makespan = max((evs[-1].end for evs in events if evs), default=0.0)
+    makespan = max((e[-1] for e in ends if e), default=0.0)
     bubble = max((s.bubble_rate for s in stats), default=0.0)
-    return Result(schedule, costs, makespan, bubble, stats, events)
+    return Result(schedule, costs, makespan, bubble, stats, starts, ends)

@@ -1,3 +1,5 @@
 """Generators of every schedule family; importing this registers them all."""
 
 from . import classic  # noqa: F401
+from . import vshape  # noqa: F401
+from . import zero_bubble  # noqa: F401

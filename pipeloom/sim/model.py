@@ -1,0 +1,301 @@
+"""Costs from a model description: GPT FLOP and memory formulas on a device.
+
+The per-layer formulas are REFERENCE.md's (a GPT layer with ``ffn = 4h``),
+with the 4 generalised to :attr:`ModelSpec.ffn`: for one layer and one
+microbatch of ``b`` sequences of ``s`` tokens,
+
+- forward ``F = bsh((8 + 4·ffn)h + 4s)`` FLOPs, input-gradient backward
+  ``B = bsh((8 + 4·ffn)h + 8s)``, weight-gradient backward ``W = (8 + 4·ffn)bsh²``
+  (24 for ``ffn = 4``);
+- activations kept from F to the backward ``M_B = sb((18 + 4·ffn)h + 5as)``
+  bytes (34h), of which ``M_W = (16 + 4·ffn)sbh`` (32) stay from B to W;
+- parameters ``(4 + 2·ffn)h² + (9 + ffn)h`` (12h² + 13h).
+
+The input embedding (3bsh FLOPs, hV + sh parameters) sits on the first stage;
+the output layer (LM head and softmax cross-entropy: 2bshV FLOPs each for F,
+B and W; hV parameters plus the final norm) on the last. Times are in
+milliseconds, memory in bytes, so the simulator's peak activation comes out
+in bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import PipeloomError
+from ..schedule.costs import Costs
+from .simulate import Result
+
+#: Bytes of model state per parameter, Megatron-style mixed precision: bf16
+#: weights (2) + fp32 gradient buffer (4) + fp32 master weights (4) + Adam's
+#: two fp32 moments (4 + 4). No distributed optimizer: every rank keeps all of
+#: it for its own stages.
+BYTES_PER_PARAM = 18
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A GPT-style decoder: ``layers`` transformer layers of width ``hidden``
+    with ``heads`` attention heads, a ``vocab``-token embedding, an LM head
+    and an MLP ``ffn`` times as wide as ``hidden``.
+
+    ``tied_embeddings`` shares the LM head with the token embedding in the
+    parameter count; a pipeline still keeps a copy of it on the last stage
+    (as Megatron-LM does), so per-stage memory is the same either way.
+    """
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    ffn: int = 4
+    tied_embeddings: bool = False
+
+    def __post_init__(self):
+        for field in ("layers", "hidden", "heads", "vocab", "ffn"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise PipeloomError(f"model {self.name!r}: {field} must be a positive integer, got {value!r}")
+        if self.hidden % self.heads:
+            raise PipeloomError(
+                f"model {self.name!r}: hidden {self.hidden} is not divisible by heads {self.heads}"
+            )
+
+    @property
+    def layer_params(self) -> int:
+        h, f = self.hidden, self.ffn
+        return (4 + 2 * f) * h * h + (9 + f) * h
+
+    def parameters(self, seq: int) -> int:
+        """Distinct parameters: layers, token and position embeddings (``seq``
+        positions), LM head (unless tied) and final norm."""
+        head = self.head_params - (self.hidden * self.vocab if self.tied_embeddings else 0)
+        return self.layers * self.layer_params + self.embedding_params(seq) + head
+
+    def embedding_params(self, seq: int) -> int:
+        return self.hidden * (self.vocab + seq)
+
+    @property
+    def head_params(self) -> int:
+        """LM head weights (hV) plus the final layer norm (2h)."""
+        return self.hidden * (self.vocab + 2)
+
+
+# GPT-2 BPE vocabulary (50257) padded by Megatron-LM to a multiple of 128.
+_GPT2_VOCAB = 50304
+
+#: Model presets by lowercase name.
+MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        # Zero Bubble Pipeline Parallelism (Qi et al., ICLR 2024), the models of
+        # REFERENCE.md's profiled table: Megatron-LM GPT. The paper states no V;
+        # 50304 is Megatron's padded GPT-2 size. Tied, Megatron's default: the
+        # tied parameter counts match the names (1.52B, 6.25B, 14.7B, 28.4B).
+        ModelSpec("1.5b", 22, 2304, 24, _GPT2_VOCAB, tied_embeddings=True),
+        ModelSpec("6.2b", 30, 4096, 32, _GPT2_VOCAB, tied_embeddings=True),
+        ModelSpec("14.6b", 46, 5120, 40, _GPT2_VOCAB, tied_embeddings=True),
+        ModelSpec("28.3b", 62, 6144, 48, _GPT2_VOCAB, tied_embeddings=True),
+        # Balancing Pipeline Parallelism with Vocabulary Parallelism (Yeung et
+        # al., 2024), "Settings used in experiments on 1F1B" (8 / 16 / 32 GPUs);
+        # the paper sweeps V over 32k/64k/128k/256k (k = 1000 in its artifact
+        # configs); 128k is the preset here. Untied: its implementation needs that.
+        ModelSpec("4b", 32, 3072, 24, 128_000),
+        ModelSpec("10b", 48, 4096, 32, 128_000),
+        ModelSpec("21b", 64, 5120, 40, 128_000),
+        # GPT-3 paper (Brown et al., 2020), Table 2.1: Small, Medium, XL, with
+        # tied embeddings as in GPT-2/3. XL lists 24 heads, which do not divide
+        # 2048; 16 heads keeps its d_head = 128. GPT-2 vocabulary as padded by
+        # Megatron-LM.
+        ModelSpec("gpt-125m", 12, 768, 12, _GPT2_VOCAB, tied_embeddings=True),
+        ModelSpec("gpt-350m", 24, 1024, 16, _GPT2_VOCAB, tied_embeddings=True),
+        ModelSpec("gpt-1.3b", 24, 2048, 16, _GPT2_VOCAB, tied_embeddings=True),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator: dense 16-bit peak FLOP/s, memory bytes, achievable
+    point-to-point bandwidth to the next pipeline rank and to host memory
+    (bytes/s), and ``efficiency``, the fraction of peak a transformer layer
+    reaches (MFU-like; every FLOP count is divided by ``peak_flops * efficiency``)."""
+
+    name: str
+    peak_flops: float
+    memory: float
+    link_bandwidth: float
+    host_bandwidth: float
+    efficiency: float = 0.5
+
+    def __post_init__(self):
+        for field in ("peak_flops", "memory", "link_bandwidth", "host_bandwidth"):
+            if not getattr(self, field) > 0:
+                raise PipeloomError(f"device {self.name!r}: {field} must be positive, got {getattr(self, field)!r}")
+        if not 0 < self.efficiency <= 1:
+            raise PipeloomError(f"device {self.name!r}: efficiency must be in (0, 1], got {self.efficiency!r}")
+
+    def ms(self, flops: float) -> float:
+        """Milliseconds to run ``flops`` at the achievable rate."""
+        return 1e3 * flops / (self.peak_flops * self.efficiency)
+
+
+_GiB = 2**30
+
+#: Device presets by lowercase name. Link bandwidths are what pipeline P2P
+#: achieves, not the NVLink headline: the zero-bubble paper's profiled T_comm
+#: (REFERENCE.md) move a 2bsh activation at about 48 GB/s inside an A100 node;
+#: H100 and V100 scale that by their NVLink generation (450 and 150 GB/s per
+#: direction against the A100's 300). Host links: REFERENCE's ~15 GB/s for
+#: A100 (PCIe 4), doubled for PCIe 5, ~10 GB/s for PCIe 3.
+DEVICES: dict[str, Device] = {
+    d.name: d
+    for d in (
+        # A100 SXM 80 GB: 312 TFLOP/s dense bf16. Efficiency 0.5 puts the
+        # zero-bubble paper's four models within ~20% of their profiled T_F.
+        Device("a100", 312e12, 80 * _GiB, 50e9, 15e9, 0.5),
+        # H100 SXM 80 GB: 989 TFLOP/s dense bf16; a lower fraction of its
+        # peak is reached in practice (~40% MFU in Megatron-class training).
+        Device("h100", 989e12, 80 * _GiB, 75e9, 30e9, 0.4),
+        # V100 SXM2 32 GB: 125 TFLOP/s fp16 tensor cores (no bf16 on V100).
+        Device("v100", 125e12, 32 * _GiB, 25e9, 10e9, 0.4),
+        # A small x86 VM (2 AVX-512 cores): ~0.26 TFLOP/s fp32 matmul measured
+        # with numpy on the development machine; gloo over loopback between ranks.
+        Device("cpu", 0.26e12, 16 * _GiB, 5e9, 10e9, 0.5),
+    )
+}
+
+
+def get_model(model: ModelSpec | str) -> ModelSpec:
+    """``model`` itself, or the preset of that name."""
+    if isinstance(model, ModelSpec):
+        return model
+    if model not in MODELS:
+        raise PipeloomError(f"unknown model {model!r}; presets: {', '.join(MODELS)}")
+    return MODELS[model]
+
+
+def get_device(device: Device | str) -> Device:
+    """``device`` itself, or the preset of that name."""
+    if isinstance(device, Device):
+        return device
+    if device not in DEVICES:
+        raise PipeloomError(f"unknown device {device!r}; presets: {', '.join(DEVICES)}")
+    return DEVICES[device]
+
+
+def split_layers(layers: int, stages: int) -> tuple[int, ...]:
+    """Layers per stage, as even as possible; the remainder goes to the middle
+    stages (centre first), since the first and last stages also carry the
+    embedding and the output layer; then to the first stage, then the last."""
+    if layers < stages:
+        raise PipeloomError(
+            f"{layers} layers cannot fill {stages} stages (pp x chunks): need layers >= stages; "
+            f"use at most {layers} stages or give layers_per_stage"
+        )
+    base, extra = divmod(layers, stages)
+    middle = sorted(range(1, stages - 1), key=lambda s: (abs(2 * s - (stages - 1)), s))
+    favoured = set((middle + [0, stages - 1])[:extra])
+    return tuple(base + (s in favoured) for s in range(stages))
+
+
+def _stage_layers(model: ModelSpec, stages: int, layers_per_stage) -> tuple[int, ...]:
+    if layers_per_stage is None:
+        return split_layers(model.layers, stages)
+    split = tuple(layers_per_stage)
+    if len(split) != stages or any(not isinstance(n, int) or n < 0 for n in split) or sum(split) != model.layers:
+        raise PipeloomError(
+            f"layers_per_stage {list(split)}: need {stages} non-negative integers summing to {model.layers} "
+            f"(the layers of {model.name!r})"
+        )
+    return split
+
+
+def _positive(**values) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or value < 1:
+            raise PipeloomError(f"{name} must be a positive integer, got {value!r}")
+
+
+def costs_from_model(
+    model: ModelSpec | str,
+    pp: int,
+    seq: int,
+    microbatch_size: int,
+    device: Device | str,
+    chunks: int = 1,
+    layers_per_stage=None,
+    recompute: bool = False,
+) -> Costs:
+    """Per-virtual-stage costs (ms, bytes) of ``model`` cut into ``pp * chunks``
+    stages, for microbatches of ``microbatch_size`` sequences of ``seq`` tokens.
+
+    ``layers_per_stage`` overrides :func:`split_layers`. With ``recompute``
+    each layer keeps only its input (2sbh bytes) and B first reruns the
+    layer's forward; W still needs its inputs, so ``m_w`` exceeds ``m_b`` and
+    memory grows from B to W (use a fused-backward schedule with it).
+    """
+    model, device = get_model(model), get_device(device)
+    _positive(pp=pp, seq=seq, microbatch_size=microbatch_size, chunks=chunks)
+    stages = pp * chunks
+    split = _stage_layers(model, stages, layers_per_stage)
+    b, s, h, a, v, k = microbatch_size, seq, model.hidden, model.heads, model.vocab, model.ffn
+    bsh = b * s * h
+    layer_f = bsh * ((8 + 4 * k) * h + 4 * s)
+    layer_b = bsh * ((8 + 4 * k) * h + 8 * s) + (layer_f if recompute else 0)
+    layer_w = (8 + 4 * k) * bsh * h
+    layer_mb = 2 * bsh if recompute else s * b * ((18 + 4 * k) * h + 5 * a * s)
+    layer_mw = (16 + 4 * k) * bsh
+    head = 2 * bsh * v  # FLOPs of each of the output layer's F, B and W
+    # The output layer keeps the fp32 softmax (4bsV) and its input and the
+    # final norm's input (2bsh each) for B; W keeps the logits' gradient
+    # (2bsV, bf16) and the LM head's input.
+    head_mb, head_mw = 4 * b * s * v + 4 * bsh, 2 * b * s * v + 2 * bsh
+
+    def per_stage(per_layer, first=0, last=0):
+        values = [n * per_layer for n in split]
+        values[0] += first
+        values[-1] += last
+        return values
+
+    return Costs(
+        f=[device.ms(x) for x in per_stage(layer_f, first=3 * bsh, last=head)],
+        b=[device.ms(x) for x in per_stage(layer_b, last=head)],
+        w=[device.ms(x) for x in per_stage(layer_w, last=head)],
+        comm=[1e3 * 2 * bsh / device.link_bandwidth] * stages,
+        m_b=[float(x) for x in per_stage(layer_mb, last=head_mb)],
+        m_w=[float(x) for x in per_stage(layer_mw, last=head_mw)],
+    )
+
+
+def stage_parameters(model: ModelSpec | str, stages: int, seq: int, layers_per_stage=None) -> list[int]:
+    """Parameters of each of ``stages`` stages: its layers, plus the
+    embeddings on the first and the LM head and final norm on the last."""
+    model = get_model(model)
+    _positive(stages=stages, seq=seq)
+    split = _stage_layers(model, stages, layers_per_stage)
+    params = [n * model.layer_params for n in split]
+    params[0] += model.embedding_params(seq)
+    params[-1] += model.head_params
+    return params
+
+
+def peak_memory_bytes(
+    model: ModelSpec | str,
+    result: Result,
+    seq: int,
+    *,
+    layers_per_stage=None,
+    bytes_per_param: float = BYTES_PER_PARAM,
+) -> list[float]:
+    """Peak bytes per rank: model state of the rank's stages
+    (``bytes_per_param`` each) plus the simulated peak activation, which is
+    in bytes when ``result`` was simulated with :func:`costs_from_model`
+    costs. ``layers_per_stage`` must match the one the costs used."""
+    schedule = result.schedule
+    params = stage_parameters(model, schedule.stages, seq, layers_per_stage)
+    return [
+        bytes_per_param * sum(params[s] for s in schedule.stages_of(rank)) + result.peak_activation[rank]
+        for rank in range(schedule.pp)
+    ]

@@ -1,0 +1,133 @@
+"""The classic pipeline picture of a simulated schedule, as PNG or SVG.
+
+Top panel: one row per rank (rank 0 on top), one box per action coloured by
+kind, later chunks of interleaved and V schedules in lighter shades,
+microbatch numbers where the boxes are big enough. Bottom panel: activation
+memory of every rank over time. matplotlib is imported only when drawing,
+and only its Figure API (Agg for PNG, its SVG writer for SVG), never pyplot.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import PipeloomError
+from ..schedule.ir import BW, B, F, W
+from .simulate import Result
+
+KIND_COLOURS = {F: "#4c72b0", B: "#dd8452", W: "#55a868", BW: "#c44e52"}
+KIND_NAMES = {F: "F forward", B: "B input grad", W: "W weight grad", BW: "BW fused backward"}
+OTHER_COLOUR = "#8c8c8c"
+SUFFIXES = (".png", ".svg")
+WIDTH_IN, DPI = 14.0, 110
+MAX_LABELS = 4000  # above this many boxes, never write microbatch numbers
+RASTER_ABOVE = 5000  # boxes drawn as a bitmap inside SVGs above this many
+
+
+def plot_schedule(result: Result, path: str | Path) -> None:
+    """Draw ``result`` to ``path``; the suffix (.png or .svg) picks the format."""
+    path = Path(path)
+    if path.suffix.lower() not in SUFFIXES:
+        got = repr(path.suffix) if path.suffix else "no suffix"
+        raise PipeloomError(f"cannot plot to {str(path)!r}: the file name must end in .png or .svg, not {got}")
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+
+    rows_in = min(max(1.6, 0.35 * result.schedule.pp), 10.0)
+    fig = Figure(figsize=(WIDTH_IN, rows_in + 2.6))
+    top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [rows_in, 2.0]})
+    _draw_timeline(top, result, rows_in)
+    _draw_memory(bottom, result)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
+def _shade(colour: str, chunk: int, chunks: int) -> tuple[float, float, float]:
+    """``colour`` mixed with white, more for later chunks (none for chunk 0)."""
+    from matplotlib.colors import to_rgb
+
+    mix = 0.5 * chunk / (chunks - 1) if chunks > 1 else 0.0
+    return tuple(c + (1.0 - c) * mix for c in to_rgb(colour))
+
+
+def _box_colours(result: Result) -> list[list[tuple[float, float, float]]]:
+    """The fill of every event's box, per rank: its kind's colour, lighter for later chunks."""
+    schedule = result.schedule
+    chunk_of = {s: k for r in range(schedule.pp) for k, s in enumerate(schedule.stages_of(r))}
+    palette = {}
+    for events in result.events:
+        for ev in events:
+            key = (ev.action.kind, chunk_of[ev.action.stage])
+            if key not in palette:
+                palette[key] = _shade(KIND_COLOURS.get(key[0], OTHER_COLOUR), key[1], schedule.chunks)
+    return [[palette[ev.action.kind, chunk_of[ev.action.stage]] for ev in events] for events in result.events]
+
+
+def _draw_timeline(ax, result: Result, rows_in: float) -> None:
+    import numpy as np
+    from matplotlib.collections import PolyCollection
+
+    p, span = result.schedule.pp, result.makespan or 1.0
+    colours = _box_colours(result)
+    spans = [(ev.start, ev.end, rank) for rank, events in enumerate(result.events) for ev in events]
+    x0, x1, y = np.array(spans, dtype=float).reshape(-1, 3).T
+    lo, hi = y - 0.42, y + 0.42
+    boxes = np.stack([np.stack(corner, axis=1) for corner in ((x0, lo), (x1, lo), (x1, hi), (x0, hi))], axis=1)
+    px_per_unit = WIDTH_IN * DPI * 0.9 / span
+    shortest = min((ev.end - ev.start for evs in result.events for ev in evs), default=0.0)
+    wide = shortest * px_per_unit >= 4  # white edges between boxes; none (and no seams) when dense
+    fills = np.array([c for row in colours for c in row]).reshape(-1, 3)
+    ax.add_collection(PolyCollection(
+        boxes, facecolors=fills, edgecolors="white" if wide else "none", linewidths=0.5,
+        antialiased=wide, rasterized=len(boxes) > RASTER_ABOVE,
+    ))
+    row_px = rows_in * DPI / p
+    if len(boxes) <= MAX_LABELS and row_px >= 10:
+        _label_boxes(ax, result, colours, px_per_unit, fontsize=min(8.0, row_px * 0.45))
+    ax.set_xlim(0, span)
+    ax.set_ylim(p - 0.5, -0.5)
+    step = max(1, p // 16)
+    ax.set_yticks(range(0, p, step), [f"rank {r}" for r in range(0, p, step)])
+    _legend(ax, result)
+    schedule = result.schedule
+    ax.set_title(
+        f"{schedule.family}   p={p}   m={schedule.microbatches}   stages={schedule.stages}   "
+        f"makespan={result.makespan:g}   bubble={result.bubble_rate:.1%}"
+    )
+
+
+def _legend(ax, result: Result) -> None:
+    from matplotlib.patches import Patch
+
+    kinds = dict.fromkeys(ev.action.kind for evs in result.events for ev in evs)
+    handles = [Patch(color=KIND_COLOURS.get(k, OTHER_COLOUR), label=KIND_NAMES.get(k, k)) for k in kinds]
+    if result.schedule.chunks > 1:
+        handles.append(Patch(color=_shade(OTHER_COLOUR, 1, 2), label="lighter: later chunk"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+
+
+def _label_boxes(ax, result: Result, colours, px_per_unit: float, fontsize: float) -> None:
+    """Microbatch numbers in the boxes wide enough to hold them, white on dark boxes, black on light."""
+    for rank, events in enumerate(result.events):
+        for ev, fill in zip(events, colours[rank]):
+            text = str(ev.action.microbatch)
+            if (ev.end - ev.start) * px_per_unit >= fontsize * 0.75 * len(text) + 3:
+                ink = "white" if 0.299 * fill[0] + 0.587 * fill[1] + 0.114 * fill[2] < 0.6 else "black"
+                ax.text((ev.start + ev.end) / 2, rank, text, ha="center", va="center", fontsize=fontsize, color=ink)
+
+
+def _draw_memory(ax, result: Result) -> None:
+    from matplotlib import colormaps
+
+    p = result.schedule.pp
+    cmap = colormaps["viridis"]
+    for rank in range(p):
+        final = dict(result.memory_timeline(rank))  # the level each instant ends at
+        times, levels = list(final), list(final.values())
+        ax.step(times, levels, where="post", color=cmap(rank / max(1, p - 1)), linewidth=1.0, label=f"rank {rank}")
+    if p <= 8:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    else:
+        ax.text(1.01, 1.0, f"colour: rank 0 (dark)\nto rank {p - 1} (light)", transform=ax.transAxes, va="top", fontsize=8)
+    ax.set_ylabel("activation memory (M_B)")
+    ax.set_xlabel("time (simulator units; ms with model costs)")
+    ax.set_ylim(bottom=0)
