@@ -1,18 +1,23 @@
 """Zero-bubble schedules (ZB-H1, ZB-H2, ZB-V): backward split into B and W.
 
-All three come from one time-driven list scheduler, :func:`list_schedule`:
-it plays the pipeline forward in time under given costs and, whenever a rank
-is free, runs a ready B, else a ready forward that the rank's limits admit,
-else a deferred W. The families differ only in the limits (how many forwards
-a rank may run ahead, how many microbatches it may keep alive until their W)
-and in the placement; ``zb-auto`` searches over such limits with real costs.
+All of them, and ``zb-auto``, come from one time-driven list scheduler,
+:func:`list_schedule`: it plays the pipeline forward in time under given
+costs and, whenever a rank is free, picks its next action by a few fixed
+rules; W passes, which nothing waits for, fill the moments when nothing else
+can run. The families differ only in their :class:`Policy` (how far a rank
+may run ahead, how many microbatches it may keep alive until their W, which
+of F and B goes first) and in the placement. ZB-H1, ZB-H2 and ZB-V are built
+with unit costs (T_F = T_B = T_W), as in the zero-bubble paper; the
+simulator then times the order with the real costs.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ...errors import ScheduleError
 from ..costs import Costs, StageCosts
@@ -20,215 +25,215 @@ from ..ir import B, F, W, Action, Schedule, looped_placement, v_placement
 from ..registry import register
 
 _EPS = 1e-9
+_new = tuple.__new__  # builds an Action without NamedTuple's slower constructor (hot path)
 
 
 @dataclass(frozen=True)
-class Limits:
-    """What a rank may hold, and when it runs a deferred W.
+class Policy:
+    """How each rank of :func:`list_schedule` chooses its next action.
 
-    ``warmup[r]``: most forwards on rank ``r`` whose B has not run (the depth
-    of its warm-up). ``alive[r]``: most microbatches on rank ``r`` whose W has
-    not run. ``memory``: most activation memory per rank under the costs'
-    ``m_b`` / ``m_w`` (counted as the validator counts it). ``fit_w``: when
-    true a W runs only in a gap it fits (no B or admitted forward due before
-    it would end); when false a W fills any idle moment.
+    ``warmup[r]``: most forwards rank ``r`` holds whose B has not run (its
+    warm-up depth). ``alive[r]``: most microbatches rank ``r`` holds whose W
+    has not run. ``memory``: most activation memory per rank under the costs'
+    ``m_b`` and ``m_w``, counted as the validator counts it. ``forward_first``:
+    false alternates F and B as 1F1B does when both are ready; true runs a
+    ready forward whenever the limits admit it and, when only the memory held
+    by deferred W passes keeps a ready forward out, runs a W to make room.
+    ``fit_w``: false lets a W fill any idle moment; true runs it only in a
+    gap it fits (no B or admitted forward due before it would end).
     """
 
-    warmup: tuple[int, ...]
-    alive: tuple[int, ...]
-    memory: float = float("inf")
+    warmup: tuple[float, ...]
+    alive: tuple[float, ...]
+    memory: float = math.inf
+    forward_first: bool = False
     fit_w: bool = False
-    strict: bool = False
+
+
+class Lists(NamedTuple):
+    """What :func:`list_schedule` built: every rank's actions, and the time the
+    last one ends as the scheduler played it (never before the simulator's
+    ASAP time of the same lists, which may start a pass the scheduler held back)."""
+
+    ranks: tuple[tuple[Action, ...], ...]
+    makespan: float
 
 
 class _Rank:
-    """The scheduler's view of one rank while the schedule is being built."""
+    """One rank's state while :func:`list_schedule` builds the lists."""
 
-    def __init__(self, stages: list[int]):
-        self.stages = sorted(stages, reverse=not KNOB.get('shallow_f'))  # the deeper stage's forward first
-        self.clock = 0.0
+    def __init__(self, index: int, stages: list[int], policy: Policy):
+        self.warmup, self.alive_limit = policy.warmup[index], policy.alive[index]
+        self.deep_first = sorted(stages, reverse=True)  # forwards: the deeper stage first
+        self.queues = {s: deque() for s in stages}  # B passes that will be ready: (arrival, microbatch)
+        self.backwards = [(s, self.queues[s]) for s in sorted(stages)]  # the shallower stage first
+        self.deferred: deque[tuple] = deque()  # (W, stage, microbatch), oldest B first
         self.order: list[Action] = []
-        self.backwards: list[tuple[float, int, int]] = []  # heap of (arrival, microbatch, stage)
-        self.deferred: deque[Action] = deque()
+        self.clock = 0.0
         self.in_flight = self.alive = 0
         self.memory = 0.0
-        self.last = F  # the kind of its last F or B: it alternates them when both are ready
-        self.started = False  # whether it has run a B (its warm-up is over)
-        self.forwards_done = 0
-        self.forwards = 0
+        self.last = F  # kind of the last F or B run
 
 
-def list_schedule(placement: tuple[int, ...], microbatches: int, costs: StageCosts, limits: Limits) -> tuple:
-    """Build every rank's action list by playing the pipeline forward in time.
+def list_schedule(placement: tuple[int, ...], microbatches: int, costs: StageCosts, policy: Policy) -> Lists:
+    """Every rank's action list, built by playing the pipeline forward in time.
 
-    A free rank runs, in this order of preference: the B that became ready
-    first; the forward of its deepest stage whose input has arrived, if
-    ``limits`` admit it; its oldest deferred W (see :class:`Limits`). Otherwise
-    it waits for the next input. Returns one tuple of actions per rank.
+    A free rank runs its ready B of the shallowest stage, or the ready forward
+    of its deepest stage that the policy admits (which of the two first: see
+    :class:`Policy`); otherwise its oldest deferred W; otherwise it waits for
+    the next input. Forwards and B passes of a stage run in microbatch order.
     """
-    stages, pp = len(placement), len(limits.warmup)
-    ranks = [_Rank([s for s in range(stages) if placement[s] == r]) for r in range(pp)]
-    for rank in ranks:
-        rank.forwards = len(rank.stages) * microbatches
+    stages, pp = len(placement), len(policy.warmup)
+    ranks = [_Rank(r, [s for s in range(stages) if placement[s] == r], policy) for r in range(pp)]
     next_f = [0] * stages
-    if "stage_cap" in KNOB:
-        KNOB["inflight"] = [0] * stages
-    arrival = [[None] * microbatches for _ in range(stages)]  # when F(s, i)'s input is there
-    arrival[0] = [0.0] * microbatches
-    todo = 3 * stages * microbatches
+    arrival = [[0.0] * microbatches] + [[math.inf] * microbatches for _ in range(stages - 1)]
     wake = [(0.0, r) for r in range(pp)]
+    duration = {F: costs.f, B: costs.b, W: costs.w}
+    todo = 3 * stages * microbatches
+
+    def admits(rank: _Rank, s: int, freed: float = 0.0, released: int = 0) -> bool:
+        """Whether a forward of stage ``s`` fits once ``freed`` memory and
+        ``released`` alive microbatches are given back (by a W)."""
+        return (
+            rank.in_flight < rank.warmup
+            and rank.alive - released < rank.alive_limit
+            and rank.memory - freed + costs.m_b[s] <= policy.memory + _EPS
+        )
+
+    def forward(rank: _Rank, now: float, freed: float = 0.0, released: int = 0) -> tuple | None:
+        for s in rank.deep_first:
+            i = next_f[s]
+            if i < microbatches and arrival[s][i] <= now + _EPS and admits(rank, s, freed, released):
+                return F, s, i
+        return None
+
+    def backward(rank: _Rank, now: float) -> tuple | None:
+        for s, queue in rank.backwards:
+            if queue and queue[0][0] <= now + _EPS:
+                return B, s, queue[0][1]
+        return None
+
+    def next_due(rank: _Rank) -> float:
+        due = [queue[0][0] for _, queue in rank.backwards if queue]
+        due += [arrival[s][next_f[s]] for s in rank.deep_first if next_f[s] < microbatches and admits(rank, s)]
+        return min(due, default=math.inf)
+
+    def choose(rank: _Rank, now: float) -> tuple | None:
+        """(kind, stage, microbatch) of the rank's next action, or None to wait."""
+        if policy.forward_first:
+            f = forward(rank, now)
+            if f is not None:
+                return f
+            w = rank.deferred[0] if rank.deferred else None
+            if w is not None and forward(rank, now, costs.m_w[w[1]], 1) is not None:
+                return w
+            b = backward(rank, now)
+        else:
+            b = backward(rank, now)
+            f = forward(rank, now) if b is None or rank.last == B else None
+            if f is not None:
+                return f
+        if b is not None:
+            return b
+        if rank.deferred:
+            w = rank.deferred[0]
+            if not policy.fit_w or next_due(rank) >= now + costs.w[w[1]] - _EPS:
+                return w
+        return None
+
+    def notify(consumer: int, at: float) -> None:
+        """Wake ``consumer`` when an input reaches it, unless it is busy until then."""
+        if ranks[consumer].clock < at:
+            heapq.heappush(wake, (at, consumer))
 
     def hand_over(producer: int, consumer: int, end: float) -> float:
         return end if placement[consumer] == placement[producer] else end + costs.comm[producer]
 
-    def ready_forward(r: int, rank: _Rank, now: float):
-        for s in rank.stages:
-            i = next_f[s]
-            if i < microbatches and arrival[s][i] is not None and arrival[s][i] <= now + _EPS and _admits(limits, r, rank, costs.m_b[s], s):
-                return Action(F, s, i)
-        return None
-
-    def next_due(r: int, rank: _Rank) -> float:
-        due = [rank.backwards[0][0]] if rank.backwards else []
-        due += [arrival[s][next_f[s]] for s in rank.stages
-                if next_f[s] < microbatches and arrival[s][next_f[s]] is not None and _admits(limits, r, rank, costs.m_b[s])]
-        return min(due, default=float("inf"))
-
     while todo:
         if not wake:
-            raise ScheduleError("zero-bubble scheduler stalled: no rank can proceed (memory limit too small?)")
+            raise ScheduleError("zero-bubble scheduler stalled: the memory limit leaves no rank able to proceed")
         now, r = heapq.heappop(wake)
         rank = ranks[r]
         if rank.clock > now + _EPS:
             continue
-        if KNOB.get("b_shallow") and rank.backwards:
-            ready = [x for x in rank.backwards if x[0] <= now + _EPS]
-            if ready:
-                best = min(ready, key=lambda x: (-x[2] if KNOB.get("b_deep") else x[2], x[1]))
-                rank.backwards.remove(best); rank.backwards.insert(0, (-1.0,) + best[1:]); heapq.heapify(rank.backwards)
-        if "key" in KNOB:
-            cands = [Action(B, s_, i_) for a_, i_, s_ in rank.backwards if a_ <= now + _EPS]
-            cands += [Action(F, s_, next_f[s_]) for s_ in rank.stages if next_f[s_] < microbatches and arrival[s_][next_f[s_]] is not None and arrival[s_][next_f[s_]] <= now + _EPS and _admits(limits, r, rank, costs.m_b[s_], s_)]
-            cands += list(rank.deferred)
-            if not cands:
-                continue
-            action = min(cands, key=KNOB["key"])
-            if action.kind == B:
-                rank.backwards.remove(next(x for x in rank.backwards if x[1] == action.microbatch and x[2] == action.stage)); heapq.heapify(rank.backwards)
-            if action.kind == W:
-                rank.deferred.remove(action)
-            backward = forward = None
-        else:
-          backward = bool(rank.backwards) and rank.backwards[0][0] <= now + _EPS
-          forward = ready_forward(r, rank, now)
-        if KNOB.get("b_shallow") and rank.backwards:
-            ready = [x for x in rank.backwards if x[0] <= now + _EPS]
-            if ready:
-                best = min(ready, key=lambda x: (-x[2] if KNOB.get("b_deep") else x[2], x[1]))
-                rank.backwards.remove(best); rank.backwards.insert(0, (-1.0,) + best[1:]); heapq.heapify(rank.backwards)
-        if "key" in KNOB: pass
-        elif True:
-          wants_b = rank.last == F or rank.forwards_done == rank.forwards or KNOB.get("b_first")
-          if KNOB.get("f_first"): wants_b = False
-          if limits.strict and rank.started:
-            action = (Action(B, *heapq.heappop(rank.backwards)[:0:-1]) if backward else None) if wants_b else forward
-          elif forward is not None and (not backward or not wants_b):
-            action = forward
-          elif backward:
-            action = Action(B, *heapq.heappop(rank.backwards)[:0:-1])
-          else:
-            action = None
-          if KNOB.get("w_for_f") and rank.deferred and forward is None and (action is None or action.kind == B):
-            blocked = any(next_f[s_] < microbatches and arrival[s_][next_f[s_]] is not None and arrival[s_][next_f[s_]] <= now + _EPS and rank.in_flight < limits.warmup[r] and rank.alive >= limits.alive[r] for s_ in rank.stages)
-            if blocked:
-                if action is not None: heapq.heappush(rank.backwards, (now, action.microbatch, action.stage))
-                action = rank.deferred.popleft()
+        action = choose(rank, now)
         if action is None:
-            if rank.deferred:
-                w = rank.deferred[0]
-                if not limits.fit_w or next_due(r, rank) >= now + costs.w[w.stage] - _EPS:
-                    action = rank.deferred.popleft()
-            if action is None:
-                continue  # idle until an input arrives (its producer pushed a wake-up)
-        end = now + costs.duration(action)
-        rank.clock = end
-        rank.order.append(action)
-        todo -= 1
+            continue  # idle until an input arrives: its producer pushed a wake-up
+        kind, s, i = action
+        end = rank.clock = now + duration[kind][s]
+        rank.order.append(_new(Action, (kind, s, i, ())))
         heapq.heappush(wake, (end, r))
-        kind, s, i = action.kind, action.stage, action.microbatch
-        if kind != W:
-            rank.last = kind
-        rank.started |= kind == B
-        rank.forwards_done += kind == F
-        rank.memory += {F: costs.m_b[s], B: costs.m_w[s] - costs.m_b[s], W: -costs.m_w[s]}[kind]
-        if "inflight" in KNOB:
-            KNOB["inflight"][s] += {F: 1, B: -1, W: 0}[kind]
+        todo -= 1
         if kind == F:
+            next_f[s] += 1
             rank.in_flight += 1
             rank.alive += 1
-            next_f[s] += 1
+            rank.memory += costs.m_b[s]
             if s + 1 < stages:
                 arrival[s + 1][i] = at = hand_over(s, s + 1, end)
-                heapq.heappush(wake, (at, placement[s + 1]))
+                notify(placement[s + 1], at)
             else:
-                heapq.heappush(rank.backwards, (end, i, s))
+                rank.queues[s].append((end, i))
         elif kind == B:
+            rank.queues[s].popleft()
+            rank.deferred.append((W, s, i))
             rank.in_flight -= 1
-            rank.deferred.append(Action(W, s, i))
+            rank.memory += costs.m_w[s] - costs.m_b[s]
             if s > 0:
                 at, q = hand_over(s, s - 1, end), placement[s - 1]
-                heapq.heappush(ranks[q].backwards, (at, i, s - 1))
-                heapq.heappush(wake, (at, q))
+                ranks[q].queues[s - 1].append((at, i))
+                notify(q, at)
         else:
+            rank.deferred.popleft()
             rank.alive -= 1
-    return tuple(tuple(rank.order) for rank in ranks)
+            rank.memory -= costs.m_w[s]
+        if kind != W:
+            rank.last = kind
+    return Lists(tuple(tuple(rank.order) for rank in ranks), max(rank.clock for rank in ranks))
 
 
-KNOB = {}
-def _admits(limits: Limits, r: int, rank: _Rank, m_b: float, s=None) -> bool:
-    """Whether rank ``r`` may start one more forward (of activation ``m_b``)."""
-    if "stage_cap" in KNOB and s is not None and KNOB["inflight"][s] >= KNOB["stage_cap"][s] and not (KNOB.get("warm_only") and rank.started):
-        return False
-    return (
-        rank.in_flight < limits.warmup[r]
-        and rank.alive < limits.alive[r]
-        and rank.memory + m_b <= limits.memory + _EPS
-    )
+def h1_policy(pp: int) -> Policy:
+    """ZB-H1: 1F1B's warm-up (rank r holds p-r forwards) and at most p
+    microbatches alive, so rank r defers up to r W passes."""
+    return Policy(warmup=tuple(pp - r for r in range(pp)), alive=(pp,) * pp)
 
 
-def _unit_costs(stages: int, chunks: int) -> StageCosts:
-    return Costs().per_stage(stages, chunks)
-
-
-def h1_limits(pp: int) -> Limits:
-    """ZB-H1: 1F1B's warm-up (rank r holds p-r forwards); at most p alive."""
-    return Limits(warmup=tuple(pp - r for r in range(pp)), alive=(pp,) * pp)
-
-
-def h2_limits(pp: int) -> Limits:
+def h2_policy(pp: int) -> Policy:
     """ZB-H2: rank r runs 2p-1-2r forwards ahead; at most 2p-1 alive."""
-    return Limits(warmup=tuple(2 * pp - 1 - 2 * r for r in range(pp)), alive=(2 * pp - 1,) * pp)
+    return Policy(warmup=tuple(2 * pp - 1 - 2 * r for r in range(pp)), alive=(2 * pp - 1,) * pp)
 
 
-def _zb(family: str, pp: int, microbatches: int, limits: Limits) -> Schedule:
+def v_policy(pp: int) -> Policy:
+    """ZB-V: 2p chunk activations (p full stages) held from F to B per rank,
+    up to p more chunks' W deferred, forwards first.
+
+    With unit costs and m >= 2p this gives the makespan 3m + (p-1)/2, no
+    bubble and the peak p·M_B, plus at most p chunks' M_W (p·M_W/2) when
+    M_W > 0. Deferring fewer W passes leaves half-unit gaps near the end on
+    the first ranks (about p/4 to p/3 extra are needed, growing with p)."""
+    return Policy(warmup=(2 * pp,) * pp, alive=(3 * pp,) * pp, forward_first=True)
+
+
+def _single_chunk(family: str, pp: int, microbatches: int, policy: Policy) -> Schedule:
+    """One stage per rank, the order built with unit costs."""
     placement = looped_placement(pp, pp)
-    ranks = list_schedule(placement, microbatches, _unit_costs(pp, 1), limits)
-    return Schedule(family, pp, microbatches, placement, ranks)
+    lists = list_schedule(placement, microbatches, Costs().per_stage(pp, 1), policy)
+    return Schedule(family, pp, microbatches, placement, lists.ranks)
 
 
-@register("zb-h1", "zero bubble H1: 1F1B's memory, W deferred into the bubbles")
+@register("zb-h1", "zero bubble H1: 1F1B's memory, W passes deferred into the bubbles")
 def zb_h1(pp: int, microbatches: int, chunks: int) -> Schedule:
-    return _zb("zb-h1", pp, microbatches, h1_limits(pp))
+    return _single_chunk("zb-h1", pp, microbatches, h1_policy(pp))
 
 
-@register("zb-h2", "zero bubble H2: deeper warm-up (2p-1 microbatches), no bubble when F=B=W")
+@register("zb-h2", "zero bubble H2: 2p-1 microbatches of warm-up, no bubble when F=B=W")
 def zb_h2(pp: int, microbatches: int, chunks: int) -> Schedule:
-    return _zb("zb-h2", pp, microbatches, h2_limits(pp))
+    return _single_chunk("zb-h2", pp, microbatches, h2_policy(pp))
 
 
-@register("zb-v", "zero bubble V: 2 chunks per rank in a V, 1F1B's memory, no bubble when F=B=W", chunks=(2,), default_chunks=2)
+@register("zb-v", "zero bubble V: 2 chunks per rank in a V, 1F1B's memory, about no bubble when F=B=W",
+          chunks=(2,), default_chunks=2)
 def zb_v(pp: int, microbatches: int, chunks: int) -> Schedule:
     placement = v_placement(pp)
-    limits = Limits(warmup=(2 * pp,) * pp, alive=(2 * pp,) * pp, strict=True)
-    ranks = list_schedule(placement, microbatches, _unit_costs(2 * pp, 2), limits)
+    ranks = list_schedule(placement, microbatches, Costs().per_stage(2 * pp, 2), v_policy(pp)).ranks
     return Schedule("zb-v", pp, microbatches, placement, ranks)

@@ -1,0 +1,160 @@
+"""Zero-bubble families (ZB-H1, ZB-H2, ZB-V, zb-auto) against REFERENCE.md's closed forms."""
+
+import random
+
+import pytest
+
+from pipeloom.errors import PipeloomError
+from pipeloom.schedule import Costs, Schedule, build, validate
+from pipeloom.schedule.families.zero_bubble import h1_policy, list_schedule
+from pipeloom.schedule.ir import looped_placement
+from pipeloom.sim import simulate
+
+PROFILED = Costs(f=18.522, b=18.086, w=9.337, comm=0.601)  # the zero-bubble paper's 1.5B model
+
+
+def sizes(m_of):
+    return [(p, m) for p in range(2, 9) for m in sorted(set(m_of(p)))]
+
+
+def split_makespan(p, m):
+    """Unit costs with B/W split: (m+p-1)(T_F+T_B) + T_W for m <= p, 3m + p - 1 beyond."""
+    return max(3 * m + p - 1, 2 * (m + p - 1) + 1)
+
+
+def heavy_last(p):
+    """A heavier last stage (an LM head) with more activation memory."""
+    return Costs(f=[1] * (p - 1) + [2.4], b=[1] * (p - 1) + [2.4], w=[1] * (p - 1) + [1.5],
+                 m_b=[1] * (p - 1) + [1.5], m_w=0.3)
+
+
+def heavy_first(p):
+    return Costs(f=[1.8] + [1] * (p - 1), b=[1.5] + [1] * (p - 1), w=[0.7] + [1] * (p - 1), comm=0.1)
+
+
+@pytest.mark.parametrize("p,m", sizes(lambda p: (1, p - 1, p, 2 * p, 3 * p)))
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
+def test_h1_h2_makespan(name, p, m):
+    assert simulate(build(name, p, m)).makespan == split_makespan(p, m)
+
+
+@pytest.mark.parametrize("p,m", sizes(lambda p: (p, 2 * p, 3 * p)))
+def test_h1_memory_per_rank(p, m):
+    result = simulate(build("zb-h1", p, m), Costs(m_w=0.5))
+    # rank i (1-based) holds (p-i+1) M_B + (i-1) M_W
+    assert result.peak_activation == [(p - i + 1) + (i - 1) * 0.5 for i in range(1, p + 1)]
+    assert max(simulate(build("zb-h1", p, m)).peak_activation) == p
+
+
+@pytest.mark.parametrize("p,m", sizes(lambda p: (2 * p, 3 * p)))
+def test_h2_has_no_bubble(p, m):
+    result = simulate(build("zb-h2", p, m))
+    assert result.bubble_rate == 0
+    assert max(result.peak_activation) == 2 * p - 1
+    # rank i (1-based) holds (2p-2i+1) M_B + (2i-2) M_W
+    per_rank = simulate(build("zb-h2", p, m), Costs(m_w=0.5)).peak_activation
+    assert per_rank == [(2 * p - 2 * i + 1) + (2 * i - 2) * 0.5 for i in range(1, p + 1)]
+
+
+@pytest.mark.parametrize("p,m", sizes(lambda p: (2 * p, 2 * p + 1, 3 * p, 4 * p)) + [(12, 24), (16, 32), (16, 80)])
+def test_v_makespan_and_memory(p, m):
+    result = simulate(build("zb-v", p, m))
+    assert result.makespan == pytest.approx(3 * m + (p - 1) / 2)  # a chunk's F takes 1/2
+    assert max(result.peak_activation) == p
+    assert result.bubble_rate == 0
+    # up to p chunks' W may wait: at most p M_W / 2 on top of p M_B
+    assert max(simulate(build("zb-v", p, m), Costs(m_w=0.5)).peak_activation) <= p + p * 0.25
+
+
+@pytest.mark.parametrize("p", range(2, 17))
+def test_every_family_validates(p):
+    # (memory limit in M_B, M_W as a fraction of M_B): zb-auto searched with unit costs, where M_W = 0
+    limits = {"zb-h1": (p, 0.5), "zb-h2": (2 * p - 1, 0.5), "zb-v": (p + p * 0.25, 0.5), "zb-auto": (2 * p - 1, 0.0)}
+    for m in sorted({1, p - 1, p, p + 1, 2 * p, 3 * p}):
+        for name, (limit, m_w) in limits.items():
+            validate(build(name, p, m), memory_limit=limit, m_w=m_w)
+
+
+def test_one_rank():
+    for name in ("zb-h1", "zb-h2", "zb-v", "zb-auto"):
+        result = simulate(build(name, 1, 3))
+        assert result.makespan == 9 and result.bubble_rate == 0
+
+
+def test_v_needs_two_chunks():
+    with pytest.raises(PipeloomError, match="chunks=2"):
+        build("zb-v", 4, 8, chunks=1)
+
+
+COSTS = {
+    "unit": lambda p: Costs(),
+    "unit m_w": lambda p: Costs(m_w=0.5),
+    "profiled": lambda p: PROFILED,
+    "comm": lambda p: Costs(f=1, b=1.2, w=0.7, comm=0.5, m_w=0.4),
+    "heavy last": heavy_last,
+    "heavy first": heavy_first,
+}
+
+
+@pytest.mark.parametrize("p,m", [(2, 5), (4, 3), (4, 8), (4, 16), (6, 24), (8, 12)])
+@pytest.mark.parametrize("costs", COSTS)
+def test_auto_at_least_as_good_as_h1_and_h2(costs, p, m):
+    costs = COSTS[costs](p)
+    for name in ("zb-h1", "zb-h2"):
+        fixed = simulate(build(name, p, m), costs)
+        limit = max(fixed.peak_activation)
+        auto = simulate(build("zb-auto", p, m, costs=costs, memory_limit=limit), costs)
+        assert auto.makespan <= fixed.makespan + 1e-9
+        assert max(auto.peak_activation) <= limit + 1e-9
+
+
+def test_auto_uses_spare_memory():
+    """Between ZB-H1's and ZB-H2's memory, zb-auto beats ZB-H1 outright."""
+    for costs in (PROFILED, Costs(f=1, b=1.2, w=0.7, comm=0.5, m_w=0.4)):
+        h1 = simulate(build("zb-h1", 4, 8), costs)
+        auto = simulate(build("zb-auto", 4, 8, costs=costs, memory_limit=5.5), costs)
+        assert auto.makespan < 0.98 * h1.makespan
+        assert max(auto.peak_activation) <= 5.5
+
+
+@pytest.mark.parametrize("limit", [1.5, 3, 4.5, 9])
+def test_auto_respects_memory_limit(limit):
+    costs = heavy_last(6)  # the heavy last stage needs 1.5 for one microbatch
+    schedule = build("zb-auto", 6, 12, costs=costs, memory_limit=limit)
+    assert max(simulate(schedule, costs).peak_activation) <= limit + 1e-9
+    assert schedule.options["memory_limit"] == limit
+
+
+def test_auto_default_limit_is_h2_memory():
+    schedule = build("zb-auto", 4, 8)
+    assert schedule.options["memory_limit"] == 7
+    assert simulate(schedule).makespan == 3 * 8 + 3
+
+
+def test_auto_random_costs_never_worse_than_h2():
+    rng = random.Random(7)
+    for _ in range(20):
+        p, m = rng.randint(2, 6), rng.randint(1, 16)
+        f = [rng.uniform(0.5, 2) for _ in range(p)]
+        costs = Costs(f=f, b=[x * rng.uniform(0.8, 1.3) for x in f], w=[x * rng.uniform(0.3, 1) for x in f],
+                      comm=rng.choice([0, 0.1, 0.5]), m_w=rng.choice([0, 0.5]))
+        h2 = simulate(build("zb-h2", p, m), costs)
+        auto = simulate(build("zb-auto", p, m, costs=costs), costs)
+        assert auto.makespan <= h2.makespan + 1e-9
+        assert max(auto.peak_activation) <= max(h2.peak_activation) + 1e-9
+
+
+def test_auto_errors():
+    with pytest.raises(PipeloomError, match="needs at least 1.5"):
+        build("zb-auto", 4, 8, costs=heavy_last(4), memory_limit=1.2)
+    with pytest.raises(PipeloomError, match="must be a pipeloom.schedule.Costs"):
+        build("zb-auto", 4, 8, costs="f=1")
+
+
+def test_list_schedule_time_matches_simulator():
+    """The scheduler's own clock agrees with the simulator on the orders it builds."""
+    for p, m in [(3, 7), (5, 12)]:
+        placement = looped_placement(p, p)
+        lists = list_schedule(placement, m, PROFILED.per_stage(p, 1), h1_policy(p))
+        schedule = validate(Schedule("check", p, m, placement, lists.ranks))
+        assert simulate(schedule, PROFILED).makespan == pytest.approx(lists.makespan)
