@@ -1,0 +1,7 @@
+"""Torch modules (layer 4): the GPT reference model, its pipeline stages, and
+the Linear layer whose weight gradient a runtime can defer (the B/W split)."""
+
+from .gpt import PRESETS, GPT, GPTConfig, GPTStage
+from .linear import Linear, WeightGradStore, defer_weight_grads
+
+__all__ = ["PRESETS", "GPT", "GPTConfig", "GPTStage", "Linear", "WeightGradStore", "defer_weight_grads"]

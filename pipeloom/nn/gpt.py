@@ -1,0 +1,270 @@
+"""The GPT reference model and its split into pipeline stages.
+
+:class:`GPT` is a pre-LayerNorm decoder-only transformer (GPT-2 layout):
+token and learned position embeddings, ``n_layer`` blocks
+(``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``), a final LayerNorm and an
+LM head. Every linear layer is a :class:`~pipeloom.nn.linear.Linear`, so a
+runtime can defer its weight gradient (the B/W split).
+
+:meth:`GPT.split` cuts it into :class:`GPTStage` modules that share the
+model's parameter objects. Stage-local parameter names *are* the unsplit
+names (blocks keep their global index: ``blocks.5.attn.qkv.weight``);
+``stage.param_names`` maps each to its unsplit name all the same, because of
+one exception, tied embeddings, described on :class:`GPTStage`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import PipeloomError
+from ..sim.model import split_layers
+from .linear import Linear
+
+# GPT-2 BPE vocabulary (50257) padded by Megatron-LM to a multiple of 128.
+_GPT2_VOCAB = 50304
+
+#: Config presets by name. The GPT sizes are GPT-3's Small, Medium and XL
+#: (XL with 16 heads, d_head = 128), tied like GPT-2/3 and like the
+#: simulator's model presets of the same names.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(n_layer=4, n_embd=32, n_head=4, vocab_size=256, block_size=64),
+    "gpt-125m": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=_GPT2_VOCAB, block_size=1024, tie_embeddings=True),
+    "gpt-350m": dict(n_layer=24, n_embd=1024, n_head=16, vocab_size=_GPT2_VOCAB, block_size=1024, tie_embeddings=True),
+    "gpt-1.3b": dict(n_layer=24, n_embd=2048, n_head=16, vocab_size=_GPT2_VOCAB, block_size=1024, tie_embeddings=True),
+}
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of a :class:`GPT`. ``bias`` applies to the linear layers and
+    LayerNorms (never the LM head); ``tie_embeddings`` makes the LM head
+    weight the token embedding weight."""
+
+    n_layer: int
+    n_embd: int
+    n_head: int
+    vocab_size: int
+    block_size: int
+    dropout: float = 0.0
+    bias: bool = True
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        for field in ("n_layer", "n_embd", "n_head", "vocab_size", "block_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PipeloomError(f"GPTConfig: {field} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise PipeloomError(f"GPTConfig: n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise PipeloomError(f"GPTConfig: dropout must be in [0, 1), got {self.dropout!r}")
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> GPTConfig:
+        """The preset ``name`` (see :data:`PRESETS`) with ``overrides`` applied."""
+        if name not in PRESETS:
+            raise PipeloomError(f"unknown GPT preset {name!r}; presets: {', '.join(PRESETS)}")
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(overrides) - set(fields))
+        if unknown:
+            raise PipeloomError(f"unknown GPTConfig field(s) {', '.join(unknown)}; fields: {', '.join(fields)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with a fused q/k/v projection."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head, self.dropout = config.n_head, config.dropout
+        self.qkv = Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (y.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for y in self.qkv(x).split(c, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+
+
+class MLP(nn.Module):
+    """``proj(gelu(fc(x)))`` with a 4x wider hidden layer."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")
+        self.proj = Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(self.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """One pre-LayerNorm transformer layer: hidden states in, hidden states out."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+def _embed(module: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Token plus position embeddings of ``tokens`` [B, T] with ``module``'s wte, wpe and drop."""
+    if tokens.dim() != 2:
+        raise PipeloomError(f"tokens must have shape [batch, time], got {list(tokens.shape)}")
+    t, block_size = tokens.shape[1], module.wpe.num_embeddings
+    if t > block_size:
+        raise PipeloomError(f"sequence of {t} tokens exceeds block_size {block_size}; use at most {block_size} tokens")
+    positions = torch.arange(t, device=tokens.device)
+    return module.drop(module.wte(tokens) + module.wpe(positions))
+
+
+class GPT(nn.Module):
+    """The reference model: ``model(tokens)`` gives logits [B, T, V];
+    ``model(tokens, targets)`` the mean cross-entropy over all tokens.
+
+    Initialisation is GPT-2's (normal, std 0.02; residual projections scaled
+    by ``1/sqrt(2 * n_layer)``; zero biases), drawn from torch's default
+    generator, so the same seed gives the same weights on every rank.
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
+        self._init_weights()
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+    def _init_weights(self) -> None:
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        for block in self.blocks:
+            for proj in (block.attn.proj, block.mlp.proj):
+                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * self.config.n_layer))
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = _embed(self, tokens)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return logits if targets is None else self.loss(logits, targets)
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of ``logits`` [B, T, V] against ``targets`` [B, T]
+        (the last stage's loss function in a pipeline)."""
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    def split(self, n_stages: int, layers_per_stage=None) -> list[GPTStage]:
+        """Cut the model into ``n_stages`` :class:`GPTStage` modules of
+        consecutive blocks, sharing this model's parameters.
+
+        ``layers_per_stage`` gives each stage's block count (non-negative,
+        summing to ``n_layer``; a stage may hold no block). By default the
+        split is :func:`pipeloom.sim.split_layers`'s, the simulator's: as even
+        as possible, the remainder to the middle stages first, since the
+        first and last also hold the embeddings and the head.
+        """
+        counts = _layer_counts(self.config.n_layer, n_stages, layers_per_stage)
+        bounds = list(itertools.accumulate(counts, initial=0))
+        return [GPTStage(self, k, n_stages, range(bounds[k], bounds[k + 1])) for k in range(n_stages)]
+
+
+def _layer_counts(n_layer: int, n_stages, layers_per_stage) -> tuple[int, ...]:
+    if not isinstance(n_stages, int) or isinstance(n_stages, bool) or n_stages < 1:
+        raise PipeloomError(f"n_stages must be a positive integer, got {n_stages!r}")
+    if layers_per_stage is None:
+        return split_layers(n_layer, n_stages)
+    counts = tuple(layers_per_stage)
+    if len(counts) != n_stages or any(not isinstance(n, int) or n < 0 for n in counts) or sum(counts) != n_layer:
+        raise PipeloomError(
+            f"layers_per_stage {list(counts)}: need {n_stages} non-negative integers (one per stage) "
+            f"summing to n_layer {n_layer}"
+        )
+    return counts
+
+
+class GPTStage(nn.Module):
+    """Stage ``index`` of ``n_stages``: the blocks ``layers`` (global
+    indices) of a :class:`GPT`, plus the embeddings on the first stage
+    (input: tokens [B, T]) and the final norm and LM head on the last
+    (output: logits [B, T, V]); other inputs and outputs are hidden states
+    [B, T, C]. One tensor in, one out, so ``torch.distributed.pipelining``'s
+    ``PipelineStage`` can run it too.
+
+    ``param_names`` maps each local parameter name to the unsplit model's
+    name, for checkpoints and for comparing gradients. Parameters are the
+    unsplit model's own objects, except with ``tie_embeddings`` and more than
+    one stage: the last stage's ``lm_head.weight`` is then its own parameter,
+    a copy of ``wte.weight`` made at split time, and maps to ``"wte.weight"``.
+
+    ``tied`` (local name -> unsplit name) lists those parameters whose
+    gradient is only part of the unsplit one: ``{"wte.weight": "wte.weight"}``
+    on the first stage, ``{"lm_head.weight": "wte.weight"}`` on the last,
+    empty elsewhere. A runtime sums their gradients over the stages holding
+    them, as Megatron's embedding group does, after the step's last backward
+    and before the optimizer: ``all_reduce(SUM)`` over a process group of the
+    ranks of the first and last stages, or a local sum when one rank holds
+    both (V placement). Both copies then hold the unsplit ``wte.weight``
+    gradient and stay equal under the same optimizer update.
+    """
+
+    def __init__(self, model: GPT, index: int, n_stages: int, layers: range):
+        super().__init__()
+        self.index, self.n_stages, self.layers = index, n_stages, layers
+        self.is_first, self.is_last = index == 0, index == n_stages - 1
+        if self.is_first:
+            self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        separate_head = model.config.tie_embeddings and n_stages > 1
+        if self.is_last:
+            self.ln_f = model.ln_f
+            self.lm_head = _head_copy(model) if separate_head else model.lm_head
+        self.tied: dict[str, str] = {}
+        if separate_head and self.is_first:
+            self.tied["wte.weight"] = "wte.weight"
+        if separate_head and self.is_last:
+            self.tied["lm_head.weight"] = "wte.weight"
+        self.param_names: dict[str, str] = {name: self.tied.get(name, name) for name, _ in self.named_parameters()}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            x = _embed(self, x)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.is_last:
+            x = self.lm_head(self.ln_f(x))
+        return x
+
+
+def _head_copy(model: GPT) -> Linear:
+    """An LM head whose weight is a new parameter equal to ``model``'s token embedding."""
+    head = Linear(model.config.n_embd, model.config.vocab_size, bias=False, device="meta")
+    head.weight = nn.Parameter(model.wte.weight.detach().clone())
+    return head

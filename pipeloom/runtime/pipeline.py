@@ -1,0 +1,294 @@
+"""The pipeline: interprets one rank's action list of any valid schedule on torch.distributed."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.checkpoint import checkpoint
+
+from ..errors import PipeloomError
+from ..nn.linear import WeightGradStore, defer_weight_grads
+from ..schedule import BW, B, F, W, Action, Schedule, build, validate
+from .p2p import Channel
+
+
+@dataclass
+class _Slot:
+    """What one (stage, microbatch) keeps between its passes."""
+
+    input: torch.Tensor | None = None
+    output: torch.Tensor | None = None  # the stage output, or the loss on the last stage
+    grad: torch.Tensor | None = None  # gradient of the output, once known
+    weights: WeightGradStore | None = None
+
+
+@dataclass
+class TimedAction:
+    """One executed action: seconds from the start of the step."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class _Step:
+    slots: dict = field(default_factory=dict)
+    timeline: list[TimedAction] = field(default_factory=list)
+    loss: torch.Tensor | None = None
+
+
+class Pipeline:
+    """Pipeline-parallel training of a model that can ``split`` itself into stages.
+
+    Call inside a torchrun job (``torch.distributed`` initialised, world size
+    ``dp * pp``); build the same ``model`` on every rank (same seed). Each rank
+    keeps only its own stages. ``step(tokens, targets)`` runs one step's
+    forward and backward on the global batch and returns its mean loss.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        schedule: str | Schedule = "1f1b",
+        pp: int | None = None,
+        microbatches: int | None = None,
+        dp: int = 1,
+        chunks: int | None = None,
+        *,
+        layers_per_stage=None,
+        recompute: bool = False,
+        timeout: float = 300.0,
+        **schedule_options,
+    ):
+        if not dist.is_available() or not dist.is_initialized():
+            raise PipeloomError("Pipeline needs torch.distributed initialised: launch with torchrun")
+        if isinstance(schedule, Schedule):
+            self.schedule = validate(schedule)
+            pp = pp or schedule.pp
+            if (pp, microbatches or schedule.microbatches) != (schedule.pp, schedule.microbatches):
+                raise PipeloomError(
+                    f"the schedule is for pp={schedule.pp}, microbatches={schedule.microbatches}; "
+                    f"got pp={pp}, microbatches={microbatches}"
+                )
+        else:
+            if pp is None or microbatches is None:
+                raise PipeloomError("give pp and microbatches with a schedule name")
+            self.schedule = build(schedule, pp, microbatches, chunks, **schedule_options)
+        if self.schedule.steps != 1 or self.schedule.weight_versions != 1:
+            raise PipeloomError(
+                f"the runtime executes one synchronous step per call; {self.schedule.family} spans "
+                f"{self.schedule.steps} steps with {self.schedule.weight_versions} weight versions"
+            )
+        world = dist.get_world_size()
+        if world != dp * pp:
+            raise PipeloomError(
+                f"world size {world} does not match dp={dp} x pp={pp} = {dp * pp}; "
+                f"launch {dp * pp} processes or choose dp and pp whose product is {world}"
+            )
+        self.dp, self.pp, self.timeout = dp, pp, timeout
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.mesh = init_device_mesh(self.device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+        self.pp_rank = self.mesh.get_local_rank("pp")
+        self.dp_rank = self.mesh.get_local_rank("dp")
+        self.pp_group, self.dp_group = self.mesh.get_group("pp"), self.mesh.get_group("dp")
+        self.peers = [dist.get_global_rank(self.pp_group, q) for q in range(pp)]
+        self.rank = dist.get_rank()
+        stages = model.split(self.schedule.stages, layers_per_stage)
+        mine = self.schedule.stages_of(self.pp_rank)
+        self.stages = {s: stages[s].to(self.device) for s in mine}
+        self.names = {id(p): self.stages[s].param_names[n] for s in mine for n, p in self.stages[s].named_parameters()}
+        self.tied = [p for s in mine for n, p in self.stages[s].named_parameters() if n in self.stages[s].tied]
+        # a tied copy (the last stage's LM head) counts once in the gradient norm, as in the unsplit model
+        self.copies = {id(p) for s in mine for n, p in self.stages[s].named_parameters()
+                       if self.stages[s].param_names[n] != n}
+        self.tied_group = self._embedding_group(stages)
+        self.recompute = recompute
+        self.channel = Channel(self.rank, self.schedule.stages, timeout)
+        self.actions = self.schedule.ranks[self.pp_rank]
+        self.last_step: _Step | None = None
+        self._hidden = getattr(getattr(model, "config", None), "n_embd", None)
+
+    # -- the public surface ---------------------------------------------------
+    def parameters(self):
+        """This rank's parameters (of its own stages), for an optimizer."""
+        return [p for stage in self.stages.values() for p in stage.parameters()]
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """One training step's forward and backward on the global batch
+        ``tokens``/``targets`` (the same tensors on every rank); returns the
+        step's mean loss on every rank. Gradients accumulate in ``.grad``."""
+        micro_tokens, micro_targets = self._microbatches(tokens, targets)
+        step = _Step()
+        t0 = time.perf_counter()
+        for action in self.actions:
+            start = time.perf_counter() - t0
+            self._run(action, step, micro_tokens, micro_targets)
+            step.timeline.append(TimedAction(self.pp_rank, action, start, time.perf_counter() - t0))
+        self.channel.flush()
+        self._sum_tied()
+        self._reduce_data_parallel()
+        self.last_step = step
+        loss = step.loss if step.loss is not None else torch.zeros((), device=self.device)
+        loss = loss.detach().clone()
+        dist.all_reduce(loss, group=self.pp_group)
+        dist.all_reduce(loss, group=self.dp_group)
+        return loss.item() / self.dp
+
+    def gather_grads(self) -> dict[str, torch.Tensor]:
+        """Every gradient of the unsplit model by parameter name, on every rank (CPU tensors)."""
+        own = {
+            self.names[id(p)]: p.grad.detach().cpu().clone()
+            for stage in self.stages.values() for p in stage.parameters() if p.grad is not None
+        }
+        parts: list = [None] * self.pp
+        dist.all_gather_object(parts, own, group=self.pp_group)
+        return {name: grad for part in parts for name, grad in part.items()}
+
+    def zero_grad(self) -> None:
+        for p in self.parameters():
+            p.grad = None
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, max_norm: float | None = None) -> float:
+        """Clip by the global gradient norm (reduced over all stages) if ``max_norm``,
+        step ``optimizer``, zero the gradients; returns the norm before clipping."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        square = torch.zeros((), device=self.device)
+        for p in self.parameters():
+            if p.grad is not None and id(p) not in self.copies:
+                square += p.grad.detach().float().pow(2).sum()
+        dist.all_reduce(square, group=self.pp_group)
+        norm = square.sqrt().item()
+        if max_norm is not None and norm > max_norm:
+            for g in grads:
+                g.mul_(max_norm / (norm + 1e-6))
+        optimizer.step()
+        self.zero_grad()
+        return norm
+
+    # -- one action -----------------------------------------------------------
+    def _run(self, action: Action, step: _Step, tokens, targets) -> None:
+        kind, s, i = action.kind, action.stage, action.microbatch
+        slot = step.slots.setdefault((s, i), _Slot())
+        if kind == F:
+            self._forward(action, step, slot, tokens, targets)
+        elif kind in (B, BW):
+            self._backward(action, step, slot)
+        elif kind == W:
+            slot.weights.run()
+            del step.slots[(s, i)]
+        else:
+            raise PipeloomError(f"rank {self.rank}: the runtime cannot run action {action} of kind {kind!r}")
+
+    def _forward(self, action: Action, step: _Step, slot: _Slot, tokens, targets) -> None:
+        s, i = action.stage, action.microbatch
+        if s == 0:
+            x = tokens[i]
+        else:
+            x = slot.input if slot.input is not None else self._receive(action, "activation", s - 1, i, tokens[i])
+            x.requires_grad_()
+        slot.input = x
+        stage = self.stages[s]
+        y = checkpoint(stage, x, use_reentrant=False) if self.recompute else stage(x)
+        if s == self.schedule.stages - 1:
+            loss = nn.functional.cross_entropy(y.flatten(0, 1).float(), targets[i].flatten()) / len(tokens)
+            step.loss = loss.detach() if step.loss is None else step.loss + loss.detach()
+            slot.output = loss
+        else:
+            slot.output = y
+            self._deliver(y.detach(), "activation", s, s + 1, i, step)
+
+    def _backward(self, action: Action, step: _Step, slot: _Slot) -> None:
+        s, i = action.stage, action.microbatch
+        if s < self.schedule.stages - 1 and slot.grad is None:
+            slot.grad = self._receive(action, "gradient", s + 1, i, slot.output)
+        if action.kind == B:
+            slot.weights = WeightGradStore()
+            with defer_weight_grads(slot.weights):
+                torch.autograd.backward(slot.output, slot.grad)
+        else:
+            torch.autograd.backward(slot.output, slot.grad)
+        if s > 0:
+            self._deliver(slot.input.grad, "gradient", s, s - 1, i, step)
+        slot.input = slot.output = slot.grad = None
+        if action.kind == BW:
+            del step.slots[(s, i)]
+
+    # -- data movement --------------------------------------------------------
+    def _deliver(self, tensor: torch.Tensor, kind: str, stage: int, to_stage: int, i: int, step: _Step) -> None:
+        """Hand ``tensor`` from ``stage`` to ``to_stage``: in memory on this rank, else a send."""
+        owner = self.schedule.placement[to_stage]
+        if owner == self.pp_rank:
+            target = step.slots.setdefault((to_stage, i), _Slot())
+            if kind == "activation":
+                target.input = tensor.detach()
+            else:
+                target.grad = tensor
+        else:
+            self.channel.send(tensor, self.peers[owner], kind, stage, i)
+
+    def _receive(self, action: Action, kind: str, stage: int, i: int, like: torch.Tensor) -> torch.Tensor:
+        """Receive the ``kind`` that ``stage`` (on another rank) made for microbatch ``i``."""
+        shape = tuple(like.shape) if like.dim() == 3 else (*like.shape[:2], self._hidden)
+        buffer = torch.empty(shape, dtype=self._dtype, device=self.device)
+        peer = self.peers[self.schedule.placement[stage]]
+        return self.channel.recv(buffer, peer, kind, stage, i, action)
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return next(iter(self.parameters())).dtype
+
+    def _microbatches(self, tokens: torch.Tensor, targets: torch.Tensor):
+        m = self.schedule.microbatches
+        batch = tokens.shape[0]
+        if tokens.shape != targets.shape:
+            raise PipeloomError(f"tokens {tuple(tokens.shape)} and targets {tuple(targets.shape)} differ in shape")
+        if batch % (self.dp * m):
+            raise PipeloomError(
+                f"a batch of {batch} sequences does not divide into dp={self.dp} x microbatches={m}; "
+                f"use a multiple of {self.dp * m}"
+            )
+        share = batch // self.dp
+        mine = slice(self.dp_rank * share, (self.dp_rank + 1) * share)
+        tokens, targets = tokens[mine].to(self.device), targets[mine].to(self.device)
+        return tokens.chunk(m), targets.chunk(m)
+
+    def _embedding_group(self, stages):
+        """The process group of the ranks holding tied weights (first and last
+        stage, as Megatron's embedding group), or None if one rank holds both."""
+        first, last = self.schedule.placement[0], self.schedule.placement[-1]
+        if not stages[-1].tied or first == last:
+            return None
+        mine = None
+        for replica in range(self.dp):  # every rank creates every group, in the same order
+            ranks = [int(self.mesh.mesh[replica, q]) for q in (first, last)]
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        return mine
+
+    def _sum_tied(self) -> None:
+        """Tied input/output embeddings: each copy gets the sum of both gradients."""
+        if not self.tied:
+            return
+        if self.tied_group is None:
+            total = sum(p.grad for p in self.tied if p.grad is not None)
+            for p in self.tied:
+                p.grad = total.clone()
+        else:
+            for p in self.tied:
+                dist.all_reduce(p.grad, group=self.tied_group)
+
+    def _reduce_data_parallel(self) -> None:
+        if self.dp == 1:
+            return
+        for p in self.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self.dp_group)
+                p.grad /= self.dp

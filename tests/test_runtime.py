@@ -1,0 +1,132 @@
+"""The runtime against the one-process GPT: loss and every gradient, for every synchronous family."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from distributed import spawn  # noqa: E402
+
+SYNCHRONOUS = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "v-min", "v-half", "v-zb", "zb-auto"]
+
+
+def _batch(config, batch, seq, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _reference(config, tokens, targets):
+    from pipeloom.nn import GPT
+
+    torch.manual_seed(0)
+    model = GPT(config)
+    loss = model(tokens, targets)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _max_rel_error(grads, ref):
+    assert set(grads) == set(ref)
+    return max(((grads[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-12)).item() for n in ref)
+
+
+def _parity_worker(rank, families, pp, dp, microbatches, config_overrides):
+    import pipeloom
+    from pipeloom.nn import GPT, GPTConfig
+
+    config = GPTConfig.preset("tiny", **config_overrides)
+    tokens, targets = _batch(config, batch=dp * microbatches * 2, seq=16)
+    ref_loss, ref_grads = _reference(config, tokens, targets)
+    out = {}
+    for name in families:
+        torch.manual_seed(0)
+        pipe = pipeloom.Pipeline(GPT(config), schedule=name, pp=pp, microbatches=microbatches, dp=dp)
+        loss = pipe.step(tokens, targets)
+        out[name] = (abs(loss - ref_loss) / abs(ref_loss), _max_rel_error(pipe.gather_grads(), ref_grads))
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("pp,dp,tied", [(2, 1, False), (2, 1, True)])
+def test_every_family_matches_one_process(pp, dp, tied):
+    results = spawn(pp * dp, _parity_worker, SYNCHRONOUS, pp, dp, 4, {"tie_embeddings": tied}, timeout=240)
+    for rank_result in results:
+        for name, (loss_err, grad_err) in rank_result.items():
+            assert loss_err < 1e-5, (name, loss_err)
+            assert grad_err < 1e-4, (name, grad_err)
+
+
+@pytest.mark.timeout(300)
+def test_four_ranks_and_data_parallel():
+    results = spawn(4, _parity_worker, SYNCHRONOUS, 4, 1, 4, {"n_layer": 8}, timeout=240)
+    results += spawn(4, _parity_worker, ["1f1b", "zb-v", "interleaved-1f1b"], 2, 2, 4, {"tie_embeddings": True},
+                     timeout=240)
+    for rank_result in results:
+        for name, (loss_err, grad_err) in rank_result.items():
+            assert loss_err < 1e-5 and grad_err < 1e-4, (name, loss_err, grad_err)
+
+
+def _training_worker(rank, name, pp, dp, steps):
+    import pipeloom
+    from pipeloom.nn import GPT, GPTConfig
+
+    config = GPTConfig.preset("tiny", tie_embeddings=True)
+    tokens, targets = _batch(config, batch=8, seq=16)
+    torch.manual_seed(0)
+    ref = GPT(config)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_losses = []
+    for _ in range(steps):
+        loss = ref(tokens, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    torch.manual_seed(0)
+    pipe = pipeloom.Pipeline(GPT(config), schedule=name, pp=pp, microbatches=4, dp=dp)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        losses.append(pipe.step(tokens, targets))
+        pipe.optimizer_step(opt, max_norm=0.5)
+    return ref_losses, losses
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,pp,dp", [("zb-h1", 2, 1), ("zb-v", 2, 2)])
+def test_training_steps_with_adamw_match(name, pp, dp):
+    for ref_losses, losses in spawn(pp * dp, _training_worker, name, pp, dp, 5, timeout=240):
+        assert ref_losses[-1] < ref_losses[0]  # it trains
+        assert losses == pytest.approx(ref_losses, rel=1e-4)
+
+
+def _bad_input_worker(rank, case):
+    import pipeloom
+    from pipeloom.errors import PipeloomError
+    from pipeloom.nn import GPT, GPTConfig
+
+    config = GPTConfig.preset("tiny", n_layer=3)
+    make = {
+        "world": lambda: pipeloom.Pipeline(GPT(config), "1f1b", pp=3, microbatches=4),
+        "layers": lambda: pipeloom.Pipeline(GPT(config), "zb-v", pp=2, microbatches=4),
+        "microbatches": lambda: pipeloom.Pipeline(GPT(config), "interleaved-1f1b", pp=2, microbatches=9),
+        "batch": lambda: pipeloom.Pipeline(GPT(config), "1f1b", pp=2, microbatches=4).step(*_batch(config, 6, 8)),
+    }
+    try:
+        make[case]()
+    except PipeloomError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case,message", [
+    ("world", "world size 2 does not match dp=1 x pp=3 = 3"),
+    ("layers", "3 layers cannot fill 4 stages"),
+    ("microbatches", "microbatches=9 does not divide"),
+    ("batch", "a batch of 6 sequences does not divide into dp=1 x microbatches=4"),
+])
+def test_bad_input_stops_before_work(case, message):
+    for err in spawn(2, _bad_input_worker, case, timeout=90):
+        assert err is not None and message in err, err
