@@ -130,3 +130,57 @@ def _bad_input_worker(rank, case):
 def test_bad_input_stops_before_work(case, message):
     for err in spawn(2, _bad_input_worker, case, timeout=90):
         assert err is not None and message in err, err
+
+
+def _timeline_worker(rank, path):
+    import json
+
+    import pipeloom
+    from pipeloom.nn import GPT, GPTConfig
+    from pipeloom.runtime.timeline import gather_timeline, measured_costs, write_trace
+    from pipeloom.sim import simulate
+
+    config = GPTConfig.preset("tiny")
+    torch.manual_seed(0)
+    pipe = pipeloom.Pipeline(GPT(config), schedule="zb-h1", pp=2, microbatches=4)
+    pipe.step(*_batch(config, 8, 16))
+    events = gather_timeline(pipe)
+    write_trace(pipe, path)
+    costs = measured_costs(events, pipe.schedule)
+    predicted = simulate(pipe.schedule, costs)
+    doc = json.loads(open(path).read()) if rank == 0 else None
+    return [[str(e.action) for e in evs] for evs in events], costs, predicted.makespan, doc
+
+
+@pytest.mark.timeout(120)
+def test_measured_timeline_trace_and_costs(tmp_path):
+    path = str(tmp_path / "measured.json")
+    (names, costs, makespan, doc), (names1, *_ ) = spawn(2, _timeline_worker, path, timeout=90)
+    from pipeloom.schedule import build
+
+    schedule = build("zb-h1", 2, 4)
+    assert names == names1 == [[str(a) for a in actions] for actions in schedule.ranks]
+    assert all(t > 0 for t in costs.f + costs.b + costs.w) and makespan > 0
+    compute = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["tid"] == 0]
+    assert sorted(e["name"] for e in compute) == sorted(str(a) for actions in schedule.ranks for a in actions)
+    assert doc["otherData"]["source"] == "measured"
+    assert any(e["ph"] == "s" for e in doc["traceEvents"])  # flow arrows for the transfers
+
+
+@pytest.mark.timeout(180)
+def test_readme_torchrun_example_runs(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(root / "examples" / "pipeline.py"), "--steps", "3", "--trace", str(tmp_path / "t.json")],
+        capture_output=True, text=True, timeout=150, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "step   2  loss" in proc.stdout
+    assert (tmp_path / "t.json").stat().st_size > 0

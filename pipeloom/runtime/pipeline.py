@@ -42,6 +42,7 @@ class _Step:
     slots: dict = field(default_factory=dict)
     timeline: list[TimedAction] = field(default_factory=list)
     loss: torch.Tensor | None = None
+    wall_start: float = field(default_factory=time.time)  # aligns the ranks' timelines (one clock per host)
 
 
 class Pipeline:

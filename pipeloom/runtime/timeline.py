@@ -1,0 +1,83 @@
+"""What really happened in a step: the measured timeline, its trace, and measured costs.
+
+The runtime records every action's start and end (seconds from the start of
+the step, per rank). Gathered over the pipeline, they become simulator
+:class:`~pipeloom.sim.Event` lists in milliseconds, so a measured step is
+written in the simulator's Chrome trace format and its per-stage times can be
+fed back to :func:`pipeloom.sim.simulate`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from statistics import median
+
+import torch.distributed as dist
+
+from ..schedule import BW, B, F, W, Costs
+from ..schedule.deps import Dependencies
+from ..sim import Event
+from ..sim.trace import chrome_trace_events, transfers_of
+
+
+def gather_timeline(pipe) -> list[list[Event]]:
+    """Every pipeline rank's events of the last step (ms), on every rank."""
+    if pipe.last_step is None:
+        raise RuntimeError("no step has run yet: call step() first")
+    step = pipe.last_step
+    mine = (step.wall_start, [(t.action, 1e3 * t.start, 1e3 * t.end) for t in step.timeline])
+    parts: list = [None] * pipe.pp
+    dist.all_gather_object(parts, mine, group=pipe.pp_group)
+    origin = min(wall for wall, _ in parts)
+    return [
+        [Event(rank, a, s + 1e3 * (wall - origin), e + 1e3 * (wall - origin)) for a, s, e in actions]
+        for rank, (wall, actions) in enumerate(parts)
+    ]
+
+
+def measured_costs(events: list[list[Event]], schedule) -> Costs:
+    """Per-stage costs (ms) from a measured timeline: the median duration of each
+    kind per stage (a fused BW counts as B, with W = 0) and, for T_comm, the
+    median wait of a consumer that sat idle for an input from another rank."""
+    durations: dict[tuple[str, int], list[float]] = {}
+    for rank_events in events:
+        for ev in rank_events:
+            kind = B if ev.action.kind == BW else ev.action.kind
+            durations.setdefault((kind, ev.action.stage), []).append(ev.end - ev.start)
+
+    def per_stage(kind: str) -> list[float]:
+        return [median(durations.get((kind, s), [0.0])) for s in range(schedule.stages)]
+
+    return Costs(f=per_stage(F), b=per_stage(B), w=per_stage(W), comm=[_comm_wait(events, schedule)] * schedule.stages)
+
+
+def _comm_wait(events: list[list[Event]], schedule) -> float:
+    deps = Dependencies(schedule)
+    end = {ev.action: ev.end for rank_events in events for ev in rank_events}
+    waits = []
+    for rank_events in events:
+        previous_end = 0.0
+        for ev in rank_events:
+            for dep in deps(ev.action):
+                if schedule.placement[dep.stage] != ev.rank and end[dep] >= previous_end:
+                    waits.append(max(0.0, ev.start - end[dep]))
+            previous_end = ev.end
+    return median(waits) if waits else 0.0
+
+
+def write_trace(pipe, path: str | Path) -> None:
+    """Write the last step's measured timeline as a Chrome trace (global rank 0 writes;
+    every pipeline rank must call this)."""
+    events = gather_timeline(pipe)
+    schedule = pipe.schedule
+    costs = measured_costs(events, schedule)
+    transfers = transfers_of(schedule, events, lambda producer: costs.comm[producer.stage])
+    doc = chrome_trace_events(
+        events, [schedule.stages_of(r) for r in range(schedule.pp)], transfers=transfers,
+        metadata={"source": "measured", "family": schedule.family, "pp": schedule.pp, "dp": pipe.dp,
+                  "microbatches": schedule.microbatches, "note": "measured on the runtime; times in ms"},
+    )
+    if dist.get_rank() == 0:
+        import json
+
+        Path(path).write_text(json.dumps(doc))
