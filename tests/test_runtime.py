@@ -30,7 +30,7 @@ def _max_rel_error(grads, ref):
     return max(((grads[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-12)).item() for n in ref)
 
 
-def _parity_worker(rank, families, pp, dp, microbatches, config_overrides):
+def _parity_worker(rank, families, pp, dp, microbatches, config_overrides, pipe_options=None):
     import pipeloom
     from pipeloom.nn import GPT, GPTConfig
 
@@ -40,7 +40,8 @@ def _parity_worker(rank, families, pp, dp, microbatches, config_overrides):
     out = {}
     for name in families:
         torch.manual_seed(0)
-        pipe = pipeloom.Pipeline(GPT(config), schedule=name, pp=pp, microbatches=microbatches, dp=dp)
+        pipe = pipeloom.Pipeline(GPT(config), schedule=name, pp=pp, microbatches=microbatches, dp=dp,
+                                 **(pipe_options or {}))
         loss = pipe.step(tokens, targets)
         out[name] = (abs(loss - ref_loss) / abs(ref_loss), _max_rel_error(pipe.gather_grads(), ref_grads))
     return out
@@ -62,6 +63,13 @@ def test_four_ranks_and_data_parallel():
     results += spawn(4, _parity_worker, ["1f1b", "zb-v", "interleaved-1f1b"], 2, 2, 4, {"tie_embeddings": True},
                      timeout=240)
     for rank_result in results:
+        for name, (loss_err, grad_err) in rank_result.items():
+            assert loss_err < 1e-5 and grad_err < 1e-4, (name, loss_err, grad_err)
+
+
+@pytest.mark.timeout(120)
+def test_recompute_matches():
+    for rank_result in spawn(2, _parity_worker, ["1f1b", "zb-h1", "zb-v"], 2, 1, 4, {}, {"recompute": True}, timeout=90):
         for name, (loss_err, grad_err) in rank_result.items():
             assert loss_err < 1e-5 and grad_err < 1e-4, (name, loss_err, grad_err)
 
@@ -184,3 +192,30 @@ def test_readme_torchrun_example_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "step   2  loss" in proc.stdout
     assert (tmp_path / "t.json").stat().st_size > 0
+
+
+def _dead_peer_worker(rank):
+    import time
+
+    import pipeloom
+    from pipeloom.nn import GPT, GPTConfig
+    from pipeloom.runtime import PeerTimeout
+
+    config = GPTConfig.preset("tiny")
+    pipe = pipeloom.Pipeline(GPT(config), schedule="1f1b", pp=2, microbatches=4, timeout=3)
+    if rank == 1:
+        time.sleep(8)  # stalls: never sends its gradients
+        return None
+    start = time.monotonic()
+    try:
+        pipe.step(*_batch(config, 8, 16))
+    except PeerTimeout as err:
+        return str(err), time.monotonic() - start
+    return "no error", 0.0
+
+
+@pytest.mark.timeout(120)
+def test_stalled_peer_is_named_within_the_timeout():
+    (message, waited), _ = spawn(2, _dead_peer_worker, timeout=60)
+    assert "rank 0: action 0B0 waited for the gradient of stage 1 microbatch 0 from rank 1" in message
+    assert waited < 3 + 5
