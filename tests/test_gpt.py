@@ -1,18 +1,15 @@
 """The GPT reference model, its split into stages, and the deferred weight gradients."""
 
-import os
-import socket
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from pipeloom.errors import PipeloomError  # noqa: E402
 from pipeloom.nn import GPT, GPTConfig, Linear, WeightGradStore, defer_weight_grads  # noqa: E402
+from pipeloom.runtime.local import spawn  # noqa: E402
 from pipeloom.sim import MODELS, ModelSpec, stage_parameters  # noqa: E402
 
 
@@ -214,45 +211,32 @@ def test_bad_inputs(call, match):
         call()
 
 
-def _torch_pipelining_worker(rank, world, port, n_micro, result_dir):
+def _torch_pipelining_worker(rank, world, n_micro):
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        model = tiny(tie_embeddings=True)
-        stage = model.split(world)[rank]
-        tokens, targets = batch(model.config, b=4)
-        pipe = PipelineStage(stage, rank, world, torch.device("cpu"))
-        schedule = ScheduleGPipe(pipe, n_micro, loss_fn=GPT.loss)
-        losses = []
-        if rank == 0:
-            schedule.step(tokens)
-        else:
-            schedule.step(target=targets, losses=losses)
-        tied = [stage.get_parameter(local).grad for local in stage.tied]
-        for grad in tied:  # the embedding group: first and last stage
-            dist.all_reduce(grad)
-        named = {stage.param_names[n]: p.grad for n, p in stage.named_parameters()}
-        torch.save({"grads": named, "losses": losses}, os.path.join(result_dir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    model = tiny(tie_embeddings=True)
+    stage = model.split(world)[rank]
+    tokens, targets = batch(model.config, b=4)
+    pipe = PipelineStage(stage, rank, world, torch.device("cpu"))
+    schedule = ScheduleGPipe(pipe, n_micro, loss_fn=GPT.loss)
+    losses = []
+    if rank == 0:
+        schedule.step(tokens)
+    else:
+        schedule.step(target=targets, losses=losses)
+    tied = [stage.get_parameter(local).grad for local in stage.tied]
+    for grad in tied:  # the embedding group: first and last stage
+        dist.all_reduce(grad)
+    return {"grads": {stage.param_names[n]: p.grad for n, p in stage.named_parameters()}, "losses": losses}
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_stages_run_under_torch_distributed_pipelining(tmp_path):
+@pytest.mark.timeout(120)
+def test_stages_run_under_torch_distributed_pipelining():
     world, n_micro = 2, 2
-    mp.spawn(_torch_pipelining_worker, args=(world, _free_port(), n_micro, str(tmp_path)), nprocs=world)
+    results = spawn(world, _torch_pipelining_worker, world, n_micro, timeout=90)
     model = tiny(tie_embeddings=True)
     tokens, targets = batch(model.config, b=4)
     want_loss, want_grads = unsplit_step(model, tokens, targets)
-    results = [torch.load(tmp_path / f"{rank}.pt") for rank in range(world)]
     torch.testing.assert_close(torch.stack(results[-1]["losses"]).mean(), want_loss)
     got = {}
     for result in results:

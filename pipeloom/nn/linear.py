@@ -4,7 +4,9 @@ Zero-bubble schedules split a layer's backward into B (the input gradient,
 on the critical path) and W (the weight gradient, which can wait). Inside
 :func:`defer_weight_grads` the backward of :class:`Linear` computes only the
 input gradient and queues the weight-gradient work in the given store; the
-runtime runs the store later, at the schedule's W action. Outside it,
+runtime runs the store later, at the schedule's W action. A store made with
+``eager=True`` does that work at once instead: a fused backward whose weight
+gradients each accumulate in one GEMM (``addmm_``). Outside it,
 :class:`Linear` is an ordinary ``nn.Linear``.
 """
 
@@ -21,10 +23,19 @@ _state = threading.local()
 
 
 class WeightGradStore:
-    """Queued weight-gradient work of one (stage, microbatch) backward."""
+    """Weight-gradient work of one (stage, microbatch) backward: queued until
+    :meth:`run`, or with ``eager`` done as the backward reaches each layer
+    (a fused backward whose weight gradients each accumulate in one GEMM)."""
 
-    def __init__(self):
+    def __init__(self, eager: bool = False):
+        self.eager = eager
         self.work: list[Callable[[], None]] = []
+
+    def add(self, job: Callable[[], None]) -> None:
+        if self.eager:
+            job()
+        else:
+            self.work.append(job)
 
     def run(self) -> None:
         """Compute and accumulate every queued weight gradient, then forget them."""
@@ -76,12 +87,16 @@ class _LinearFunction(torch.autograd.Function):
             return (grad_x, *weight_grads())
 
         def deferred():
-            grad_w, grad_b = weight_grads()
-            _accumulate(weight, grad_w)
-            if grad_b is not None:
-                _accumulate(bias, grad_b)
+            flat = grad_out.reshape(-1, grad_out.shape[-1])
+            inputs = x.reshape(-1, x.shape[-1])
+            if weight.grad is None:
+                weight.grad = flat.t() @ inputs
+            else:  # one GEMM adding into the gradient: no temporary, no second pass over it
+                weight.grad.addmm_(flat.t(), inputs)
+            if bias is not None:
+                _accumulate(bias, flat.sum(0))
 
-        store.work.append(deferred)
+        store.add(deferred)
         return grad_x, None, None
 
 

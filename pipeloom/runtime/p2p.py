@@ -1,7 +1,8 @@
 """Point-to-point transfers between pipeline ranks, with timeouts that name who waited for what.
 
-Sends are non-blocking (``isend``); a receive blocks until its data arrives
-or the timeout passes. Every message carries a tag made from its kind,
+Sends are non-blocking (``isend``). A receive is posted ahead (``post``,
+non-blocking) and collected when needed (``recv``), which blocks until its
+data arrives or the timeout passes. Every message carries a tag made from its kind,
 stage and microbatch, so a receive can only match the message it expects.
 """
 
@@ -31,12 +32,19 @@ class Channel:
     def __init__(self, rank: int, stages: int, timeout: float):
         self.rank, self.stages, self.timeout = rank, stages, timeout
         self.pending: list[dist.Work] = []
+        self.posted: dict[tuple[str, int, int], tuple[torch.Tensor, int, dist.Work]] = {}
 
     def send(self, tensor: torch.Tensor, peer: int, kind: str, stage: int, microbatch: int) -> None:
         self.pending.append(dist.isend(tensor.contiguous(), dst=peer, tag=tag(kind, stage, microbatch, self.stages)))
 
-    def recv(self, buffer: torch.Tensor, peer: int, kind: str, stage: int, microbatch: int, action) -> torch.Tensor:
+    def post(self, buffer: torch.Tensor, peer: int, kind: str, stage: int, microbatch: int) -> None:
+        """Start receiving into ``buffer`` the ``kind`` that ``stage`` on ``peer`` makes for ``microbatch``."""
         work = dist.irecv(buffer, src=peer, tag=tag(kind, stage, microbatch, self.stages))
+        self.posted[(kind, stage, microbatch)] = (buffer, peer, work)
+
+    def recv(self, kind: str, stage: int, microbatch: int, action) -> torch.Tensor:
+        """Wait for the receive :meth:`post` started; return its buffer."""
+        buffer, peer, work = self.posted.pop((kind, stage, microbatch))
         self._wait(work, f"action {action} waited for the {kind} of stage {stage} microbatch {microbatch} from rank {peer}")
         return buffer
 

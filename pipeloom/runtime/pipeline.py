@@ -113,8 +113,11 @@ class Pipeline:
         self.recompute = recompute
         self.channel = Channel(self.rank, self.schedule.stages, timeout)
         self.actions = self.schedule.ranks[self.pp_rank]
+        self._posts = self._receive_plan()
         self.last_step: _Step | None = None
         self._hidden = getattr(getattr(model, "config", None), "n_embd", None)
+        params = self.parameters()
+        self._dtype = params[0].dtype if params else torch.get_default_dtype()
 
     # -- the public surface ---------------------------------------------------
     def parameters(self):
@@ -128,7 +131,9 @@ class Pipeline:
         micro_tokens, micro_targets = self._microbatches(tokens, targets)
         step = _Step()
         t0 = time.perf_counter()
-        for action in self.actions:
+        for k, action in enumerate(self.actions):
+            for kind, stage, i in self._posts.get(k, ()):
+                self._post_receive(kind, stage, i, micro_tokens)
             start = time.perf_counter() - t0
             self._run(action, step, micro_tokens, micro_targets)
             step.timeline.append(TimedAction(self.pp_rank, action, start, time.perf_counter() - t0))
@@ -192,7 +197,7 @@ class Pipeline:
         if s == 0:
             x = tokens[i]
         else:
-            x = slot.input if slot.input is not None else self._receive(action, "activation", s - 1, i, tokens[i])
+            x = slot.input if slot.input is not None else self.channel.recv("activation", s - 1, i, action)
             x.requires_grad_()
         slot.input = x
         stage = self.stages[s]
@@ -208,12 +213,10 @@ class Pipeline:
     def _backward(self, action: Action, step: _Step, slot: _Slot) -> None:
         s, i = action.stage, action.microbatch
         if s < self.schedule.stages - 1 and slot.grad is None:
-            slot.grad = self._receive(action, "gradient", s + 1, i, slot.output)
-        if action.kind == B:
-            slot.weights = WeightGradStore()
-            with defer_weight_grads(slot.weights):
-                torch.autograd.backward(slot.output, slot.grad)
-        else:
+            slot.grad = self.channel.recv("gradient", s + 1, i, action)
+        # B queues the linear layers' weight gradients for W; BW accumulates each at once, in one GEMM
+        slot.weights = WeightGradStore(eager=action.kind == BW)
+        with defer_weight_grads(slot.weights):
             torch.autograd.backward(slot.output, slot.grad)
         if s > 0:
             self._deliver(slot.input.grad, "gradient", s, s - 1, i, step)
@@ -234,16 +237,30 @@ class Pipeline:
         else:
             self.channel.send(tensor, self.peers[owner], kind, stage, i)
 
-    def _receive(self, action: Action, kind: str, stage: int, i: int, like: torch.Tensor) -> torch.Tensor:
-        """Receive the ``kind`` that ``stage`` (on another rank) made for microbatch ``i``."""
-        shape = tuple(like.shape) if like.dim() == 3 else (*like.shape[:2], self._hidden)
-        buffer = torch.empty(shape, dtype=self._dtype, device=self.device)
-        peer = self.peers[self.schedule.placement[stage]]
-        return self.channel.recv(buffer, peer, kind, stage, i, action)
+    def _receive_plan(self) -> dict[int, list[tuple[str, int, int]]]:
+        """Which receives (kind, producer stage, microbatch) to post before each action (by index):
+        the first one before action 0, each later one when the action needing the one before it
+        starts, so a receive is in flight while the action before its own runs."""
+        needs = [(k, need) for k, need in enumerate(map(self._remote_input, self.actions)) if need]
+        plan: dict[int, list[tuple[str, int, int]]] = {}
+        for j, (k, (kind, stage)) in enumerate(needs):
+            plan.setdefault(needs[j - 1][0] if j else 0, []).append((kind, stage, self.actions[k].microbatch))
+        return plan
 
-    @property
-    def _dtype(self) -> torch.dtype:
-        return next(iter(self.parameters())).dtype
+    def _remote_input(self, action: Action) -> tuple[str, int] | None:
+        """(kind, producer stage) of the input ``action`` receives from another rank, if any."""
+        s, placement = action.stage, self.schedule.placement
+        if action.kind == F and s > 0 and placement[s - 1] != self.pp_rank:
+            return "activation", s - 1
+        if action.kind in (B, BW) and s < self.schedule.stages - 1 and placement[s + 1] != self.pp_rank:
+            return "gradient", s + 1
+        return None
+
+    def _post_receive(self, kind: str, stage: int, i: int, tokens) -> None:
+        """Post the receive of the ``kind`` (hidden states [microbatch, time, hidden] either way)
+        that ``stage``, on another rank, makes for microbatch ``i``."""
+        buffer = torch.empty((*tokens[i].shape[:2], self._hidden), dtype=self._dtype, device=self.device)
+        self.channel.post(buffer, self.peers[self.schedule.placement[stage]], kind, stage, i)
 
     def _microbatches(self, tokens: torch.Tensor, targets: torch.Tensor):
         m = self.schedule.microbatches

@@ -1,0 +1,202 @@
+"""pipeloom against torch.distributed.pipelining: step time of GPipe, 1F1B and ZB-V on 2 CPU processes.
+
+    python bench/vs_torch_pipelining.py [--layers 8] [--hidden 256] [--seq 128] [--microbatches 8] [--steps 10]
+
+The same GPT weights, stage split and batch run under torch's ``ScheduleGPipe``,
+``Schedule1F1B`` and ``ScheduleZBVZeroBubble`` and under pipeloom's ``gpipe``,
+``1f1b`` and ``zb-v``, on 2 gloo processes with one thread each. The first
+step's loss and gradients of the two must agree (else exit 1); then the two
+alternate for the timed steps. Writes bench/results/vs_torch_pipelining.json
+with the median step times and ratio = pipeloom / torch per schedule (goal:
+<= 0.9), the ratio of the fastest steps (less sensitive to a noisy machine)
+and every step's time. Asserts nothing about time.
+
+Loss scaling: torch calls ``loss_fn`` (mean cross-entropy) per microbatch and,
+with its default ``scale_grads=True``, divides the gradients by the number of
+microbatches m after the step; pipeloom backpropagates each microbatch's mean
+cross-entropy divided by m. Both give the gradient of the batch's mean loss;
+the step loss is the mean of the microbatch losses on both sides.
+
+torch's side runs the stock ``nn.Linear`` (the weights are the same): its B/W
+split works on the autograd graph and would recompute pipeloom's deferring
+``Linear`` backward whole in both B and W.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_results  # noqa: E402
+from launch import spawn  # noqa: E402
+
+#: pipeloom schedule name -> torch.distributed.pipelining schedule class name
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb-v": "ScheduleZBVZeroBubble"}
+TOLERANCE = 1e-4
+
+
+def _model(config):
+    import torch
+
+    from pipeloom.nn import GPT
+
+    torch.manual_seed(0)
+    return GPT(config)
+
+
+class _TorchSide:
+    """One torch.distributed.pipelining schedule over this rank's stages of a fresh GPT."""
+
+    def __init__(self, rank: int, name: str, config, microbatches: int):
+        import torch
+        from torch import nn
+        from torch.distributed import pipelining
+
+        from pipeloom.nn import GPT
+        from pipeloom.nn.linear import Linear
+
+        model = _model(config)
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.__class__ = nn.Linear
+        v_shape = name == "zb-v"
+        n_stages = 4 if v_shape else 2
+        indices = (rank, n_stages - 1 - rank) if v_shape else (rank,)
+        parts = model.split(n_stages)
+        self.modules = [parts[s] for s in indices]
+        stages = [pipelining.PipelineStage(parts[s], s, n_stages, torch.device("cpu")) for s in indices]
+        schedule_class = getattr(pipelining, SCHEDULES[name])
+        self.schedule = schedule_class(stages if v_shape else stages[0], microbatches, loss_fn=GPT.loss)
+        self.first = 0 in indices
+        self.last = n_stages - 1 in indices
+
+    def step(self, tokens, targets) -> float:
+        """One step; the mean loss on every rank, as ``Pipeline.step`` returns it."""
+        import torch
+        import torch.distributed as dist
+
+        args = (tokens,) if self.first else ()
+        kwargs = {"target": targets, "losses": []} if self.last else {}
+        self.schedule.step(*args, return_outputs=False, **kwargs)
+        loss = torch.stack(kwargs["losses"]).mean().detach() if self.last else torch.zeros(())
+        dist.all_reduce(loss)
+        return loss.item()
+
+    def grads(self) -> dict:
+        return {m.param_names[n]: p.grad for m in self.modules for n, p in m.named_parameters()}
+
+    def zero_grad(self) -> None:
+        for m in self.modules:
+            m.zero_grad(set_to_none=True)
+
+
+class _PipeloomSide:
+    def __init__(self, name: str, config, microbatches: int):
+        import pipeloom
+
+        self.pipe = pipeloom.Pipeline(_model(config), schedule=name, pp=2, microbatches=microbatches)
+
+    def step(self, tokens, targets) -> float:
+        return self.pipe.step(tokens, targets)
+
+    def grads(self) -> dict:
+        return {self.pipe.names[id(p)]: p.grad for p in self.pipe.parameters()}
+
+    def zero_grad(self) -> None:
+        self.pipe.zero_grad()
+
+
+def _max_rel_error(grads: dict, ref: dict) -> float:
+    import torch
+    import torch.distributed as dist
+
+    assert set(grads) == set(ref), sorted(set(grads) ^ set(ref))
+    worst = max(((grads[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-12)).item() for n in ref)
+    worst = torch.tensor(worst)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.item()
+
+
+def _timed(side, tokens, targets) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    side.step(tokens, targets)
+    elapsed = time.perf_counter() - start
+    side.zero_grad()
+    return elapsed
+
+
+def _worker(rank: int, args) -> dict:
+    import torch
+
+    from pipeloom.nn import GPTConfig
+
+    config = GPTConfig(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=args.vocab,
+                       block_size=args.seq)
+    g = torch.Generator().manual_seed(1)
+    data = torch.randint(0, config.vocab_size, (args.microbatches * args.microbatch_size, args.seq + 1), generator=g)
+    tokens, targets = data[:, :-1], data[:, 1:]
+    out = {}
+    for name in SCHEDULES:
+        ours, theirs = _PipeloomSide(name, config, args.microbatches), _TorchSide(rank, name, config, args.microbatches)
+        loss_torch, loss_ours = theirs.step(tokens, targets), ours.step(tokens, targets)
+        grad_error = _max_rel_error(ours.grads(), theirs.grads())
+        for side in (ours, theirs):
+            side.zero_grad()
+            for _ in range(args.warmup - 1):
+                _timed(side, tokens, targets)
+        times = {"torch": [], "pipeloom": []}
+        for k in range(args.steps):  # alternate, each side first every other step
+            order = [("torch", theirs), ("pipeloom", ours)][:: 1 if k % 2 == 0 else -1]
+            for label, side in order:
+                times[label].append(_timed(side, tokens, targets))
+        torch_s, ours_s = statistics.median(times["torch"]), statistics.median(times["pipeloom"])
+        out[name] = {
+            "torch_schedule": SCHEDULES[name],
+            "torch_s": round(torch_s, 5), "pipeloom_s": round(ours_s, 5), "ratio": round(ours_s / torch_s, 4),
+            "ratio_of_minimums": round(min(times["pipeloom"]) / min(times["torch"]), 4),
+            "loss_torch": loss_torch, "loss_pipeloom": loss_ours, "max_grad_rel_error": grad_error,
+            "torch_steps_s": [round(t, 5) for t in times["torch"]],
+            "pipeloom_steps_s": [round(t, 5) for t in times["pipeloom"]],
+        }
+        if rank == 0:
+            row = out[name]
+            print(f"{name:<6} torch {torch_s * 1e3:8.1f} ms  pipeloom {ours_s * 1e3:8.1f} ms  ratio {row['ratio']:.3f}  "
+                  f"loss {loss_torch:.6f} / {loss_ours:.6f}  grad err {grad_error:.1e}", flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--microbatch-size", type=int, default=1, help="sequences per microbatch")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side, the loss check included")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per side")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    rows = spawn(2, _worker, args)[0]
+    bad = {name: row for name, row in rows.items()
+           if abs(row["loss_pipeloom"] - row["loss_torch"]) > TOLERANCE * abs(row["loss_torch"])
+           or row["max_grad_rel_error"] > TOLERANCE}
+    config = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "seq", "microbatches",
+                                            "microbatch_size", "warmup", "steps")}
+    config.update(processes=2, threads_per_process=1, backend="gloo", goal_ratio=0.9)
+    out = write_results("vs_torch_pipelining", {"config": config, "schedules": rows}, args.out)
+    print(f"wrote {out}")
+    if bad:
+        sys.exit(f"pipeloom and torch disagree (tolerance {TOLERANCE:g}): {bad}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Run a function on N gloo processes on this machine: for tests, benchmarks and notebooks.
+
+Each worker gets one thread (``OMP_NUM_THREADS=1``), a process group on a
+free localhost port with a timeout, and returns ``fn(rank, *args)``; a
+worker's failure comes back with its traceback, and a group that outlives
+its timeout is killed rather than left hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import traceback
+from datetime import timedelta
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, fn, args, results, group_timeout):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=group_timeout))
+    try:
+        # plain pickle: tensors travel as bytes, not as shared memory that dies with the worker
+        results.put((rank, None, pickle.dumps(fn(rank, *args))))
+    except BaseException:
+        results.put((rank, traceback.format_exc(), None))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(world: int, fn, *args, timeout: float = 600.0, group_timeout: float = 120.0) -> list:
+    """Run ``fn(rank, *args)`` (a picklable, module-level function) on ``world``
+    processes; return what each returned, by rank.
+
+    Raises ``RuntimeError`` with the worker's traceback if one fails, or if the
+    workers outlive ``timeout`` seconds (they are killed).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, results, group_timeout), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    try:
+        for _ in range(world):
+            rank, error, value = results.get(timeout=timeout)
+            if error:
+                raise RuntimeError(f"worker {rank} failed:\n{error}")
+            out[rank] = pickle.loads(value)
+    except queue.Empty:
+        raise RuntimeError(f"workers {sorted(set(range(world)) - set(out))} did not finish in {timeout:g} s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world)]
