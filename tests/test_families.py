@@ -1,0 +1,28 @@
+"""Every registered family, for p = 2..16 and several m: validated, or refused with a clear message."""
+
+import pytest
+
+from pipeloom.errors import PipeloomError
+from pipeloom.schedule import FAMILIES, build
+from pipeloom.sim import simulate
+
+# families that cannot use every microbatch count, and the words their refusal must contain
+REFUSES = {"2bw": "needs microbatches >= pp", "interleaved-1f1b": "does not divide; use"}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_validates_or_refuses_clearly(name):
+    built = 0
+    for p in range(2, 17):
+        for m in sorted({1, p - 1, p, p + 1, 2 * p}):
+            try:
+                schedule = build(name, p, m)  # build validates
+            except PipeloomError as err:
+                assert name in REFUSES and REFUSES[name] in str(err), (name, p, m, str(err))
+                assert "\n" not in str(err)
+                continue
+            built += 1
+            assert schedule.pp == p and schedule.microbatches == m
+            assert simulate(schedule).makespan > 0
+    assert built >= 15 * 3
+
