@@ -18,8 +18,9 @@ cross-entropy divided by m. Both give the gradient of the batch's mean loss;
 the step loss is the mean of the microbatch losses on both sides.
 
 torch's side runs the stock ``nn.Linear`` (the weights are the same): its B/W
-split works on the autograd graph and would recompute pipeloom's deferring
-``Linear`` backward whole in both B and W.
+split works on the autograd graph, so with pipeloom's ``Linear`` (a custom
+autograd function) its B would compute the weight gradients and drop them and
+its W would redo those layers' backward (ZB-V ~17% slower when measured).
 """
 
 from __future__ import annotations
@@ -30,20 +31,25 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import pipelining
+
+import pipeloom
+from pipeloom.nn import GPT, GPTConfig
+from pipeloom.nn.linear import Linear
+from pipeloom.runtime.local import spawn
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
-from launch import spawn  # noqa: E402
 
 #: pipeloom schedule name -> torch.distributed.pipelining schedule class name
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb-v": "ScheduleZBVZeroBubble"}
 TOLERANCE = 1e-4
 
 
-def _model(config):
-    import torch
-
-    from pipeloom.nn import GPT
-
+def _model(config: GPTConfig) -> GPT:
     torch.manual_seed(0)
     return GPT(config)
 
@@ -51,16 +57,9 @@ def _model(config):
 class _TorchSide:
     """One torch.distributed.pipelining schedule over this rank's stages of a fresh GPT."""
 
-    def __init__(self, rank: int, name: str, config, microbatches: int):
-        import torch
-        from torch import nn
-        from torch.distributed import pipelining
-
-        from pipeloom.nn import GPT
-        from pipeloom.nn.linear import Linear
-
+    def __init__(self, rank: int, name: str, config: GPTConfig, microbatches: int):
         model = _model(config)
-        for module in model.modules():
+        for module in model.modules():  # stock nn.Linear, the same weights (see the module docstring)
             if isinstance(module, Linear):
                 module.__class__ = nn.Linear
         v_shape = name == "zb-v"
@@ -76,9 +75,6 @@ class _TorchSide:
 
     def step(self, tokens, targets) -> float:
         """One step; the mean loss on every rank, as ``Pipeline.step`` returns it."""
-        import torch
-        import torch.distributed as dist
-
         args = (tokens,) if self.first else ()
         kwargs = {"target": targets, "losses": []} if self.last else {}
         self.schedule.step(*args, return_outputs=False, **kwargs)
@@ -95,9 +91,9 @@ class _TorchSide:
 
 
 class _PipeloomSide:
-    def __init__(self, name: str, config, microbatches: int):
-        import pipeloom
+    """A pipeloom Pipeline over a fresh GPT, with the same surface as :class:`_TorchSide`."""
 
+    def __init__(self, name: str, config: GPTConfig, microbatches: int):
         self.pipe = pipeloom.Pipeline(_model(config), schedule=name, pp=2, microbatches=microbatches)
 
     def step(self, tokens, targets) -> float:
@@ -111,9 +107,7 @@ class _PipeloomSide:
 
 
 def _max_rel_error(grads: dict, ref: dict) -> float:
-    import torch
-    import torch.distributed as dist
-
+    """The largest relative gradient difference over all parameters of all ranks."""
     assert set(grads) == set(ref), sorted(set(grads) ^ set(ref))
     worst = max(((grads[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-12)).item() for n in ref)
     worst = torch.tensor(worst)
@@ -122,8 +116,7 @@ def _max_rel_error(grads: dict, ref: dict) -> float:
 
 
 def _timed(side, tokens, targets) -> float:
-    import torch.distributed as dist
-
+    """Seconds of one step, from a barrier; the gradients are dropped afterwards."""
     dist.barrier()
     start = time.perf_counter()
     side.step(tokens, targets)
@@ -133,10 +126,6 @@ def _timed(side, tokens, targets) -> float:
 
 
 def _worker(rank: int, args) -> dict:
-    import torch
-
-    from pipeloom.nn import GPTConfig
-
     config = GPTConfig(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=args.vocab,
                        block_size=args.seq)
     g = torch.Generator().manual_seed(1)
@@ -185,7 +174,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per side")
     parser.add_argument("--out")
     args = parser.parse_args()
-    rows = spawn(2, _worker, args)[0]
+    rows = spawn(2, _worker, args, timeout=3600)[0]
     bad = {name: row for name, row in rows.items()
            if abs(row["loss_pipeloom"] - row["loss_torch"]) > TOLERANCE * abs(row["loss_torch"])
            or row["max_grad_rel_error"] > TOLERANCE}
