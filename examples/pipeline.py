@@ -39,4 +39,5 @@ for step in range(args.steps):
         print(f"step {step:3d}  loss {loss:.4f}", flush=True)
 if args.trace:
     write_trace(pipe, args.trace)
+dist.barrier()
 dist.destroy_process_group()

@@ -34,9 +34,15 @@ def _entry(rank, world, port, fn, args, results, group_timeout):
                             timeout=timedelta(seconds=group_timeout))
     try:
         # plain pickle: tensors travel as bytes, not as shared memory that dies with the worker
-        results.put((rank, None, pickle.dumps(fn(rank, *args))))
+        value = pickle.dumps(fn(rank, *args))
     except BaseException:
         results.put((rank, traceback.format_exc(), None))
+    else:
+        results.put((rank, None, value))
+        try:
+            dist.barrier()  # no rank tears the group down while a peer still talks to it
+        except RuntimeError:
+            pass  # a group that a failure test broke on purpose cannot synchronise any more
     finally:
         dist.destroy_process_group()
 

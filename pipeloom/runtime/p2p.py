@@ -45,16 +45,17 @@ class Channel:
     def recv(self, kind: str, stage: int, microbatch: int, action) -> torch.Tensor:
         """Wait for the receive :meth:`post` started; return its buffer."""
         buffer, peer, work = self.posted.pop((kind, stage, microbatch))
-        self._wait(work, f"action {action} waited for the {kind} of stage {stage} microbatch {microbatch} from rank {peer}")
+        self.wait(work, f"action {action} waited for the {kind} of stage {stage} microbatch {microbatch} from rank {peer}")
         return buffer
 
     def flush(self) -> None:
         """Wait for every send posted so far to complete."""
         for work in self.pending:
-            self._wait(work, "the end of the step waited for its sends to be received")
+            self.wait(work, "the end of the step waited for its sends to be received")
         self.pending.clear()
 
-    def _wait(self, work: dist.Work, what: str) -> None:
+    def wait(self, work: dist.Work, what: str) -> None:
+        """Wait for ``work``; a timeout or a failed peer raises :class:`PeerTimeout` saying ``what`` waited."""
         try:
             finished = work.wait(timeout=timedelta(seconds=self.timeout))
         except RuntimeError as err:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -64,7 +65,7 @@ class Pipeline:
         chunks: int | None = None,
         *,
         layers_per_stage=None,
-        recompute: bool = False,
+        recompute: bool | Iterable[int] = False,
         timeout: float = 300.0,
         **schedule_options,
     ):
@@ -104,16 +105,18 @@ class Pipeline:
         stages = model.split(self.schedule.stages, layers_per_stage)
         mine = self.schedule.stages_of(self.pp_rank)
         self.stages = {s: stages[s].to(self.device) for s in mine}
+        _free_other_stages(stages, self.stages)
         self.names = {id(p): self.stages[s].param_names[n] for s in mine for n, p in self.stages[s].named_parameters()}
         self.tied = [p for s in mine for n, p in self.stages[s].named_parameters() if n in self.stages[s].tied]
         # a tied copy (the last stage's LM head) counts once in the gradient norm, as in the unsplit model
         self.copies = {id(p) for s in mine for n, p in self.stages[s].named_parameters()
                        if self.stages[s].param_names[n] != n}
         self.tied_group = self._embedding_group(stages)
-        self.recompute = recompute
+        self.recompute = set(mine) if recompute is True else set(recompute or ())
         self.channel = Channel(self.rank, self.schedule.stages, timeout)
         self.actions = self.schedule.ranks[self.pp_rank]
         self._posts = self._receive_plan()
+        self._reduce_after = self._data_parallel_plan() if dp > 1 else {}
         self.last_step: _Step | None = None
         self._hidden = getattr(getattr(model, "config", None), "n_embd", None)
         params = self.parameters()
@@ -130,6 +133,7 @@ class Pipeline:
         step's mean loss on every rank. Gradients accumulate in ``.grad``."""
         micro_tokens, micro_targets = self._microbatches(tokens, targets)
         step = _Step()
+        reductions = []
         t0 = time.perf_counter()
         for k, action in enumerate(self.actions):
             for kind, stage, i in self._posts.get(k, ()):
@@ -137,9 +141,12 @@ class Pipeline:
             start = time.perf_counter() - t0
             self._run(action, step, micro_tokens, micro_targets)
             step.timeline.append(TimedAction(self.pp_rank, action, start, time.perf_counter() - t0))
+            for p in self._reduce_after.get(k, ()):  # this stage's gradients are final: average them now
+                if p.grad is not None:
+                    reductions.append((p, dist.all_reduce(p.grad, group=self.dp_group, async_op=True)))
         self.channel.flush()
         self._sum_tied()
-        self._reduce_data_parallel()
+        self._finish_data_parallel(reductions)
         self.last_step = step
         loss = step.loss if step.loss is not None else torch.zeros((), device=self.device)
         loss = loss.detach().clone()
@@ -201,7 +208,7 @@ class Pipeline:
             x.requires_grad_()
         slot.input = x
         stage = self.stages[s]
-        y = checkpoint(stage, x, use_reentrant=False) if self.recompute else stage(x)
+        y = checkpoint(stage, x, use_reentrant=False) if s in self.recompute else stage(x)
         if s == self.schedule.stages - 1:
             loss = nn.functional.cross_entropy(y.flatten(0, 1).float(), targets[i].flatten()) / len(tokens)
             step.loss = loss.detach() if step.loss is None else step.loss + loss.detach()
@@ -303,10 +310,35 @@ class Pipeline:
             for p in self.tied:
                 dist.all_reduce(p.grad, group=self.tied_group)
 
-    def _reduce_data_parallel(self) -> None:
+    def _data_parallel_plan(self) -> dict[int, list[nn.Parameter]]:
+        """After which action (index) to start averaging each stage's gradients over
+        the data-parallel replicas: its last backward on this rank. Tied weights wait
+        until the end, when both copies have been summed."""
+        last = {}
+        for k, action in enumerate(self.actions):
+            if action.kind in (B, W, BW):
+                last[action.stage] = k
+        tied = {id(p) for p in self.tied}
+        return {k: [p for p in self.stages[s].parameters() if p.requires_grad and id(p) not in tied]
+                for s, k in last.items()}
+
+    def _finish_data_parallel(self, reductions) -> None:
+        """Wait for the overlapped averages, then average what was left (tied weights)."""
         if self.dp == 1:
             return
-        for p in self.parameters():
+        for p, work in reductions:
+            self.channel.wait(work, "averaging gradients over the data-parallel replicas")
+            p.grad /= self.dp
+        for p in self.tied:
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=self.dp_group)
                 p.grad /= self.dp
+
+
+def _free_other_stages(stages: list[nn.Module], kept: dict[int, nn.Module]) -> None:
+    """Release the weights of the stages this rank does not run (they stay as empty tensors)."""
+    keep = {id(p) for stage in kept.values() for p in stage.parameters()}
+    for stage in stages:
+        for p in stage.parameters():
+            if id(p) not in keep:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
