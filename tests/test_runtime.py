@@ -219,3 +219,30 @@ def test_stalled_peer_is_named_within_the_timeout():
     (message, waited), _ = spawn(2, _dead_peer_worker, timeout=60)
     assert "rank 0: action 0B0 waited for the gradient of stage 1 microbatch 0 from rank 1" in message
     assert waited < 3 + 5
+
+
+def _autocast_worker(rank):
+    import pipeloom
+    from pipeloom.nn import GPT, GPTConfig
+
+    config = GPTConfig.preset("tiny")
+    tokens, targets = _batch(config, 8, 16)
+    torch.manual_seed(0)
+    ref = GPT(config)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss = ref(tokens, targets)
+    ref_loss.backward()
+    torch.manual_seed(0)
+    pipe = pipeloom.Pipeline(GPT(config), schedule="zb-v", pp=2, microbatches=4, autocast=torch.bfloat16)
+    loss = pipe.step(tokens, targets)
+    grads = pipe.gather_grads()
+    fp32 = _reference(config, tokens, targets)[0]
+    return loss, ref_loss.item(), fp32, _max_rel_error(grads, {n: p.grad for n, p in ref.named_parameters()})
+
+
+@pytest.mark.timeout(120)
+def test_bf16_autocast_tracks_the_one_process_autocast_model():
+    for loss, ref_loss, fp32_loss, grad_err in spawn(2, _autocast_worker, timeout=90):
+        assert loss != fp32_loss  # bf16 really ran
+        assert loss == pytest.approx(ref_loss, rel=2e-2)
+        assert grad_err < 5e-2

@@ -63,36 +63,45 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 class _LinearFunction(torch.autograd.Function):
+    """Under autocast the product runs in the autocast dtype: the saved input
+    and the backward GEMMs use it too, and each gradient comes back in the
+    dtype of the tensor it belongs to."""
+
     @staticmethod
     def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x)
+        out = nn.functional.linear(x, weight, bias)
+        ctx.save_for_backward(x.to(out.dtype))
         ctx.weight, ctx.bias = weight, bias  # parameters: leaves, safe to hold
-        return nn.functional.linear(x, weight, bias)
+        ctx.input_dtype = x.dtype
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
         weight, bias = ctx.weight, ctx.bias
-        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
+        grad_x = (grad_out @ weight.to(grad_out.dtype)).to(ctx.input_dtype) if ctx.needs_input_grad[0] else None
         if not (ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])):
             return grad_x, None, None
 
         def weight_grads():
             flat = grad_out.reshape(-1, grad_out.shape[-1])
-            grad_w = flat.t() @ x.reshape(-1, x.shape[-1])
-            return grad_w, (flat.sum(0) if bias is not None else None)
+            grad_w = (flat.t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype)
+            return grad_w, (flat.sum(0).to(bias.dtype) if bias is not None else None)
 
         store = getattr(_state, "store", None)
         if store is None:
             return (grad_x, *weight_grads())
 
         def deferred():
+            if weight.grad is None or weight.grad.dtype != grad_out.dtype:
+                grad_w, grad_b = weight_grads()
+                _accumulate(weight, grad_w)
+                if grad_b is not None:
+                    _accumulate(bias, grad_b)
+                return
+            # one GEMM adding into the gradient: no temporary, no second pass over it
             flat = grad_out.reshape(-1, grad_out.shape[-1])
-            inputs = x.reshape(-1, x.shape[-1])
-            if weight.grad is None:
-                weight.grad = flat.t() @ inputs
-            else:  # one GEMM adding into the gradient: no temporary, no second pass over it
-                weight.grad.addmm_(flat.t(), inputs)
+            weight.grad.addmm_(flat.t(), x.reshape(-1, x.shape[-1]))
             if bias is not None:
                 _accumulate(bias, flat.sum(0))
 

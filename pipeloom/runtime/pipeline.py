@@ -51,8 +51,18 @@ class Pipeline:
 
     Call inside a torchrun job (``torch.distributed`` initialised, world size
     ``dp * pp``); build the same ``model`` on every rank (same seed). Each rank
-    keeps only its own stages. ``step(tokens, targets)`` runs one step's
-    forward and backward on the global batch and returns its mean loss.
+    keeps only its own stages (the other stages' weights are released).
+    ``step(tokens, targets)`` runs one step's forward and backward on the
+    global batch and returns its mean loss.
+
+    ``schedule``: a family name (built with ``chunks`` and ``schedule_options``,
+    e.g. ``costs`` and ``memory_limit`` for zb-auto) or any valid
+    :class:`~pipeloom.schedule.Schedule`. ``recompute``: True, or the stages
+    whose activations are recomputed in their backward. ``autocast``: a dtype
+    such as ``torch.bfloat16`` for mixed precision (weights, gradients and the
+    hidden states sent between ranks stay in the weights' dtype). ``timeout``:
+    seconds a receive or collective may wait for a peer before the step stops
+    with a :class:`~pipeloom.runtime.PeerTimeout` naming the rank and action.
     """
 
     def __init__(
@@ -66,6 +76,7 @@ class Pipeline:
         *,
         layers_per_stage=None,
         recompute: bool | Iterable[int] = False,
+        autocast: torch.dtype | None = None,
         timeout: float = 300.0,
         **schedule_options,
     ):
@@ -113,6 +124,7 @@ class Pipeline:
                        if self.stages[s].param_names[n] != n}
         self.tied_group = self._embedding_group(stages)
         self.recompute = set(mine) if recompute is True else set(recompute or ())
+        self.autocast = autocast
         self.channel = Channel(self.rank, self.schedule.stages, timeout)
         self.actions = self.schedule.ranks[self.pp_rank]
         self._posts = self._receive_plan()
@@ -208,7 +220,9 @@ class Pipeline:
             x.requires_grad_()
         slot.input = x
         stage = self.stages[s]
-        y = checkpoint(stage, x, use_reentrant=False) if s in self.recompute else stage(x)
+        with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
+            y = checkpoint(stage, x, use_reentrant=False) if s in self.recompute else stage(x)
+        y = y.to(self._dtype) if s < self.schedule.stages - 1 else y  # hidden states travel in the weights' dtype
         if s == self.schedule.stages - 1:
             loss = nn.functional.cross_entropy(y.flatten(0, 1).float(), targets[i].flatten()) / len(tokens)
             step.loss = loss.detach() if step.loss is None else step.loss + loss.detach()
