@@ -3,10 +3,11 @@
     python bench/sim_vs_measured.py [--steps 8] [--microbatches 8] [--out FILE]
 
 Two gloo processes (one thread each) train a small GPT with each schedule.
-From the last step's measured timeline it takes per-stage T_F, T_B, T_W and
-T_comm, simulates the same schedule with them, and compares the prediction
-with the measured step (median wall time of a step, and the span of the
-last step's actions). zb-auto is built from the costs measured under zb-h1.
+From every timed step's measured timeline it takes per-stage T_F, T_B, T_W
+and T_comm (their medians over the steps), simulates the same schedule with
+them, and compares the prediction with the measured step (median wall time
+of a step, and median span from the first action's start to the last one's
+end). zb-auto is built from the costs measured under zb-h1.
 Writes bench/results/sim_vs_measured.json; the goal is agreement within 10%.
 """
 
@@ -32,6 +33,7 @@ def _worker(rank, args):
     import pipeloom
     from pipeloom.nn import GPT, GPTConfig
     from pipeloom.runtime.timeline import gather_timeline, measured_costs
+    from pipeloom.schedule import Costs
     from pipeloom.sim import simulate
 
     config = GPTConfig.preset("tiny", n_layer=args.layers, n_embd=args.hidden, n_head=8, block_size=args.seq)
@@ -43,20 +45,24 @@ def _worker(rank, args):
         torch.manual_seed(0)
         options = {"costs": zb_costs} if name == "zb-auto" else {}
         pipe = pipeloom.Pipeline(GPT(config), schedule=name, pp=2, microbatches=args.microbatches, **options)
-        times = []
+        times, spans, measured = [], [], []
         for step in range(args.warmup + args.steps):
             dist.barrier()
             start = time.perf_counter()
             pipe.step(tokens, targets)
             times.append(time.perf_counter() - start)
             pipe.zero_grad()
-        events = gather_timeline(pipe)
-        costs = measured_costs(events, pipe.schedule)
+            if step >= args.warmup:
+                events = gather_timeline(pipe)
+                measured.append(measured_costs(events, pipe.schedule))
+                spans.append(max(e.end for evs in events for e in evs) - min(e.start for evs in events for e in evs))
+        costs = Costs(**{k: [median(c) for c in zip(*(getattr(m, k) for m in measured))]
+                         for k in ("f", "b", "w", "comm")})
         if name == "zb-h1":
             zb_costs = costs
         predicted = simulate(pipe.schedule, costs).makespan
         step_ms = 1e3 * median(times[args.warmup:])
-        span_ms = max(e.end for evs in events for e in evs) - min(e.start for evs in events for e in evs)
+        span_ms = median(spans)
         rows[name] = {
             "measured_step_ms": round(step_ms, 3), "measured_span_ms": round(span_ms, 3),
             "predicted_ms": round(predicted, 3),
