@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import PipeloomError
 from ..nn.linear import WeightGradStore, defer_weight_grads
 from ..schedule import BW, B, F, W, Action, Schedule, build, validate
+from ..schedule.links import out_of_order_links
 from .p2p import Channel
 
 
@@ -99,6 +100,7 @@ class Pipeline:
                 f"the runtime executes one synchronous step per call; {self.schedule.family} spans "
                 f"{self.schedule.steps} steps with {self.schedule.weight_versions} weight versions"
             )
+        _check_links_for_backend(self.schedule, dist.get_backend())
         world = dist.get_world_size()
         if world != dp * pp:
             raise PipeloomError(
@@ -347,6 +349,22 @@ class Pipeline:
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=self.dp_group)
                 p.grad /= self.dp
+
+
+def _check_links_for_backend(schedule: Schedule, backend: str) -> None:
+    """gloo matches messages by tag; other backends (NCCL) match them in posting
+    order, which silently swaps equal-shaped tensors on a link whose messages
+    are needed in another order than they are sent."""
+    if backend == "gloo":
+        return
+    crossings = out_of_order_links(schedule)
+    if crossings:
+        c = crossings[0]
+        raise PipeloomError(
+            f"{schedule.family} on {backend}: rank {c.src} sends {c.sent_first} to rank {c.dst} before "
+            f"{c.needed_first}, which rank {c.dst} needs first, and {backend} matches messages in order; "
+            f"use gloo or a schedule with in-order links (gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zb-auto)"
+        )
 
 
 def _free_other_stages(stages: list[nn.Module], kept: dict[int, nn.Module]) -> None:
