@@ -224,14 +224,13 @@ class Pipeline:
         stage = self.stages[s]
         with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
             y = checkpoint(stage, x, use_reentrant=False) if s in self.recompute else stage(x)
-        y = y.to(self._dtype) if s < self.schedule.stages - 1 else y  # hidden states travel in the weights' dtype
         if s == self.schedule.stages - 1:
             loss = nn.functional.cross_entropy(y.flatten(0, 1).float(), targets[i].flatten()) / len(tokens)
             step.loss = loss.detach() if step.loss is None else step.loss + loss.detach()
             slot.output = loss
         else:
-            slot.output = y
-            self._deliver(y.detach(), "activation", s, s + 1, i, step)
+            slot.output = y.to(self._dtype)  # hidden states travel in the weights' dtype
+            self._deliver(slot.output.detach(), "activation", s, s + 1, i, step)
 
     def _backward(self, action: Action, step: _Step, slot: _Slot) -> None:
         s, i = action.stage, action.microbatch
