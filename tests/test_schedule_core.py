@@ -77,3 +77,13 @@ def test_validator_memory_limit():
 def test_interleaved_microbatch_rule_suggests_fits():
     with pytest.raises(ValueError, match="microbatches=9 does not divide; use 8 or 10"):
         build("interleaved-1f1b", 4, 9)
+
+
+def test_schedule_and_simulator_layers_import_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, pipeloom, pipeloom.schedule, pipeloom.schedule.links, pipeloom.schedule.torch_csv, "
+            "pipeloom.sim, pipeloom.sim.trace, pipeloom.sim.grid, pipeloom.sim.plot, pipeloom.cli; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
