@@ -107,7 +107,7 @@ class Pipeline:
                 f"world size {world} does not match dp={dp} x pp={pp} = {dp * pp}; "
                 f"launch {dp * pp} processes or choose dp and pp whose product is {world}"
             )
-        self.dp, self.pp, self.timeout = dp, pp, timeout
+        self.dp, self.pp = dp, pp
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.mesh = init_device_mesh(self.device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
         self.pp_rank = self.mesh.get_local_rank("pp")
@@ -185,16 +185,16 @@ class Pipeline:
     def optimizer_step(self, optimizer: torch.optim.Optimizer, max_norm: float | None = None) -> float:
         """Clip by the global gradient norm (reduced over all stages) if ``max_norm``,
         step ``optimizer``, zero the gradients; returns the norm before clipping."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        with_grad = [p for p in self.parameters() if p.grad is not None]
         square = torch.zeros((), device=self.device)
-        for p in self.parameters():
-            if p.grad is not None and id(p) not in self.copies:
+        for p in with_grad:
+            if id(p) not in self.copies:
                 square += p.grad.detach().float().pow(2).sum()
         dist.all_reduce(square, group=self.pp_group)
         norm = square.sqrt().item()
         if max_norm is not None and norm > max_norm:
-            for g in grads:
-                g.mul_(max_norm / (norm + 1e-6))
+            for p in with_grad:
+                p.grad.mul_(max_norm / (norm + 1e-6))
         optimizer.step()
         self.zero_grad()
         return norm
