@@ -1,9 +1,11 @@
 """Point-to-point transfers between pipeline ranks, with timeouts that name who waited for what.
 
-Sends are non-blocking (``isend``). A receive is posted ahead (``post``,
-non-blocking) and collected when needed (``recv``), which blocks until its
-data arrives or the timeout passes. Every message carries a tag made from its kind,
-stage and microbatch, so a receive can only match the message it expects.
+Each direction of each link between two ranks has a process group of its
+own, so its messages are matched in the order they are sent, on every backend
+(NCCL matches in posting order; gloo does for one tag). Sends are
+non-blocking (``isend``). A receive is posted ahead (``post``, non-blocking)
+in its link's send order and collected when needed (``recv``), which blocks
+until its data arrives or the timeout passes.
 """
 
 from __future__ import annotations
@@ -14,38 +16,34 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PipeloomError
-
-_KINDS = ("activation", "gradient")
-
+from ..schedule.links import Message
 
 class PeerTimeout(PipeloomError):
     """A peer did not deliver in time: it died, stalled, or runs another schedule."""
 
 
-def tag(kind: str, stage: int, microbatch: int, stages: int) -> int:
-    return (microbatch * stages + stage) * len(_KINDS) + _KINDS.index(kind)
-
-
 class Channel:
-    """Sends and receives of one rank to and from its pipeline peers (global ranks)."""
+    """Sends and receives of one rank (global rank ``rank``) to and from its pipeline
+    peers; ``groups[(src, dst)]`` is the process group of the link ``src -> dst``."""
 
-    def __init__(self, rank: int, stages: int, timeout: float):
-        self.rank, self.stages, self.timeout = rank, stages, timeout
+    def __init__(self, rank: int, groups: dict[tuple[int, int], dist.ProcessGroup], timeout: float):
+        self.rank, self.groups, self.timeout = rank, groups, timeout
         self.pending: list[dist.Work] = []
-        self.posted: dict[tuple[str, int, int], tuple[torch.Tensor, int, dist.Work]] = {}
+        self.posted: dict[Message, tuple[torch.Tensor, int, dist.Work]] = {}
 
-    def send(self, tensor: torch.Tensor, peer: int, kind: str, stage: int, microbatch: int) -> None:
-        self.pending.append(dist.isend(tensor.contiguous(), dst=peer, tag=tag(kind, stage, microbatch, self.stages)))
+    def send(self, tensor: torch.Tensor, peer: int) -> None:
+        self.pending.append(dist.isend(tensor.contiguous(), dst=peer, group=self.groups[(self.rank, peer)]))
 
-    def post(self, buffer: torch.Tensor, peer: int, kind: str, stage: int, microbatch: int) -> None:
-        """Start receiving into ``buffer`` the ``kind`` that ``stage`` on ``peer`` makes for ``microbatch``."""
-        work = dist.irecv(buffer, src=peer, tag=tag(kind, stage, microbatch, self.stages))
-        self.posted[(kind, stage, microbatch)] = (buffer, peer, work)
+    def post(self, buffer: torch.Tensor, peer: int, message: Message) -> None:
+        """Start receiving ``message`` from ``peer`` into ``buffer``; post in the link's send order."""
+        work = dist.irecv(buffer, src=peer, group=self.groups[(peer, self.rank)])
+        self.posted[message] = (buffer, peer, work)
 
-    def recv(self, kind: str, stage: int, microbatch: int, action) -> torch.Tensor:
+    def recv(self, message: Message, action) -> torch.Tensor:
         """Wait for the receive :meth:`post` started; return its buffer."""
-        buffer, peer, work = self.posted.pop((kind, stage, microbatch))
-        self.wait(work, f"action {action} waited for the {kind} of stage {stage} microbatch {microbatch} from rank {peer}")
+        buffer, peer, work = self.posted.pop(message)
+        self.wait(work, f"action {action} waited for the {message.kind} of stage {message.stage} "
+                        f"microbatch {message.microbatch} from rank {peer}")
         return buffer
 
     def flush(self) -> None:

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import PipeloomError
 from ..nn.linear import WeightGradStore, defer_weight_grads
 from ..schedule import BW, B, F, W, Action, Schedule, build, validate
-from ..schedule.links import out_of_order_links
+from ..schedule.links import Message, link_messages, sent_message
 from .p2p import Channel
 
 
@@ -100,7 +100,6 @@ class Pipeline:
                 f"the runtime executes one synchronous step per call; {self.schedule.family} spans "
                 f"{self.schedule.steps} steps with {self.schedule.weight_versions} weight versions"
             )
-        _check_links_for_backend(self.schedule, dist.get_backend())
         world = dist.get_world_size()
         if world != dp * pp:
             raise PipeloomError(
@@ -127,9 +126,10 @@ class Pipeline:
         self.tied_group = self._embedding_group(stages)
         self.recompute = set(mine) if recompute is True else set(recompute or ())
         self.autocast = autocast
-        self.channel = Channel(self.rank, self.schedule.stages, timeout)
         self.actions = self.schedule.ranks[self.pp_rank]
-        self._posts = self._receive_plan()
+        links = link_messages(self.schedule)
+        self.channel = Channel(self.rank, self._link_groups(links), timeout)
+        self._posts = self._receive_plan(links)
         self._reduce_after = self._data_parallel_plan() if dp > 1 else {}
         self.last_step: _Step | None = None
         self._hidden = getattr(getattr(model, "config", None), "n_embd", None)
@@ -150,8 +150,8 @@ class Pipeline:
         reductions = []
         t0 = time.perf_counter()
         for k, action in enumerate(self.actions):
-            for kind, stage, i in self._posts.get(k, ()):
-                self._post_receive(kind, stage, i, micro_tokens)
+            for src, message in self._posts.get(k, ()):
+                self._post_receive(src, message, micro_tokens)
             start = time.perf_counter() - t0
             self._run(action, step, micro_tokens, micro_targets)
             step.timeline.append(TimedAction(self.pp_rank, action, start, time.perf_counter() - t0))
@@ -218,7 +218,7 @@ class Pipeline:
         if s == 0:
             x = tokens[i]
         else:
-            x = slot.input if slot.input is not None else self.channel.recv("activation", s - 1, i, action)
+            x = slot.input if slot.input is not None else self.channel.recv(Message("activation", s - 1, i), action)
             x.requires_grad_()
         slot.input = x
         stage = self.stages[s]
@@ -230,59 +230,87 @@ class Pipeline:
             slot.output = loss
         else:
             slot.output = y.to(self._dtype)  # hidden states travel in the weights' dtype
-            self._deliver(slot.output.detach(), "activation", s, s + 1, i, step)
+            self._deliver(action, slot.output.detach(), step)
 
     def _backward(self, action: Action, step: _Step, slot: _Slot) -> None:
         s, i = action.stage, action.microbatch
         if s < self.schedule.stages - 1 and slot.grad is None:
-            slot.grad = self.channel.recv("gradient", s + 1, i, action)
+            slot.grad = self.channel.recv(Message("gradient", s + 1, i), action)
         # B queues the linear layers' weight gradients for W; BW accumulates each at once, in one GEMM
         slot.weights = WeightGradStore(eager=action.kind == BW)
         with defer_weight_grads(slot.weights):
             torch.autograd.backward(slot.output, slot.grad)
         if s > 0:
-            self._deliver(slot.input.grad, "gradient", s, s - 1, i, step)
+            self._deliver(action, slot.input.grad, step)
         slot.input = slot.output = slot.grad = None
         if action.kind == BW:
             del step.slots[(s, i)]
 
     # -- data movement --------------------------------------------------------
-    def _deliver(self, tensor: torch.Tensor, kind: str, stage: int, to_stage: int, i: int, step: _Step) -> None:
-        """Hand ``tensor`` from ``stage`` to ``to_stage``: in memory on this rank, else a send."""
-        owner = self.schedule.placement[to_stage]
-        if owner == self.pp_rank:
-            target = step.slots.setdefault((to_stage, i), _Slot())
-            if kind == "activation":
-                target.input = tensor.detach()
-            else:
-                target.grad = tensor
+    def _deliver(self, action: Action, tensor: torch.Tensor, step: _Step) -> None:
+        """Hand the output (F) or input gradient (B, BW) of ``action`` to the stage
+        that needs it: in memory on this rank, else a send."""
+        sent = sent_message(self.schedule, action)
+        if sent:
+            self.channel.send(tensor, self.peers[sent[0]])
+            return
+        s, i = action.stage, action.microbatch
+        if action.kind == F:
+            step.slots.setdefault((s + 1, i), _Slot()).input = tensor.detach()
         else:
-            self.channel.send(tensor, self.peers[owner], kind, stage, i)
+            step.slots.setdefault((s - 1, i), _Slot()).grad = tensor
 
-    def _receive_plan(self) -> dict[int, list[tuple[str, int, int]]]:
-        """Which receives (kind, producer stage, microbatch) to post before each action (by index):
-        the first one before action 0, each later one when the action needing the one before it
-        starts, so a receive is in flight while the action before its own runs."""
-        needs = [(k, need) for k, need in enumerate(map(self._remote_input, self.actions)) if need]
-        plan: dict[int, list[tuple[str, int, int]]] = {}
-        for j, (k, (kind, stage)) in enumerate(needs):
-            plan.setdefault(needs[j - 1][0] if j else 0, []).append((kind, stage, self.actions[k].microbatch))
+    def _link_groups(self, links) -> dict[tuple[int, int], dist.ProcessGroup]:
+        """A process group for each direction of each link (global ranks), so every backend
+        matches a link's messages in send order. Every rank creates every group, in
+        one order, then opens its own in that order (a fixed order cannot deadlock)."""
+        groups, mine = {}, []
+        for replica in range(self.dp):
+            for src, dst in links:
+                ranks = [int(self.mesh.mesh[replica, q]) for q in (src, dst)]
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    groups[tuple(ranks)] = group
+                    mine.append(group)
+        for group in mine:
+            dist.barrier(group=group)
+        return groups
+
+    def _receive_plan(self, links) -> dict[int, list[tuple[int, Message]]]:
+        """Which receives (source rank, message) to post before each action (by index).
+        The receive an action needs is posted when the action needing the one before it
+        starts (the first before action 0), so it is in flight while that action runs;
+        with it go the messages its link sends earlier and this rank needs later."""
+        incoming = {src: messages for (src, dst), messages in links.items() if dst == self.pp_rank}
+        posted = dict.fromkeys(incoming, 0)  # per link: how many messages are posted
+        plan: dict[int, list[tuple[int, Message]]] = {}
+        point = 0
+        for k, action in enumerate(self.actions):
+            need = self._remote_input(action)
+            if need is None:
+                continue
+            src, message = need
+            upto = incoming[src].index(message) + 1
+            if upto > posted[src]:
+                plan.setdefault(point, []).extend((src, m) for m in incoming[src][posted[src]:upto])
+                posted[src] = upto
+            point = k
         return plan
 
-    def _remote_input(self, action: Action) -> tuple[str, int] | None:
-        """(kind, producer stage) of the input ``action`` receives from another rank, if any."""
-        s, placement = action.stage, self.schedule.placement
+    def _remote_input(self, action: Action) -> tuple[int, Message] | None:
+        """(source rank, message) of the input ``action`` receives from another rank, if any."""
+        s, i, placement = action.stage, action.microbatch, self.schedule.placement
         if action.kind == F and s > 0 and placement[s - 1] != self.pp_rank:
-            return "activation", s - 1
+            return placement[s - 1], Message("activation", s - 1, i)
         if action.kind in (B, BW) and s < self.schedule.stages - 1 and placement[s + 1] != self.pp_rank:
-            return "gradient", s + 1
+            return placement[s + 1], Message("gradient", s + 1, i)
         return None
 
-    def _post_receive(self, kind: str, stage: int, i: int, tokens) -> None:
-        """Post the receive of the ``kind`` (hidden states [microbatch, time, hidden] either way)
-        that ``stage``, on another rank, makes for microbatch ``i``."""
-        buffer = torch.empty((*tokens[i].shape[:2], self._hidden), dtype=self._dtype, device=self.device)
-        self.channel.post(buffer, self.peers[self.schedule.placement[stage]], kind, stage, i)
+    def _post_receive(self, src: int, message: Message, tokens) -> None:
+        """Post the receive of ``message`` from pipeline rank ``src`` (hidden states
+        [microbatch, time, hidden] either way)."""
+        buffer = torch.empty((*tokens[message.microbatch].shape[:2], self._hidden), dtype=self._dtype, device=self.device)
+        self.channel.post(buffer, self.peers[src], message)
 
     def _microbatches(self, tokens: torch.Tensor, targets: torch.Tensor):
         m = self.schedule.microbatches
@@ -348,22 +376,6 @@ class Pipeline:
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=self.dp_group)
                 p.grad /= self.dp
-
-
-def _check_links_for_backend(schedule: Schedule, backend: str) -> None:
-    """gloo matches messages by tag; other backends (NCCL) match them in posting
-    order, which silently swaps equal-shaped tensors on a link whose messages
-    are needed in another order than they are sent."""
-    if backend == "gloo":
-        return
-    crossings = out_of_order_links(schedule)
-    if crossings:
-        c = crossings[0]
-        raise PipeloomError(
-            f"{schedule.family} on {backend}: rank {c.src} sends {c.sent_first} to rank {c.dst} before "
-            f"{c.needed_first}, which rank {c.dst} needs first, and {backend} matches messages in order; "
-            f"use gloo or a schedule with in-order links (gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zb-auto)"
-        )
 
 
 def _free_other_stages(stages: list[nn.Module], kept: dict[int, nn.Module]) -> None:

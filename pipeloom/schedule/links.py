@@ -1,45 +1,45 @@
-"""The messages a schedule sends between ranks, link by link, and whether each
-link delivers them in the order its receiver needs them.
+"""The messages a schedule sends between ranks, link by link, in the order they are sent.
 
-A backend that matches sends to receives by tag (gloo) copes with any order;
-one that matches them in posting order (NCCL) needs every link in order.
+A backend that matches a link's sends to its receives in posting order
+(NCCL; gloo with one tag) needs each receiver to post its receives in this
+order, even where it needs a later message first (V schedules cross so).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from .deps import Dependencies
-from .ir import Action, Schedule
+from .ir import BW, B, F, Schedule
 
 
-class OutOfOrder(NamedTuple):
-    """On the link ``src -> dst``, ``sent_first`` leaves before ``needed_first``,
-    which ``dst`` needs earlier."""
+class Message(NamedTuple):
+    """The ``kind`` ("activation" or "gradient") that ``stage`` makes for ``microbatch``."""
 
-    src: int
-    dst: int
-    sent_first: Action
-    needed_first: Action
+    kind: str
+    stage: int
+    microbatch: int
 
 
-def out_of_order_links(schedule: Schedule) -> list[OutOfOrder]:
-    """For each link whose messages are needed in another order than they are
-    sent, the first pair that crosses. A message is named by its producer."""
-    deps = Dependencies(schedule)
-    position = {a: k for actions in schedule.ranks for k, a in enumerate(actions)}
-    needed: dict[tuple[int, int], list[Action]] = {}
-    for dst, actions in enumerate(schedule.ranks):
+def sent_message(schedule: Schedule, action) -> tuple[int, Message] | None:
+    """(receiving rank, message) that ``action`` sends to another rank, if any."""
+    s, placement = action.stage, schedule.placement
+    if action.kind == F and s < schedule.stages - 1:
+        kind, to = "activation", s + 1
+    elif action.kind in (B, BW) and s > 0:
+        kind, to = "gradient", s - 1
+    else:
+        return None
+    if placement[to] == placement[s]:
+        return None
+    return placement[to], Message(kind, s, action.microbatch)
+
+
+def link_messages(schedule: Schedule) -> dict[tuple[int, int], list[Message]]:
+    """For each link ``(src, dst)`` of ranks, its messages in the order ``src`` sends them."""
+    links: dict[tuple[int, int], list[Message]] = {}
+    for src, actions in enumerate(schedule.ranks):
         for action in actions:
-            for dep in deps(action):
-                src = schedule.placement[dep.stage]
-                if src != dst:
-                    needed.setdefault((src, dst), []).append(dep)
-    crossings = []
-    for (src, dst), messages in sorted(needed.items()):
-        sent = sorted(messages, key=position.__getitem__)
-        for want, got in zip(messages, sent):
-            if want != got:
-                crossings.append(OutOfOrder(src, dst, got, want))
-                break
-    return crossings
+            sent = sent_message(schedule, action)
+            if sent:
+                links.setdefault((src, sent[0]), []).append(sent[1])
+    return dict(sorted(links.items()))
