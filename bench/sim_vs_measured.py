@@ -32,8 +32,7 @@ def _worker(rank, args):
 
     import pipeloom
     from pipeloom.nn import GPT, GPTConfig
-    from pipeloom.runtime.timeline import gather_timeline, measured_costs
-    from pipeloom.schedule import Costs
+    from pipeloom.runtime.timeline import gather_timeline, measured_costs, median_costs
     from pipeloom.sim import simulate
 
     config = GPTConfig.preset("tiny", n_layer=args.layers, n_embd=args.hidden, n_head=8, block_size=args.seq)
@@ -56,8 +55,7 @@ def _worker(rank, args):
                 events = gather_timeline(pipe)
                 measured.append(measured_costs(events, pipe.schedule))
                 spans.append(max(e.end for evs in events for e in evs) - min(e.start for evs in events for e in evs))
-        costs = Costs(**{k: [median(c) for c in zip(*(getattr(m, k) for m in measured))]
-                         for k in ("f", "b", "w", "comm")})
+        costs = median_costs(measured)
         if name == "zb-h1":
             zb_costs = costs
         predicted = simulate(pipe.schedule, costs).makespan

@@ -11,7 +11,9 @@ from .errors import PipeloomError
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv[argv.index(args.command) + 1:]  # what a subcommand was given, to pass on
     try:
         return args.run(args)
     except PipeloomError as err:
@@ -23,6 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipeloom", description="Plan, simulate, draw and run pipeline-parallel training.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_simulate(sub)
+    _add_train(sub)
     return parser
 
 
@@ -197,3 +200,59 @@ def _compare_table(reports: list[dict]) -> str:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# -- train -------------------------------------------------------------------
+
+def _add_train(sub) -> None:
+    from .schedule import FAMILIES
+
+    p = sub.add_parser(
+        "train",
+        help="train a GPT through a pipeline (launches its own workers, or runs under torchrun)",
+        description="Train a GPT with pipeline (and data) parallelism. Outside torchrun it starts pp x dp "
+                    "worker processes on this machine; under torchrun each process is one rank.",
+    )
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--schedule", default="1f1b", metavar="NAME", help=f"one of: {', '.join(FAMILIES)} (default 1f1b)")
+    g.add_argument("--pp", type=int, default=2, help="pipeline ranks (default 2)")
+    g.add_argument("--dp", type=int, help="data-parallel replicas (default 1; under torchrun: world size / pp)")
+    g.add_argument("--microbatches", type=int, default=4, help="microbatches per step and replica (default 4)")
+    g.add_argument("--microbatch-size", type=int, default=8, help="sequences per microbatch (default 8)")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL); default cpu")
+    g.add_argument("--precision", choices=("fp32", "bf16"), help="bf16 autocast (default on cuda) or fp32 (default on cpu)")
+    g.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds a rank waits for a peer before it stops, naming what it waited for (default 60)")
+    g = p.add_argument_group("model and optimisation")
+    g.add_argument("--model", default="tiny", metavar="PRESET", help="GPT preset: tiny, gpt-125m, gpt-350m, gpt-1.3b (default tiny)")
+    g.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
+    g.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of AdamW (default 3e-3)")
+    g.add_argument("--warmup", type=int, help="linear warmup steps, then cosine decay to lr/10 (default steps/10, at most 100)")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay of the matrices (default 0.1)")
+    g.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm (default 1.0)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches (default 0)")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", metavar="PATH",
+                   help="a text file, a directory of text files, or a token file (*.bin); "
+                        "default: the Python standard library's sources, byte-level")
+    g.add_argument("--token-dtype", choices=("uint16", "uint32"), help="read --data as a token file of this type (*.bin: uint16)")
+    g.add_argument("--vocab-size", type=int, help="vocabulary of a token file (default: its largest id + 1)")
+    g = p.add_argument_group("checkpoints and output")
+    g.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints (torch.distributed.checkpoint) under DIR")
+    g.add_argument("--checkpoint-every", type=int, metavar="N", help="save every N steps (default: at the end only)")
+    g.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
+                   help="resume from CHECKPOINT (a step_* directory), or the latest under --checkpoint-dir; "
+                        "pp and dp may differ from the saving run")
+    g.add_argument("--metrics", metavar="FILE.jsonl", help="one JSON object per step: step, loss, step_time, tokens_per_s, lr, grad_norm")
+    g.add_argument("--trace", metavar="FILE.json", help="write the last step's measured timeline as a Chrome trace")
+    g.add_argument("--report", action="store_true",
+                   help="at the end: measured step time beside the simulator's prediction from the measured costs")
+    p.set_defaults(run=_run_train)
+
+
+def _run_train(args) -> int:
+    from .train import run
+
+    return run(args)
+

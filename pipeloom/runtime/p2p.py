@@ -10,6 +10,7 @@ until its data arrives or the timeout passes.
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import torch
@@ -57,6 +58,14 @@ class Channel:
         try:
             finished = work.wait(timeout=timedelta(seconds=self.timeout))
         except RuntimeError as err:
-            raise PeerTimeout(f"rank {self.rank}: {what}, and it failed after up to {self.timeout:g} s: {err}") from None
+            raise PeerTimeout(f"rank {self.rank}: {what}, and it failed after up to {self.timeout:g} s: "
+                              f"{_reason(err)}") from None
         if finished is False:
             raise PeerTimeout(f"rank {self.rank}: {what} for {self.timeout:g} s; is that rank alive?")
+
+
+def _reason(err: RuntimeError) -> str:
+    """The backend's reason without its source location and boilerplate advice."""
+    text = re.sub(r"\[[^\]]*:\d+\] ", "", str(err).strip())
+    return text.split(" This is typically caused")[0]
+

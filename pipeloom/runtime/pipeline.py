@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -141,6 +142,11 @@ class Pipeline:
         """This rank's parameters (of its own stages), for an optimizer."""
         return [p for stage in self.stages.values() for p in stage.parameters()]
 
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(name in the unsplit model, parameter) of this rank's stages; a tied copy
+        held beside its original appears under the same name."""
+        return [(self.names[id(p)], p) for p in self.parameters()]
+
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """One training step's forward and backward on the global batch
         ``tokens``/``targets`` (the same tensors on every rank); returns the
@@ -164,8 +170,8 @@ class Pipeline:
         self.last_step = step
         loss = step.loss if step.loss is not None else torch.zeros((), device=self.device)
         loss = loss.detach().clone()
-        dist.all_reduce(loss, group=self.pp_group)
-        dist.all_reduce(loss, group=self.dp_group)
+        self._all_reduce(loss, self.pp_group, "the end of the step waited for the loss of the last stage")
+        self._all_reduce(loss, self.dp_group, "the end of the step waited for the other replicas' loss")
         return loss.item() / self.dp
 
     def gather_grads(self) -> dict[str, torch.Tensor]:
@@ -184,14 +190,18 @@ class Pipeline:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, max_norm: float | None = None) -> float:
         """Clip by the global gradient norm (reduced over all stages) if ``max_norm``,
-        step ``optimizer``, zero the gradients; returns the norm before clipping."""
+        step ``optimizer``, zero the gradients; returns the norm before clipping.
+        A non-finite norm skips the step and raises :class:`PipeloomError`."""
         with_grad = [p for p in self.parameters() if p.grad is not None]
         square = torch.zeros((), device=self.device)
         for p in with_grad:
             if id(p) not in self.copies:
                 square += p.grad.detach().float().pow(2).sum()
-        dist.all_reduce(square, group=self.pp_group)
+        self._all_reduce(square, self.pp_group, "the optimizer step waited for the gradient norm of the other stages")
         norm = square.sqrt().item()
+        if not math.isfinite(norm):
+            self.zero_grad()
+            raise PipeloomError(f"the gradient norm is {norm}; the optimizer step was skipped")
         if max_norm is not None and norm > max_norm:
             for p in with_grad:
                 p.grad.mul_(max_norm / (norm + 1e-6))
@@ -351,7 +361,7 @@ class Pipeline:
                 p.grad = total.clone()
         else:
             for p in self.tied:
-                dist.all_reduce(p.grad, group=self.tied_group)
+                self._all_reduce(p.grad, self.tied_group, "summing the tied embedding's gradients")
 
     def _data_parallel_plan(self) -> dict[int, list[nn.Parameter]]:
         """After which action (index) to start averaging each stage's gradients over
@@ -374,8 +384,12 @@ class Pipeline:
             p.grad /= self.dp
         for p in self.tied:
             if p.grad is not None:
-                dist.all_reduce(p.grad, group=self.dp_group)
+                self._all_reduce(p.grad, self.dp_group, "averaging gradients over the data-parallel replicas")
                 p.grad /= self.dp
+
+    def _all_reduce(self, tensor: torch.Tensor, group, what: str) -> None:
+        """Sum ``tensor`` over ``group``; a dead or stalled peer raises a PeerTimeout saying ``what`` waited."""
+        self.channel.wait(dist.all_reduce(tensor, group=group, async_op=True), what)
 
 
 def _free_other_stages(stages: list[nn.Module], kept: dict[int, nn.Module]) -> None:

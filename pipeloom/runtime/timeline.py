@@ -51,6 +51,28 @@ def measured_costs(events: list[list[Event]], schedule) -> Costs:
     return Costs(f=per_stage(F), b=per_stage(B), w=per_stage(W), comm=[_comm_wait(events, schedule)] * schedule.stages)
 
 
+def median_costs(measured: list[Costs]) -> Costs:
+    """The per-stage median of several steps' :func:`measured_costs`."""
+    return Costs(**{k: [median(c) for c in zip(*(getattr(m, k) for m in measured))] for k in ("f", "b", "w", "comm")})
+
+
+def full_stage_costs(costs: Costs, schedule) -> Costs:
+    """Per-stage costs folded into one full stage (the mean over ranks of a rank's
+    stages summed), for simulating other families with other chunk counts."""
+    def fold(values):
+        return sum(values) / schedule.pp
+
+    return Costs(f=fold(costs.f), b=fold(costs.b), w=fold(costs.w), comm=median(costs.comm))
+
+
+def bubble_seen(events: list[list[Event]]) -> float:
+    """Idle share of the ranks' time from the step's first start to its last end."""
+    start = min(e.start for evs in events for e in evs)
+    span = max(e.end for evs in events for e in evs) - start
+    busy = sum(e.end - e.start for evs in events for e in evs)
+    return 1.0 - busy / (len(events) * span) if span > 0 else 0.0
+
+
 def _comm_wait(events: list[list[Event]], schedule) -> float:
     deps = Dependencies(schedule)
     end = {ev.action: ev.end for rank_events in events for ev in rank_events}

@@ -1,0 +1,340 @@
+"""``pipeloom train``: train a GPT through a pipeline, one process per rank.
+
+Run outside torchrun, :func:`run` checks the arguments and starts ``pp * dp``
+worker processes itself with torchrun's launcher API; under torchrun (or as
+one of those workers) it is a worker: it trains, rank 0 prints a progress
+bar and writes the metrics, and every rank takes part in checkpoints, the
+trace and the report.
+
+A dead or stalled peer stops every other rank within ``--timeout`` seconds
+(a dead one at once: its connections close) with a message naming the rank,
+the action and what it waited for; a non-finite loss stops the run at that
+step, before the update.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from statistics import median
+
+from .data import load_data
+from .errors import PipeloomError
+from .schedule import FAMILIES, build
+
+#: Steps whose timelines feed ``--report`` (the last ones of the run).
+REPORT_STEPS = 5
+
+
+def under_torchrun() -> bool:
+    """True in a process torchrun (or its launcher API) started."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def run(args) -> int:
+    """The command: launch the workers, or be one."""
+    if under_torchrun():
+        return _worker(args)
+    check(args, world=args.pp * (args.dp or 1))
+    from .launch import launch
+
+    return launch(args.argv, args.pp * (args.dp or 1))
+
+
+def check(args, world: int) -> None:
+    """Every mistake in the arguments that can be found before any process starts."""
+    from .nn.gpt import PRESETS
+
+    for flag in ("pp", "microbatches", "microbatch_size", "steps", "seq"):
+        if getattr(args, flag) < 1:
+            raise PipeloomError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.dp is not None and args.dp < 1:
+        raise PipeloomError(f"--dp must be at least 1, got {args.dp}")
+    if world % args.pp:
+        raise PipeloomError(f"{world} processes do not split into --pp {args.pp} pipeline ranks; "
+                            f"use a --pp that divides {world}")
+    dp = args.dp or world // args.pp
+    if dp * args.pp != world:
+        raise PipeloomError(f"--pp {args.pp} x --dp {dp} = {dp * args.pp} ranks, but {world} processes run; "
+                            f"use --dp {world // args.pp}")
+    if args.model not in PRESETS:
+        raise PipeloomError(f"unknown --model {args.model!r}; presets: {', '.join(PRESETS)}")
+    if not args.lr > 0:
+        raise PipeloomError(f"--lr must be positive, got {args.lr}")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise PipeloomError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise PipeloomError("--checkpoint-every needs --checkpoint-dir")
+    if args.resume == "latest" and not args.checkpoint_dir:
+        raise PipeloomError("--resume without a path needs --checkpoint-dir to look in")
+    if args.resume and args.resume != "latest":
+        from .runtime.checkpoint import read_meta  # torch-free check of the path
+
+        read_meta(args.resume)
+    schedule = build(args.schedule, args.pp, args.microbatches)
+    layers = PRESETS[args.model]["n_layer"]
+    if schedule.stages > layers:
+        raise PipeloomError(f"--model {args.model} has {layers} layers, too few for the {schedule.stages} stages of "
+                            f"{args.schedule} at --pp {args.pp}; use a larger model or a smaller --pp")
+    load_data(args.data, args.token_dtype, args.vocab_size)
+
+
+def learning_rate(step: int, args) -> float:
+    """Linear warmup over ``--warmup`` steps, then cosine decay to a tenth at ``--steps``."""
+    warmup = args.warmup if args.warmup is not None else min(100, args.steps // 10)
+    if step < warmup:
+        return args.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, args.steps - warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def _worker(args) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from .runtime.p2p import PeerTimeout
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ["WORLD_SIZE"])
+    try:
+        check(args, world)
+        device = _device(args.device, int(os.environ["LOCAL_RANK"]))
+    except PipeloomError as err:
+        if rank == 0:
+            print(f"pipeloom train: error: {err}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout))
+    code = 0
+    try:
+        Trainer(args, device).train()
+    except PeerTimeout as err:
+        print(f"pipeloom train: {err}", file=sys.stderr, flush=True)
+        code = 1
+    except PipeloomError as err:  # the same on every rank: said once
+        if rank == 0:
+            print(f"pipeloom train: error: {err}", file=sys.stderr, flush=True)
+        code = 1
+    except dist.DistError as err:
+        print(f"pipeloom train: rank {rank}: a collective failed (is every rank alive?): "
+              f"{str(err).strip().splitlines()[0]}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        if code == 0:
+            dist.destroy_process_group()
+    return code
+
+
+def _device(name: str, local_rank: int):
+    import torch
+
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise PipeloomError("--device cuda: torch sees no CUDA device on this machine; use --device cpu")
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+class Trainer:
+    """One rank's training run: model, pipeline, optimizer, data, and the loop."""
+
+    def __init__(self, args, device):
+        import torch
+        import torch.distributed as dist
+
+        from .nn import GPT, GPTConfig
+        from .runtime import Pipeline
+
+        self.args, self.device = args, device
+        self.rank = dist.get_rank()
+        self.data = load_data(args.data, args.token_dtype, args.vocab_size)
+        preset = GPTConfig.preset(args.model)
+        self.config = GPTConfig.preset(args.model, vocab_size=self.data.vocab_size,
+                                       block_size=max(preset.block_size, args.seq))
+        dp = args.dp or dist.get_world_size() // args.pp
+        torch.manual_seed(args.seed)  # the same weights on every rank
+        precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
+        autocast = torch.bfloat16 if precision == "bf16" else None
+        model = GPT(self.config)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.pipe = Pipeline(model, schedule=args.schedule, pp=args.pp, microbatches=args.microbatches,
+                             dp=dp, timeout=args.timeout, autocast=autocast)
+        params = self.pipe.parameters()
+        self.optimizer = torch.optim.AdamW(
+            [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+            lr=args.lr, betas=(0.9, 0.95),
+        )
+        self.batch = args.microbatch_size * args.microbatches * dp
+        if self.rank == 0:
+            print(f"pipeloom train: {args.model} ({_count(self.n_params)} parameters), {args.schedule}, pp={args.pp}, "
+                  f"dp={dp}, {args.microbatches} microbatches of {args.microbatch_size} x {args.seq} tokens, "
+                  f"on {device.type}; data: {self.data.source}", file=sys.stderr, flush=True)
+        self.start = self._resume() if args.resume else 0
+
+    def train(self) -> None:
+        import torch
+
+        from .runtime.timeline import gather_timeline
+
+        args, pipe = self.args, self.pipe
+        lead = self.rank == 0
+        metrics = open(args.metrics, "a" if args.resume else "w") if lead and args.metrics else None
+        progress = _Progress(args.steps, self.start) if lead else None
+        times, timelines = [], []
+        try:
+            for step in range(self.start, args.steps):
+                lr = learning_rate(step, args)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                batch = self.data.batch(step, self.batch, args.seq, args.seed)
+                tokens = torch.from_numpy(batch)
+                started = time.perf_counter()
+                loss = pipe.step(tokens[:, :-1], tokens[:, 1:])
+                if not math.isfinite(loss):
+                    raise PipeloomError(f"step {step + 1}: the loss is {loss}; the update was not applied. "
+                                        f"Lower --lr (now {args.lr:g}) or check the data")
+                try:
+                    norm = pipe.optimizer_step(self.optimizer, max_norm=args.clip)
+                except PipeloomError as err:
+                    raise PipeloomError(f"step {step + 1}: {err}. Lower --lr (now {args.lr:g}) or check the data") from None
+                elapsed = time.perf_counter() - started
+                times.append(elapsed)
+                if args.report and step >= args.steps - REPORT_STEPS:
+                    timelines.append(gather_timeline(pipe))
+                record = {"step": step + 1, "loss": round(loss, 6), "step_time": round(elapsed, 6),
+                          "tokens_per_s": round(self.batch * args.seq / elapsed, 1), "lr": lr,
+                          "grad_norm": round(norm, 6)}
+                if metrics:
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
+                if progress:
+                    progress.update(record)
+                if args.checkpoint_dir and (step + 1 == args.steps or
+                                            (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
+                    self._save(step + 1)
+        finally:
+            if metrics:
+                metrics.close()
+            if progress:
+                progress.close()
+        if args.trace and self.start < args.steps:
+            from .runtime.timeline import write_trace
+
+            write_trace(pipe, args.trace)
+            if lead:
+                print(f"wrote the measured timeline of step {args.steps} to {args.trace}", file=sys.stderr)
+        if timelines and lead:
+            print(report(pipe.schedule, timelines, times[1:] or times), flush=True)
+
+    def _meta(self, step: int) -> dict:
+        args = self.args
+        return {"step": step, "model": args.model, "vocab_size": self.config.vocab_size, "seq": args.seq,
+                "schedule": args.schedule, "pp": args.pp, "dp": self.pipe.dp, "microbatches": args.microbatches,
+                "microbatch_size": args.microbatch_size, "seed": args.seed, "data": self.data.source}
+
+    def _save(self, step: int) -> None:
+        from .runtime import checkpoint
+
+        directory = Path(self.args.checkpoint_dir) / f"step_{step:07d}"
+        checkpoint.save(self.pipe, self.optimizer, directory, self._meta(step))
+        if self.rank == 0:
+            _Progress.note(f"saved checkpoint {directory}")
+
+    def _resume(self) -> int:
+        from .runtime import checkpoint
+
+        args = self.args
+        directory = checkpoint.latest(args.checkpoint_dir) if args.resume == "latest" else Path(args.resume)
+        if directory is None:
+            raise PipeloomError(f"--resume: no complete checkpoint under {args.checkpoint_dir}")
+        saved = checkpoint.read_meta(directory)
+        for key in ("model", "vocab_size"):
+            if saved[key] != self._meta(0)[key]:
+                raise PipeloomError(f"--resume {directory}: it holds {key} {saved[key]!r}, "
+                                    f"this run has {self._meta(0)[key]!r}")
+        meta = checkpoint.load(self.pipe, self.optimizer, directory)
+        if self.rank == 0:
+            print(f"resumed from {directory} (step {meta['step']}, saved with pp={meta['pp']}, dp={meta['dp']})",
+                  file=sys.stderr, flush=True)
+        return meta["step"]
+
+
+def report(schedule, timelines, step_times) -> str:
+    """The measured step beside the simulator's prediction from the measured costs,
+    and what the simulator predicts for the other families with those costs."""
+    from .runtime.timeline import bubble_seen, full_stage_costs, measured_costs, median_costs
+    from .sim import simulate
+
+    costs = median_costs([measured_costs(events, schedule) for events in timelines])
+    spans = [max(e.end for evs in t for e in evs) - min(e.start for evs in t for e in evs) for t in timelines]
+    own = simulate(schedule, costs)
+    step_ms = 1e3 * median(step_times)
+    lines = [
+        f"report: {schedule.family}, pp={schedule.pp}, {schedule.microbatches} microbatches "
+        f"(timelines of the last {len(timelines)} steps)",
+        f"  measured step   {step_ms:9.2f} ms   (actions span {median(spans):.2f} ms, "
+        f"bubble seen {median(bubble_seen(t) for t in timelines):.1%})",
+        f"  simulated step  {own.makespan:9.2f} ms   (from the measured costs; bubble {own.bubble_rate:.1%}; "
+        f"simulated / measured {own.makespan / step_ms:.3f})",
+        "  measured costs per stage (ms): " + ", ".join(
+            f"{k} {' '.join(f'{v:.2f}' for v in getattr(costs, k))}" for k in ("f", "b", "w", "comm")),
+        "  the simulator's prediction for other schedules with these costs:",
+    ]
+    full = full_stage_costs(costs, schedule)
+    for name in FAMILIES:
+        if name == schedule.family:
+            continue
+        try:
+            other = build(name, schedule.pp, schedule.microbatches, costs=full) if name == "zb-auto" else \
+                build(name, schedule.pp, schedule.microbatches)
+        except PipeloomError as err:
+            lines.append(f"    {name:<18} cannot run here: {err}")
+            continue
+        if full.w == 0 and any(a.kind == "W" for actions in other.ranks for a in actions):
+            lines.append(f"    {name:<18} needs T_W: train with a split-backward schedule (zb-h1) to measure it")
+            continue
+        result = simulate(other, full)
+        lines.append(f"    {name:<18} {result.makespan / other.steps:9.2f} ms   bubble {result.bubble_rate:.1%}"
+                     + (f"   (a step of {other.steps} without a flush)" if other.steps > 1 else ""))
+    return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
+
+
+class _Progress:
+    """rank 0's progress: a bar rewritten in place on a terminal, a line per tenth of the run otherwise."""
+
+    def __init__(self, total: int, start: int):
+        self.total, self.start, self.began = total, start, time.perf_counter()
+        self.tty = sys.stderr.isatty()
+        self.every = max(1, (total - start) // 10)
+
+    def update(self, record: dict) -> None:
+        step = record["step"]
+        done = (step - self.start) / max(1, self.total - self.start)
+        left = (time.perf_counter() - self.began) * (1 - done) / done if done else 0.0
+        bar = "#" * round(20 * step / self.total)
+        line = (f"step {step:>{len(str(self.total))}}/{self.total} [{bar:<20}] loss {record['loss']:.4f}  "
+                f"{record['tokens_per_s']:,.0f} tok/s  {left:4.0f}s left")
+        if self.tty:
+            print("\r" + line, end="", file=sys.stderr, flush=True)
+        elif step == self.total or (step - self.start) % self.every == 0 or step == self.start + 1:
+            print(line, file=sys.stderr, flush=True)
+
+    @staticmethod
+    def note(text: str) -> None:
+        end = "\n" if sys.stderr.isatty() else ""
+        print(end + text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=sys.stderr, flush=True)

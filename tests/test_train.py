@@ -1,0 +1,172 @@
+"""``pipeloom train`` end to end: self-launched and under torchrun, data, checkpoints, failures."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+TIMEOUT = 240
+
+
+def train(*args, cwd, torchrun=None, check=True, env=None):
+    """Run ``pipeloom train args`` (under ``torchrun --nproc-per-node N`` if given)."""
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun),
+               "-m", "pipeloom", "train", *args]
+    else:
+        cmd = [sys.executable, "-m", "pipeloom", "train", *args]
+    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    if check:
+        assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def metrics(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_default_job_trains_and_writes_metrics(tmp_path):
+    done = train("--steps", "40", "--metrics", "m.jsonl", cwd=tmp_path)
+    rows = metrics(tmp_path / "m.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    for r in rows:
+        assert {"step", "loss", "step_time", "tokens_per_s"} <= set(r)
+        assert r["step_time"] > 0 and r["tokens_per_s"] > 0
+    first, last = rows[0]["loss"], np.mean([r["loss"] for r in rows[-5:]])
+    assert first > 5.0 and last < first - 1.0  # bytes start near ln 256 = 5.5
+    assert "1f1b, pp=2, dp=1" in done.stderr and "40/40" in done.stderr
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_under_torchrun_with_data_parallelism(tmp_path):
+    done = train("--pp", "2", "--steps", "4", "--schedule", "zb-h1", "--metrics", "m.jsonl", "--report",
+                 "--trace", "t.json", cwd=tmp_path, torchrun=4)
+    assert "zb-h1, pp=2, dp=2" in done.stderr
+    assert len(metrics(tmp_path / "m.jsonl")) == 4
+    assert "measured step" in done.stdout and "simulated step" in done.stdout and "bubble seen" in done.stdout
+    trace = json.loads((tmp_path / "t.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"0F0", "1I3", "1W3"} <= names
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_text_file_and_token_file(tmp_path):
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    train("--data", "a.txt", "--steps", "3", "--seq", "32", "--metrics", "m.jsonl", cwd=tmp_path)
+    assert len(metrics(tmp_path / "m.jsonl")) == 3
+    np.random.default_rng(0).integers(0, 1000, 50_000).astype(np.uint32).tofile(tmp_path / "tokens.bin")
+    done = train("--data", "tokens.bin", "--token-dtype", "uint32", "--steps", "3", "--seq", "32",
+                 "--metrics", "m.jsonl", cwd=tmp_path)
+    rows = metrics(tmp_path / "m.jsonl")
+    assert len(rows) == 3 and abs(rows[0]["loss"] - np.log(1000)) < 0.5
+    assert "50000 uint32 tokens" in done.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--data", "nowhere.txt"], "--data nowhere.txt: no such file or directory"),
+    (["--data", "empty.txt"], "the file is empty"),
+    (["--schedule", "zb-q"], "unknown schedule 'zb-q'"),
+    (["--pp", "4", "--schedule", "zb-v"], "--model tiny has 4 layers, too few for the 8 stages of zb-v"),
+    (["--pp", "3", "--microbatches", "2", "--schedule", "2bw"], "2bw needs microbatches >= pp"),
+    (["--model", "huge"], "unknown --model 'huge'"),
+])
+@pytest.mark.timeout(60)
+def test_bad_arguments_stop_before_any_worker_starts(tmp_path, args, message):
+    (tmp_path / "empty.txt").write_text("")
+    done = train(*args, cwd=tmp_path, check=False)
+    assert done.returncode == 2
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert done.stderr.count("error:") == 1
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_resume_gives_the_uninterrupted_losses_also_with_another_pp(tmp_path):
+    train("--steps", "20", "--checkpoint-dir", "ck", "--checkpoint-every", "10", "--metrics", "full.jsonl",
+          cwd=tmp_path)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_0000010", "step_0000020"]
+    full = [r["loss"] for r in metrics(tmp_path / "full.jsonl")]
+    train("--steps", "20", "--checkpoint-dir", "again", "--resume", "ck/step_0000010", "--metrics", "same.jsonl",
+          cwd=tmp_path)
+    same = metrics(tmp_path / "same.jsonl")
+    assert [r["step"] for r in same] == list(range(11, 21))
+    assert [r["loss"] for r in same] == full[10:]  # the same pp: the same arithmetic, bit for bit
+    done = train("--steps", "20", "--pp", "4", "--schedule", "zb-h1", "--checkpoint-dir", "ck",
+                 "--resume", "--metrics", "pp4.jsonl", cwd=tmp_path, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]  # the latest is step 20: nothing left to train
+    assert "resumed from" in done.stderr and not (tmp_path / "pp4.jsonl").read_text()
+    train("--steps", "20", "--pp", "4", "--schedule", "zb-h1", "--checkpoint-dir", "ck4",
+          "--resume", "ck/step_0000010", "--metrics", "pp4.jsonl", cwd=tmp_path)
+    other = [r["loss"] for r in metrics(tmp_path / "pp4.jsonl")]
+    assert np.allclose(other, full[10:], rtol=1e-4, atol=0)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_resume_of_another_model_is_refused(tmp_path):
+    (tmp_path / "a.txt").write_text("abc " * 500)
+    np.arange(600, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    train("--steps", "2", "--seq", "16", "--data", "a.txt", "--checkpoint-dir", "ck", cwd=tmp_path)
+    done = train("--steps", "4", "--seq", "16", "--data", "t.bin", "--checkpoint-dir", "ck", "--resume",
+                 cwd=tmp_path, check=False)
+    assert done.returncode != 0 and "it holds vocab_size 256, this run has 600" in done.stderr
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_non_finite_loss_stops_with_its_step(tmp_path):
+    done = train("--steps", "30", "--lr", "1e6", cwd=tmp_path, check=False)
+    assert done.returncode == 1
+    assert "error: step " in done.stderr and ("the loss is nan" in done.stderr or "norm is nan" in done.stderr
+                                                or "loss is inf" in done.stderr)
+    assert "Traceback" not in done.stderr
+
+
+def _workers(mark):
+    """pid by RANK of the processes whose environment carries ``mark``."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            env = dict(kv.split("=", 1) for kv in (proc / "environ").read_bytes().decode().split("\0") if "=" in kv)
+        except (OSError, ValueError):
+            continue
+        if env.get("PIPELOOM_TEST_MARK") == mark and "RANK" in env:
+            found[int(env["RANK"])] = int(proc.name)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the workers through /proc")
+@pytest.mark.timeout(TIMEOUT)
+def test_a_killed_rank_stops_the_others_naming_what_they_waited_for(tmp_path):
+    mark = uuid.uuid4().hex
+    timeout = 20
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeloom", "train", "--steps", "100000", "--timeout", str(timeout),
+         "--metrics", "m.jsonl"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PIPELOOM_TEST_MARK": mark})
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (
+                (tmp_path / "m.jsonl").exists() and len((tmp_path / "m.jsonl").read_text().splitlines()) >= 3):
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.2)
+        workers = _workers(mark)
+        assert sorted(workers) == [0, 1]
+        os.kill(workers[1], signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = proc.communicate(timeout=timeout + 30)
+        assert time.monotonic() - killed < timeout + 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "rank 0: action" in err and "from rank 1" in err, err[-2000:]
+    assert "rank 1 died of SIGKILL" in err
