@@ -246,6 +246,7 @@ def _add_train(sub) -> None:
                         "pp and dp may differ from the saving run")
     g.add_argument("--metrics", metavar="FILE.jsonl", help="one JSON object per step: step, loss, step_time, tokens_per_s, lr, grad_norm")
     g.add_argument("--trace", metavar="FILE.json", help="write the last step's measured timeline as a Chrome trace")
+    g.add_argument("--plot", metavar="FILE.png|.svg", help="draw the last step's measured timeline with matplotlib")
     g.add_argument("--report", action="store_true",
                    help="at the end: measured step time beside the simulator's prediction from the measured costs")
     p.set_defaults(run=_run_train)

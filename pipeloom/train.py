@@ -26,6 +26,7 @@ from statistics import median
 from .data import load_data
 from .errors import PipeloomError
 from .schedule import FAMILIES, build
+from .sim.plot import SUFFIXES
 
 #: Steps whose timelines feed ``--report`` (the last ones of the run).
 REPORT_STEPS = 5
@@ -66,6 +67,8 @@ def check(args, world: int) -> None:
         raise PipeloomError(f"unknown --model {args.model!r}; presets: {', '.join(PRESETS)}")
     if not args.lr > 0:
         raise PipeloomError(f"--lr must be positive, got {args.lr}")
+    if args.plot and Path(args.plot).suffix.lower() not in SUFFIXES:
+        raise PipeloomError(f"--plot {args.plot}: the file name must end in .png or .svg")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise PipeloomError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
     if args.checkpoint_every and not args.checkpoint_dir:
@@ -77,6 +80,12 @@ def check(args, world: int) -> None:
 
         read_meta(args.resume)
     schedule = build(args.schedule, args.pp, args.microbatches)
+    if args.steps % schedule.steps:
+        raise PipeloomError(f"{args.schedule} runs {schedule.steps} steps per call without a flush; "
+                            f"use a --steps that is a multiple of {schedule.steps}")
+    if args.checkpoint_every and args.checkpoint_every % schedule.steps:
+        raise PipeloomError(f"{args.schedule} can save only between its calls of {schedule.steps} steps; "
+                            f"use a --checkpoint-every that is a multiple of {schedule.steps}")
     layers = PRESETS[args.model]["n_layer"]
     if schedule.stages > layers:
         raise PipeloomError(f"--model {args.model} has {layers} layers, too few for the {schedule.stages} stages of "
@@ -179,59 +188,86 @@ class Trainer:
         self.start = self._resume() if args.resume else 0
 
     def train(self) -> None:
-        import torch
-
         from .runtime.timeline import gather_timeline
 
         args, pipe = self.args, self.pipe
         lead = self.rank == 0
         metrics = open(args.metrics, "a" if args.resume else "w") if lead and args.metrics else None
         progress = _Progress(args.steps, self.start) if lead else None
+        per_call = pipe.schedule.steps  # 2bw runs several steps per call, without a flush
         times, timelines = [], []
         try:
-            for step in range(self.start, args.steps):
-                lr = learning_rate(step, args)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
-                batch = self.data.batch(step, self.batch, args.seq, args.seed)
-                tokens = torch.from_numpy(batch)
+            for first in range(self.start, args.steps, per_call):
                 started = time.perf_counter()
-                loss = pipe.step(tokens[:, :-1], tokens[:, 1:])
-                if not math.isfinite(loss):
-                    raise PipeloomError(f"step {step + 1}: the loss is {loss}; the update was not applied. "
-                                        f"Lower --lr (now {args.lr:g}) or check the data")
-                try:
-                    norm = pipe.optimizer_step(self.optimizer, max_norm=args.clip)
-                except PipeloomError as err:
-                    raise PipeloomError(f"step {step + 1}: {err}. Lower --lr (now {args.lr:g}) or check the data") from None
-                elapsed = time.perf_counter() - started
+                records = self._call(first)
+                elapsed = (time.perf_counter() - started) / per_call
                 times.append(elapsed)
-                if args.report and step >= args.steps - REPORT_STEPS:
+                if args.report and first + per_call > args.steps - REPORT_STEPS:
                     timelines.append(gather_timeline(pipe))
-                record = {"step": step + 1, "loss": round(loss, 6), "step_time": round(elapsed, 6),
-                          "tokens_per_s": round(self.batch * args.seq / elapsed, 1), "lr": lr,
-                          "grad_norm": round(norm, 6)}
-                if metrics:
-                    metrics.write(json.dumps(record) + "\n")
-                    metrics.flush()
-                if progress:
-                    progress.update(record)
-                if args.checkpoint_dir and (step + 1 == args.steps or
-                                            (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
-                    self._save(step + 1)
+                for record in records:
+                    record.update(step_time=round(elapsed, 6), tokens_per_s=round(self.batch * args.seq / elapsed, 1))
+                    if metrics:
+                        metrics.write(json.dumps(record) + "\n")
+                        metrics.flush()
+                    if progress:
+                        progress.update(record)
+                last = first + per_call
+                every = args.checkpoint_every
+                if args.checkpoint_dir and (last == args.steps or (every and last // every > first // every)):
+                    self._save(last)
         finally:
             if metrics:
                 metrics.close()
             if progress:
                 progress.close()
-        if args.trace and self.start < args.steps:
-            from .runtime.timeline import write_trace
-
-            write_trace(pipe, args.trace)
-            if lead:
-                print(f"wrote the measured timeline of step {args.steps} to {args.trace}", file=sys.stderr)
+        if self.start < args.steps:
+            self._write_timeline()
         if timelines and lead:
             print(report(pipe.schedule, timelines, times[1:] or times), flush=True)
+
+    def _call(self, first: int) -> list[dict]:
+        """Train the steps of one call of the schedule from step ``first`` (0-based);
+        a record per step: step (1-based), loss, lr, and grad_norm where the update is global."""
+        import numpy as np
+        import torch
+
+        args, pipe = self.args, self.pipe
+        steps = range(first, first + pipe.schedule.steps)
+        lr = learning_rate(first, args)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        tokens = torch.from_numpy(np.concatenate([self.data.batch(t, self.batch, args.seq, args.seed) for t in steps]))
+        hint = f"Lower --lr (now {args.lr:g}) or check the data"
+        if pipe.versions:  # each stage updates as it finishes a step: no global norm, no clipping
+            losses = pipe.run_steps(tokens[:, :-1], tokens[:, 1:], self.optimizer)
+            for t, loss in zip(steps, losses):
+                if not math.isfinite(loss):
+                    raise PipeloomError(f"step {t + 1}: the loss is {loss}. {hint}")
+            return [{"step": t + 1, "loss": round(loss, 6), "lr": lr} for t, loss in zip(steps, losses)]
+        loss = pipe.step(tokens[:, :-1], tokens[:, 1:])
+        if not math.isfinite(loss):
+            raise PipeloomError(f"step {first + 1}: the loss is {loss}; the update was not applied. {hint}")
+        try:
+            norm = pipe.optimizer_step(self.optimizer, max_norm=args.clip)
+        except PipeloomError as err:
+            raise PipeloomError(f"step {first + 1}: {err}. {hint}") from None
+        return [{"step": first + 1, "loss": round(loss, 6), "lr": lr, "grad_norm": round(norm, 6)}]
+
+    def _write_timeline(self) -> None:
+        """``--trace`` and ``--plot``: the last step's measured timeline (every rank takes part)."""
+        from .runtime.timeline import gather_timeline, measured_result, write_trace
+        from .sim import plot_schedule
+
+        args, lead = self.args, self.rank == 0
+        if args.trace:
+            write_trace(self.pipe, args.trace)
+            if lead:
+                print(f"wrote the measured timeline of step {args.steps} to {args.trace}", file=sys.stderr)
+        if args.plot:
+            result = measured_result(gather_timeline(self.pipe), self.pipe.schedule)
+            if lead:
+                plot_schedule(result, args.plot)
+                print(f"drew the measured timeline of step {args.steps} in {args.plot}", file=sys.stderr)
 
     def _meta(self, step: int) -> dict:
         args = self.args
@@ -269,20 +305,20 @@ class Trainer:
 def report(schedule, timelines, step_times) -> str:
     """The measured step beside the simulator's prediction from the measured costs,
     and what the simulator predicts for the other families with those costs."""
-    from .runtime.timeline import bubble_seen, full_stage_costs, measured_costs, median_costs
+    from .runtime.timeline import full_stage_costs, measured_costs, measured_result, median_costs
     from .sim import simulate
 
     costs = median_costs([measured_costs(events, schedule) for events in timelines])
-    spans = [max(e.end for evs in t for e in evs) - min(e.start for evs in t for e in evs) for t in timelines]
+    seen = [measured_result(events, schedule) for events in timelines]
     own = simulate(schedule, costs)
-    step_ms = 1e3 * median(step_times)
+    step_ms, span = 1e3 * median(step_times), median(r.makespan for r in seen)
     lines = [
         f"report: {schedule.family}, pp={schedule.pp}, {schedule.microbatches} microbatches "
         f"(timelines of the last {len(timelines)} steps)",
-        f"  measured step   {step_ms:9.2f} ms   (actions span {median(spans):.2f} ms, "
-        f"bubble seen {median(bubble_seen(t) for t in timelines):.1%})",
-        f"  simulated step  {own.makespan:9.2f} ms   (from the measured costs; bubble {own.bubble_rate:.1%}; "
-        f"simulated / measured {own.makespan / step_ms:.3f})",
+        f"  measured step   {step_ms:9.2f} ms   (with the optimizer step; the schedule's actions span "
+        f"{span:.2f} ms, bubble seen {median(r.bubble_rate for r in seen):.1%})",
+        f"  simulated       {own.makespan:9.2f} ms   (the actions, from the measured costs; bubble "
+        f"{own.bubble_rate:.1%}; simulated / measured span {own.makespan / span:.3f})",
         "  measured costs per stage (ms): " + ", ".join(
             f"{k} {' '.join(f'{v:.2f}' for v in getattr(costs, k))}" for k in ("f", "b", "w", "comm")),
         "  the simulator's prediction for other schedules with these costs:",

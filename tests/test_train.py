@@ -54,7 +54,7 @@ def test_under_torchrun_with_data_parallelism(tmp_path):
                  "--trace", "t.json", cwd=tmp_path, torchrun=4)
     assert "zb-h1, pp=2, dp=2" in done.stderr
     assert len(metrics(tmp_path / "m.jsonl")) == 4
-    assert "measured step" in done.stdout and "simulated step" in done.stdout and "bubble seen" in done.stdout
+    assert "measured step" in done.stdout and "simulated / measured span" in done.stdout and "bubble seen" in done.stdout
     trace = json.loads((tmp_path / "t.json").read_text())
     names = {e.get("name") for e in trace["traceEvents"]}
     assert {"0F0", "1I3", "1W3"} <= names
@@ -170,3 +170,17 @@ def test_a_killed_rank_stops_the_others_naming_what_they_waited_for(tmp_path):
     assert proc.returncode != 0
     assert "rank 0: action" in err and "from rank 1" in err, err[-2000:]
     assert "rank 1 died of SIGKILL" in err
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_two_bw_trains_in_calls_and_resumes_with_its_weight_versions(tmp_path):
+    train("--schedule", "2bw", "--steps", "8", "--checkpoint-dir", "ck", "--checkpoint-every", "4",
+          "--metrics", "full.jsonl", cwd=tmp_path)
+    full = metrics(tmp_path / "full.jsonl")
+    assert [r["step"] for r in full] == list(range(1, 9)) and full[-1]["loss"] < full[0]["loss"]
+    train("--schedule", "2bw", "--pp", "4", "--steps", "8", "--checkpoint-dir", "again", "--resume",
+          "ck/step_0000004", "--metrics", "resumed.jsonl", cwd=tmp_path)
+    resumed = [r["loss"] for r in metrics(tmp_path / "resumed.jsonl")]
+    assert np.allclose(resumed, [r["loss"] for r in full[4:]], rtol=1e-4, atol=0)
+    done = train("--schedule", "2bw", "--steps", "10", cwd=tmp_path, check=False)
+    assert done.returncode == 2 and "use a --steps that is a multiple of 4" in done.stderr

@@ -2,7 +2,8 @@
 
 Every tensor is stored under its name in the unsplit model: ``model/<name>``
 for a weight, ``optim/<name>/<key>`` for its optimizer state (AdamW's
-``exp_avg``, ``exp_avg_sq``, ``step``). Each rank saves what its stages hold
+``exp_avg``, ``exp_avg_sq``, ``step``), and with weight versions (2bw)
+``version<j>/<name>`` for the weights the next steps run with (j = 0, 1, ...). Each rank saves what its stages hold
 (replicas and tied copies are written once) and loads what its stages need,
 whatever split saved them. A checkpoint is a directory; ``pipeloom.json``
 beside the tensor files holds the caller's metadata and is written last, so
@@ -43,8 +44,13 @@ def load(pipe, optimizer: torch.optim.Optimizer, directory: str | Path) -> dict:
     this pipeline's stages; every rank calls this. Returns the saved metadata."""
     meta = read_meta(directory)
     _create_optimizer_state(optimizer)
+    if pipe.versions:
+        pipe.steps_done = meta["step"]
+        pipe.versions.restart(pipe.steps_done)  # versions the checkpoint lacks stay the newest weights
+    saved = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    state = {k: v for k, v in _state(pipe, optimizer).items() if k in saved or not k.startswith("version")}
     try:
-        dcp.load(_state(pipe, optimizer), checkpoint_id=Path(directory))
+        dcp.load(state, checkpoint_id=Path(directory))
     except Exception as err:  # DCP wraps each rank's failure; say which checkpoint did not fit
         raise PipeloomError(f"checkpoint {directory} does not fit this model and optimizer: {_first_line(err)}") from None
     by_name: dict[str, list[torch.nn.Parameter]] = {}
@@ -82,6 +88,10 @@ def _state(pipe, optimizer) -> dict[str, torch.Tensor]:
         for key, value in optimizer.state.get(p, {}).items():
             if torch.is_tensor(value):
                 state[f"optim/{name}/{key}"] = value
+    if pipe.versions:
+        for (s, t), weights in pipe.versions.weights.items():
+            for local, tensor in weights.items():
+                state.setdefault(f"version{t - pipe.steps_done}/{pipe.stages[s].param_names[local]}", tensor.detach())
     return state
 
 

@@ -18,6 +18,7 @@ from ..nn.linear import WeightGradStore, defer_weight_grads
 from ..schedule import BW, B, F, W, Action, Schedule, build, validate
 from ..schedule.links import Message, link_messages, sent_message
 from .p2p import Channel
+from .versions import WeightVersions
 
 
 @dataclass
@@ -44,7 +45,7 @@ class TimedAction:
 class _Step:
     slots: dict = field(default_factory=dict)
     timeline: list[TimedAction] = field(default_factory=list)
-    loss: torch.Tensor | None = None
+    loss: torch.Tensor | None = None  # the sum of each step's microbatch losses / microbatches
     wall_start: float = field(default_factory=time.time)  # aligns the ranks' timelines (one clock per host)
 
 
@@ -96,11 +97,6 @@ class Pipeline:
             if pp is None or microbatches is None:
                 raise PipeloomError("give pp and microbatches with a schedule name")
             self.schedule = build(schedule, pp, microbatches, chunks, **schedule_options)
-        if self.schedule.steps != 1 or self.schedule.weight_versions != 1:
-            raise PipeloomError(
-                f"the runtime executes one synchronous step per call; {self.schedule.family} spans "
-                f"{self.schedule.steps} steps with {self.schedule.weight_versions} weight versions"
-            )
         world = dist.get_world_size()
         if world != dp * pp:
             raise PipeloomError(
@@ -131,8 +127,12 @@ class Pipeline:
         links = link_messages(self.schedule)
         self.channel = Channel(self.rank, self._link_groups(links), timeout)
         self._posts = self._receive_plan(links)
-        self._reduce_after = self._data_parallel_plan() if dp > 1 else {}
+        multi_step = self.schedule.steps > 1 or self.schedule.weight_versions > 1
+        self.versions = WeightVersions(self.stages, self.schedule.weight_versions) if multi_step else None
+        self._update_after = self._update_plan() if multi_step else {}
+        self._reduce_after = self._data_parallel_plan() if dp > 1 and not multi_step else {}
         self.last_step: _Step | None = None
+        self.steps_done = 0  # steps run so far by run_steps (multi-version schedules)
         self._hidden = getattr(getattr(model, "config", None), "n_embd", None)
         params = self.parameters()
         self._dtype = params[0].dtype if params else torch.get_default_dtype()
@@ -151,28 +151,52 @@ class Pipeline:
         """One training step's forward and backward on the global batch
         ``tokens``/``targets`` (the same tensors on every rank); returns the
         step's mean loss on every rank. Gradients accumulate in ``.grad``."""
+        if self.versions:
+            raise PipeloomError(
+                f"{self.schedule.family} runs {self.schedule.steps} steps per call with "
+                f"{self.schedule.weight_versions} weight versions: use run_steps(tokens, targets, optimizer)"
+            )
+        return self._execute(tokens, targets, None)[0]
+
+    def run_steps(self, tokens: torch.Tensor, targets: torch.Tensor, optimizer: torch.optim.Optimizer) -> list[float]:
+        """The schedule's ``steps`` training steps without a flush between them
+        (PipeDream-2BW): ``tokens``/``targets`` hold that many global batches one
+        after another. Each stage applies ``optimizer`` (built on :meth:`parameters`)
+        as soon as it has finished a step's gradient, with the delayed update of
+        :mod:`pipeloom.runtime.versions`; versions carry over to the next call.
+        Returns each step's mean loss."""
+        if not self.versions:
+            raise PipeloomError(f"{self.schedule.family} is synchronous: use step() and optimizer_step()")
+        return self._execute(tokens, targets, optimizer)
+
+    def _execute(self, tokens, targets, optimizer) -> list[float]:
+        """Run this rank's actions on the batches; the mean loss of each step."""
         micro_tokens, micro_targets = self._microbatches(tokens, targets)
-        step = _Step()
+        step = _Step(loss=torch.zeros(self.schedule.steps, device=self.device))
         reductions = []
         t0 = time.perf_counter()
         for k, action in enumerate(self.actions):
             for src, message in self._posts.get(k, ()):
                 self._post_receive(src, message, micro_tokens)
+            self._receive_input(action, step)  # waiting for a peer is not the action's time
             start = time.perf_counter() - t0
             self._run(action, step, micro_tokens, micro_targets)
             step.timeline.append(TimedAction(self.pp_rank, action, start, time.perf_counter() - t0))
             for p in self._reduce_after.get(k, ()):  # this stage's gradients are final: average them now
                 if p.grad is not None:
                     reductions.append((p, dist.all_reduce(p.grad, group=self.dp_group, async_op=True)))
+            for s, t in self._update_after.get(k, ()):
+                self.versions.update(s, t + self.steps_done, optimizer, lambda grads: self._reduce_now(s, grads))
         self.channel.flush()
-        self._sum_tied()
-        self._finish_data_parallel(reductions)
+        if not self.versions:
+            self._sum_tied()
+            self._finish_data_parallel(reductions)
+        self.steps_done += self.schedule.steps if self.versions else 0
         self.last_step = step
-        loss = step.loss if step.loss is not None else torch.zeros((), device=self.device)
-        loss = loss.detach().clone()
+        loss = step.loss
         self._all_reduce(loss, self.pp_group, "the end of the step waited for the loss of the last stage")
         self._all_reduce(loss, self.dp_group, "the end of the step waited for the other replicas' loss")
-        return loss.item() / self.dp
+        return (loss / self.dp).tolist()
 
     def gather_grads(self) -> dict[str, torch.Tensor]:
         """Every gradient of the unsplit model by parameter name, on every rank (CPU tensors)."""
@@ -226,17 +250,17 @@ class Pipeline:
     def _forward(self, action: Action, step: _Step, slot: _Slot, tokens, targets) -> None:
         s, i = action.stage, action.microbatch
         if s == 0:
-            x = tokens[i]
+            slot.input = tokens[i]
         else:
-            x = slot.input if slot.input is not None else self.channel.recv(Message("activation", s - 1, i), action)
-            x.requires_grad_()
-        slot.input = x
-        stage = self.stages[s]
+            slot.input.requires_grad_()
+        x = slot.input
+        stage = self.versions.module(s, self.steps_done + i // self.schedule.microbatches) if self.versions \
+            else self.stages[s]
         with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
             y = checkpoint(stage, x, use_reentrant=False) if s in self.recompute else stage(x)
         if s == self.schedule.stages - 1:
-            loss = nn.functional.cross_entropy(y.flatten(0, 1).float(), targets[i].flatten()) / len(tokens)
-            step.loss = loss.detach() if step.loss is None else step.loss + loss.detach()
+            loss = nn.functional.cross_entropy(y.flatten(0, 1).float(), targets[i].flatten()) / self.schedule.microbatches
+            step.loss[i // self.schedule.microbatches] += loss.detach()
             slot.output = loss
         else:
             slot.output = y.to(self._dtype)  # hidden states travel in the weights' dtype
@@ -244,8 +268,6 @@ class Pipeline:
 
     def _backward(self, action: Action, step: _Step, slot: _Slot) -> None:
         s, i = action.stage, action.microbatch
-        if s < self.schedule.stages - 1 and slot.grad is None:
-            slot.grad = self.channel.recv(Message("gradient", s + 1, i), action)
         # B queues the linear layers' weight gradients for W; BW accumulates each at once, in one GEMM
         slot.weights = WeightGradStore(eager=action.kind == BW)
         with defer_weight_grads(slot.weights):
@@ -269,6 +291,17 @@ class Pipeline:
             step.slots.setdefault((s + 1, i), _Slot()).input = tensor.detach()
         else:
             step.slots.setdefault((s - 1, i), _Slot()).grad = tensor
+
+    def _receive_input(self, action: Action, step: _Step) -> None:
+        """Wait for the input ``action`` needs from another rank, if any, and keep it in its slot."""
+        need = self._remote_input(action)
+        if need:
+            slot = step.slots.setdefault((action.stage, action.microbatch), _Slot())
+            data = self.channel.recv(need[1], action)
+            if action.kind == F:
+                slot.input = data
+            else:
+                slot.grad = data
 
     def _link_groups(self, links) -> dict[tuple[int, int], dist.ProcessGroup]:
         """A process group for each direction of each link (global ranks), so every backend
@@ -323,19 +356,22 @@ class Pipeline:
         self.channel.post(buffer, self.peers[src], message)
 
     def _microbatches(self, tokens: torch.Tensor, targets: torch.Tensor):
-        m = self.schedule.microbatches
-        batch = tokens.shape[0]
+        """This replica's microbatches of every step, in the schedule's numbering."""
+        m, steps = self.schedule.microbatches, self.schedule.steps
         if tokens.shape != targets.shape:
             raise PipeloomError(f"tokens {tuple(tokens.shape)} and targets {tuple(targets.shape)} differ in shape")
-        if batch % (self.dp * m):
+        whole = steps * self.dp * m
+        if tokens.shape[0] % whole:
+            what = f"{steps} steps x " if steps > 1 else ""
             raise PipeloomError(
-                f"a batch of {batch} sequences does not divide into dp={self.dp} x microbatches={m}; "
-                f"use a multiple of {self.dp * m}"
+                f"a batch of {tokens.shape[0]} sequences does not divide into {what}dp={self.dp} x "
+                f"microbatches={m}; use a multiple of {whole}"
             )
-        share = batch // self.dp
-        mine = slice(self.dp_rank * share, (self.dp_rank + 1) * share)
-        tokens, targets = tokens[mine].to(self.device), targets[mine].to(self.device)
-        return tokens.chunk(m), targets.chunk(m)
+        share = tokens.shape[0] // (steps * self.dp)
+        rows = [r for t in range(steps) for r in range((t * self.dp + self.dp_rank) * share,
+                                                       (t * self.dp + self.dp_rank + 1) * share)]
+        tokens, targets = tokens[rows].to(self.device), targets[rows].to(self.device)
+        return tokens.chunk(steps * m), targets.chunk(steps * m)
 
     def _embedding_group(self, stages):
         """The process group of the ranks holding tied weights (first and last
@@ -362,6 +398,28 @@ class Pipeline:
         else:
             for p in self.tied:
                 self._all_reduce(p.grad, self.tied_group, "summing the tied embedding's gradients")
+
+    def _update_plan(self) -> dict[int, list[tuple[int, int]]]:
+        """After which action (index) each stage has finished each step's gradient:
+        (stage, step of this call) to update then."""
+        last = {}
+        for k, action in enumerate(self.actions):
+            if action.kind in (B, W, BW):
+                last[action.stage, action.microbatch // self.schedule.microbatches] = k
+        plan: dict[int, list[tuple[int, int]]] = {}
+        for (s, t), k in sorted(last.items()):
+            plan.setdefault(k, []).append((s, t))
+        return plan
+
+    def _reduce_now(self, s: int, grads: dict[str, torch.Tensor]) -> None:
+        """A multi-version update's reduction of stage ``s``'s gradients (by local name):
+        tied copies summed across their ranks, then the average over replicas."""
+        for name, grad in grads.items():
+            if name in self.stages[s].tied and self.tied_group is not None:
+                self._all_reduce(grad, self.tied_group, "summing the tied embedding's gradients")
+            if self.dp > 1:
+                self._all_reduce(grad, self.dp_group, "averaging gradients over the data-parallel replicas")
+                grad /= self.dp
 
     def _data_parallel_plan(self) -> dict[int, list[nn.Parameter]]:
         """After which action (index) to start averaging each stage's gradients over

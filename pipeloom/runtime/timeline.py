@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..schedule import BW, B, F, W, Costs
 from ..schedule.deps import Dependencies
-from ..sim import Event
+from ..sim import Event, Result
 from ..sim.trace import chrome_trace_events, transfers_of
 
 
@@ -65,12 +65,13 @@ def full_stage_costs(costs: Costs, schedule) -> Costs:
     return Costs(f=fold(costs.f), b=fold(costs.b), w=fold(costs.w), comm=median(costs.comm))
 
 
-def bubble_seen(events: list[list[Event]]) -> float:
-    """Idle share of the ranks' time from the step's first start to its last end."""
-    start = min(e.start for evs in events for e in evs)
-    span = max(e.end for evs in events for e in evs) - start
-    busy = sum(e.end - e.start for evs in events for e in evs)
-    return 1.0 - busy / (len(events) * span) if span > 0 else 0.0
+def measured_result(events: list[list[Event]], schedule) -> Result:
+    """The measured step as a simulator :class:`~pipeloom.sim.Result` (ms from its first
+    action's start), with the simulator's bubble rate and memory, to compare or draw."""
+    origin = min(e.start for evs in events for e in evs)
+    costs = measured_costs(events, schedule).per_stage(schedule.stages, schedule.chunks)
+    return Result.from_times(schedule, costs, [[e.start - origin for e in evs] for evs in events],
+                             [[e.end - origin for e in evs] for evs in events])
 
 
 def _comm_wait(events: list[list[Event]], schedule) -> float:

@@ -49,6 +49,20 @@ class Result:
     starts: list[list[float]] = field(repr=False)
     ends: list[list[float]] = field(repr=False)
 
+    @classmethod
+    def from_times(cls, schedule: Schedule, costs: StageCosts, starts, ends) -> Result:
+        """The result of running every action of ``schedule`` from ``starts`` to ``ends``
+        (per rank, in list order): simulated, or measured on the runtime."""
+        stats = []
+        for rank, actions in enumerate(schedule.ranks):
+            busy = sum(e - s for s, e in zip(starts[rank], ends[rank]))
+            span = ends[rank][-1] - starts[rank][0] if actions else 0.0
+            peak = peak_activation(actions, costs.m_b.__getitem__, costs.m_w.__getitem__)
+            stats.append(RankStats(busy=busy, idle=span - busy, span=span, peak_activation=peak))
+        makespan = max((e[-1] for e in ends if e), default=0.0)
+        bubble = max((s.bubble_rate for s in stats), default=0.0)
+        return cls(schedule, costs, makespan, bubble, stats, starts, ends)
+
     @cached_property
     def events(self) -> list[list[Event]]:
         """Every action as an :class:`Event`, per rank in list order."""
@@ -79,13 +93,4 @@ def simulate(schedule: Schedule, costs: Costs | StageCosts | None = None) -> Res
     if not isinstance(costs, StageCosts):
         costs = (costs or Costs()).per_stage(schedule.stages, schedule.chunks)
     starts, ends = asap(schedule, costs.duration, costs.transfer)
-    m_b, m_w = costs.m_b, costs.m_w
-    stats = []
-    for rank, actions in enumerate(schedule.ranks):
-        busy = sum(e - s for s, e in zip(starts[rank], ends[rank]))
-        span = ends[rank][-1] - starts[rank][0] if actions else 0.0
-        peak = peak_activation(actions, m_b.__getitem__, m_w.__getitem__)
-        stats.append(RankStats(busy=busy, idle=span - busy, span=span, peak_activation=peak))
-    makespan = max((e[-1] for e in ends if e), default=0.0)
-    bubble = max((s.bubble_rate for s in stats), default=0.0)
-    return Result(schedule, costs, makespan, bubble, stats, starts, ends)
+    return Result.from_times(schedule, costs, starts, ends)

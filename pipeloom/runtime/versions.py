@@ -1,0 +1,65 @@
+"""Weight versions of schedules that run several steps without a flush (PipeDream-2BW).
+
+With ``V`` weight versions, step ``t``'s microbatches use version ``t`` on
+every stage, and the gradient of step ``t`` is applied once the stage has
+finished it, to the newest version, giving the version of step ``t + V``:
+
+    W(t + V) = W(t + V - 1) - lr * grad f(W(t))
+
+For V = 2 this is 2BW's delayed update ``W(t+1) = W(t) - lr * grad f(W(t-1))``
+(and W(1) = W(0)). A stage's module parameters always hold the newest
+version and carry the optimizer's state; each version in use is a detached
+copy that the forward runs with (``torch.func.functional_call``) and whose
+``.grad`` collects that step's gradient, so a backward always sees the
+weights of its own forward.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+
+class WeightVersions:
+    """The versions of one rank's stages, by step."""
+
+    def __init__(self, stages: dict[int, nn.Module], versions: int):
+        self.stages, self.count = stages, versions
+        self.weights: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.restart(0)
+
+    def restart(self, step: int) -> None:
+        """Make the versions of steps ``step`` .. ``step + V - 1`` copies of the newest weights."""
+        self.weights = {(s, step + j): self._copy(s) for s in self.stages for j in range(self.count)}
+
+    def _copy(self, s: int) -> dict[str, torch.Tensor]:
+        """The stage's newest weights as fresh leaves, by local name (shared tensors stay shared)."""
+        copies: dict[int, torch.Tensor] = {}
+        return {name: copies.setdefault(id(p), p.detach().clone().requires_grad_(p.requires_grad))
+                for name, p in self.stages[s].named_parameters(remove_duplicate=False)}
+
+    def module(self, s: int, t: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Stage ``s`` as a function that runs with step ``t``'s weights."""
+        weights = self.weights[s, t]
+        return lambda x: functional_call(self.stages[s], weights, (x,), tie_weights=False)
+
+    def update(self, s: int, t: int, optimizer: torch.optim.Optimizer,
+               reduce: Callable[[dict[str, torch.Tensor]], None]) -> None:
+        """Apply step ``t``'s gradient on stage ``s`` (after ``reduce`` sums it, by local
+        name, over replicas and tied copies) to the newest weights: the version of step ``t + V``."""
+        old = self.weights.pop((s, t))
+        params = dict(self.stages[s].named_parameters())
+        grads = {name: old[name].grad for name in params if old[name].grad is not None}
+        reduce(grads)
+        everything = [p for group in optimizer.param_groups for p in group["params"]]
+        for p in everything:
+            p.grad = None
+        for name, grad in grads.items():
+            params[name].grad = grad
+        optimizer.step()  # parameters without a gradient (other stages) are left alone
+        for p in everything:
+            p.grad = None
+        self.weights[s, t + self.count] = self._copy(s)
