@@ -9,7 +9,7 @@ trace and the report.
 A dead or stalled peer stops every other rank within ``--timeout`` seconds
 (a dead one at once: its connections close) with a message naming the rank,
 the action and what it waited for; a non-finite loss stops the run at that
-step, before the update.
+step (before the update, but with 2bw, whose stages update as they go).
 """
 
 from __future__ import annotations
@@ -42,13 +42,14 @@ def run(args) -> int:
     if under_torchrun():
         return _worker(args)
     check(args, world=args.pp * (args.dp or 1))
+    load_data(args.data, args.token_dtype, args.vocab_size)  # a bad path stops before any worker starts
     from .launch import launch
 
     return launch(args.argv, args.pp * (args.dp or 1))
 
 
 def check(args, world: int) -> None:
-    """Every mistake in the arguments that can be found before any process starts."""
+    """Every mistake in the arguments, but the data's, that can be found before training."""
     from .nn.gpt import PRESETS
 
     for flag in ("pp", "microbatches", "microbatch_size", "steps", "seq"):
@@ -65,8 +66,9 @@ def check(args, world: int) -> None:
                             f"use --dp {world // args.pp}")
     if args.model not in PRESETS:
         raise PipeloomError(f"unknown --model {args.model!r}; presets: {', '.join(PRESETS)}")
-    if not args.lr > 0:
-        raise PipeloomError(f"--lr must be positive, got {args.lr}")
+    for flag in ("lr", "timeout"):
+        if not getattr(args, flag) > 0:
+            raise PipeloomError(f"--{flag} must be positive, got {getattr(args, flag)}")
     if args.plot and Path(args.plot).suffix.lower() not in SUFFIXES:
         raise PipeloomError(f"--plot {args.plot}: the file name must end in .png or .svg")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
@@ -76,7 +78,7 @@ def check(args, world: int) -> None:
     if args.resume == "latest" and not args.checkpoint_dir:
         raise PipeloomError("--resume without a path needs --checkpoint-dir to look in")
     if args.resume and args.resume != "latest":
-        from .runtime.checkpoint import read_meta  # torch-free check of the path
+        from .runtime.checkpoint import read_meta
 
         read_meta(args.resume)
     schedule = build(args.schedule, args.pp, args.microbatches)
@@ -90,7 +92,6 @@ def check(args, world: int) -> None:
     if schedule.stages > layers:
         raise PipeloomError(f"--model {args.model} has {layers} layers, too few for the {schedule.stages} stages of "
                             f"{args.schedule} at --pp {args.pp}; use a larger model or a smaller --pp")
-    load_data(args.data, args.token_dtype, args.vocab_size)
 
 
 def learning_rate(step: int, args) -> float:

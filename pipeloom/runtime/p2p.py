@@ -32,6 +32,15 @@ class Channel:
         self.pending: list[dist.Work] = []
         self.posted: dict[Message, tuple[torch.Tensor, int, dist.Work]] = {}
 
+    def open(self, device: torch.device) -> None:
+        """Pass a first message over each of this rank's links, in the order of ``groups``
+        (the same on every rank, so this cannot deadlock), so that no backend sets a
+        link up lazily, blocking, in the middle of a step."""
+        for (src, dst), group in self.groups.items():
+            hello = torch.zeros(1, device=device)
+            work = dist.isend(hello, dst, group=group) if self.rank == src else dist.irecv(hello, src, group=group)
+            self.wait(work, f"opening the link from rank {src} to rank {dst}")
+
     def send(self, tensor: torch.Tensor, peer: int) -> None:
         self.pending.append(dist.isend(tensor.contiguous(), dst=peer, group=self.groups[(self.rank, peer)]))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Iterable
 
 import torch
@@ -126,6 +127,7 @@ class Pipeline:
         self.actions = self.schedule.ranks[self.pp_rank]
         links = link_messages(self.schedule)
         self.channel = Channel(self.rank, self._link_groups(links), timeout)
+        self.channel.open(self.device)
         self._posts = self._receive_plan(links)
         multi_step = self.schedule.steps > 1 or self.schedule.weight_versions > 1
         self.versions = WeightVersions(self.stages, self.schedule.weight_versions) if multi_step else None
@@ -186,7 +188,7 @@ class Pipeline:
                 if p.grad is not None:
                     reductions.append((p, dist.all_reduce(p.grad, group=self.dp_group, async_op=True)))
             for s, t in self._update_after.get(k, ()):
-                self.versions.update(s, t + self.steps_done, optimizer, lambda grads: self._reduce_now(s, grads))
+                self.versions.update(s, t + self.steps_done, optimizer, partial(self._reduce_now, s))
         self.channel.flush()
         if not self.versions:
             self._sum_tied()
@@ -305,18 +307,15 @@ class Pipeline:
 
     def _link_groups(self, links) -> dict[tuple[int, int], dist.ProcessGroup]:
         """A process group for each direction of each link (global ranks), so every backend
-        matches a link's messages in send order. Every rank creates every group, in
-        one order, then opens its own in that order (a fixed order cannot deadlock)."""
-        groups, mine = {}, []
+        matches a link's messages in send order. Every rank creates every group in one
+        order (:meth:`Channel.open` then opens this rank's in that order)."""
+        groups = {}
         for replica in range(self.dp):
             for src, dst in links:
                 ranks = [int(self.mesh.mesh[replica, q]) for q in (src, dst)]
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
                     groups[tuple(ranks)] = group
-                    mine.append(group)
-        for group in mine:
-            dist.barrier(group=group)
         return groups
 
     def _receive_plan(self, links) -> dict[int, list[tuple[int, Message]]]:
