@@ -3,12 +3,18 @@
 Three sources, all one flat stream of token ids:
 
 - the built-in corpus (no path): the Python standard library's own source
-  files, present on every machine, read as bytes (a byte-level tokenizer:
-  one token per byte, vocabulary 256);
+  files, present on every machine;
 - a text file, or a directory of them (every file without NUL bytes, in
-  sorted path order), also as bytes;
+  sorted path order);
 - a binary token file (``*.bin``, or any file with ``token_dtype``): token ids
   as ``uint16`` or ``uint32``, memory-mapped, never read whole.
+
+Text is tokenized by bytes (one token per byte, vocabulary 256) or by BPE:
+a byte-level BPE tokenizer of the ``tokenizers`` package, trained on the text
+itself to ``vocab_size`` tokens or loaded from a ``tokenizer.json``. A BPE
+tokenizer and the token stream it makes are cached (``$PIPELOOM_CACHE``,
+default ``~/.cache/pipeloom``), keyed by the files, their sizes and times,
+and the tokenizer.
 
 Batches are drawn at random positions from a generator seeded by (seed, step),
 so step ``n`` sees the same batch in an uninterrupted run and after a resume.
@@ -17,6 +23,8 @@ Pure numpy: nothing here imports torch.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -27,6 +35,7 @@ import numpy as np
 from .errors import PipeloomError
 
 BYTE_VOCAB = 256
+BPE_VOCAB = 32_000  # the default size of a trained BPE vocabulary
 TOKEN_DTYPES = ("uint16", "uint32")
 # Library code only: the test suites and the IDE are left out of the default corpus.
 _SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
@@ -56,27 +65,36 @@ class TokenData:
 
 
 def load_data(path: str | os.PathLike | None = None, token_dtype: str | None = None,
-              vocab_size: int | None = None) -> TokenData:
+              vocab_size: int | None = None, tokenizer: str = "bytes") -> TokenData:
     """The token stream at ``path`` (see the module docstring); the built-in corpus if None.
 
     ``token_dtype`` reads ``path`` as a token file; ``vocab_size`` declares a
-    token file's vocabulary (by default its largest id plus one).
+    token file's vocabulary (by default its largest id plus one), or the size
+    of a BPE vocabulary to train. ``tokenizer`` ("bytes", "bpe", or the path
+    of a ``tokenizer.json``) tokenizes text.
     """
     if path is None:
-        return _bytes_data(stdlib_sources(), "the built-in corpus (Python standard library sources)")
-    path = Path(path)
-    if not path.exists():
-        raise PipeloomError(f"--data {path}: no such file or directory")
-    if path.is_dir():
-        files = _text_files(path)
-        if not files:
-            raise PipeloomError(f"--data {path}: the directory holds no non-empty text file")
-        return _bytes_data(files, f"{path} ({len(files)} text files)")
-    if path.stat().st_size == 0:
-        raise PipeloomError(f"--data {path}: the file is empty")
-    if token_dtype is not None or path.suffix == ".bin":
-        return _token_file(path, token_dtype or "uint16", vocab_size)
-    return _bytes_data([path], str(path))
+        files, source = stdlib_sources(), "the built-in corpus (Python standard library sources)"
+    else:
+        path = Path(path)
+        if not path.exists():
+            raise PipeloomError(f"--data {path}: no such file or directory")
+        if path.is_dir():
+            files = _text_files(path)
+            source = f"{path} ({len(files)} text files)"
+            if not files:
+                raise PipeloomError(f"--data {path}: the directory holds no non-empty text file")
+        elif path.stat().st_size == 0:
+            raise PipeloomError(f"--data {path}: the file is empty")
+        elif token_dtype is not None or path.suffix == ".bin":
+            if tokenizer != "bytes":
+                raise PipeloomError(f"--data {path} is a token file, already tokenized; drop --tokenizer")
+            return _token_file(path, token_dtype or "uint16", vocab_size)
+        else:
+            files, source = [path], str(path)
+    if tokenizer == "bytes":
+        return _bytes_data(files, source)
+    return _bpe_data(files, source, tokenizer, vocab_size or BPE_VOCAB)
 
 
 def stdlib_sources() -> list[Path]:
@@ -94,6 +112,58 @@ def _bytes_data(files: list[Path], source: str) -> TokenData:
     if data.size == 0:
         raise PipeloomError(f"{source}: no text to train on")
     return TokenData(data, BYTE_VOCAB, source)
+
+
+def _bpe_data(files: list[Path], source: str, tokenizer: str, vocab_size: int) -> TokenData:
+    """``files`` as BPE tokens: a tokenizer trained on them (``tokenizer == "bpe"``) or
+    loaded from ``tokenizer``; both it and the tokens are cached."""
+    try:
+        import tokenizers
+    except ImportError:
+        raise PipeloomError("--tokenizer needs the tokenizers package: pip install 'pipeloom[bpe]'") from None
+    if tokenizer != "bpe" and not Path(tokenizer).is_file():
+        raise PipeloomError(f"--tokenizer {tokenizer!r}: use bytes, bpe, or the path of a tokenizer.json")
+    if tokenizer == "bpe" and vocab_size < BYTE_VOCAB:
+        raise PipeloomError(f"--vocab-size {vocab_size}: a byte-level BPE vocabulary needs at least {BYTE_VOCAB}")
+    key = hashlib.sha1(json.dumps([
+        tokenizers.__version__, tokenizer, vocab_size if tokenizer == "bpe" else _stamp(Path(tokenizer)),
+        [_stamp(f) for f in files]]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("PIPELOOM_CACHE", Path.home() / ".cache" / "pipeloom")) / "bpe"
+    tokens_path, tokenizer_path = cache / f"{key}.tokens", cache / f"{key}.tokenizer.json"
+    if not tokens_path.is_file():
+        model = _train_bpe(files, vocab_size) if tokenizer == "bpe" else tokenizers.Tokenizer.from_file(tokenizer)
+        texts = [f.read_bytes().decode("utf-8", errors="replace") for f in files]
+        ids = np.concatenate([np.asarray(e.ids, dtype=np.uint32) for e in model.encode_batch(texts)])
+        vocab = model.get_vocab_size()
+        cache.mkdir(parents=True, exist_ok=True)
+        _write_atomically(tokenizer_path, model.to_str().encode())
+        _write_atomically(tokens_path, ids.astype(np.uint16 if vocab <= 1 << 16 else np.uint32).tobytes())
+    vocab = tokenizers.Tokenizer.from_file(str(tokenizer_path)).get_vocab_size()
+    tokens = np.memmap(tokens_path, dtype=np.uint16 if vocab <= 1 << 16 else np.uint32, mode="r")
+    return TokenData(tokens, vocab, f"{source}, BPE {vocab} tokens ({len(tokens)} tokens)")
+
+
+def _train_bpe(files: list[Path], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    model = Tokenizer(models.BPE())
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = decoders.ByteLevel()
+    model.train([str(f) for f in files], trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    return model
+
+
+def _stamp(path: Path) -> list:
+    stat = path.stat()
+    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a concurrent reader (another rank) never sees half of it."""
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    partial.write_bytes(data)
+    os.replace(partial, path)
 
 
 def _text_files(root: Path) -> list[Path]:

@@ -42,7 +42,7 @@ def run(args) -> int:
     if under_torchrun():
         return _worker(args)
     check(args, world=args.pp * (args.dp or 1))
-    load_data(args.data, args.token_dtype, args.vocab_size)  # a bad path stops before any worker starts
+    load_data(args.data, args.token_dtype, args.vocab_size, args.tokenizer)  # a bad path stops before any worker starts
     from .launch import launch
 
     return launch(args.argv, args.pp * (args.dp or 1))
@@ -163,7 +163,7 @@ class Trainer:
 
         self.args, self.device = args, device
         self.rank = dist.get_rank()
-        self.data = load_data(args.data, args.token_dtype, args.vocab_size)
+        self.data = load_data(args.data, args.token_dtype, args.vocab_size, args.tokenizer)
         preset = GPTConfig.preset(args.model)
         self.config = GPTConfig.preset(args.model, vocab_size=self.data.vocab_size,
                                        block_size=max(preset.block_size, args.seq))

@@ -91,3 +91,28 @@ def test_batches_are_windows_fixed_by_seed_and_step(tmp_path):
     assert not np.array_equal(batch, data.batch(step=4, size=5, seq=16, seed=1))
     with pytest.raises(PipeloomError, match="fewer than one sequence of --seq 2000"):
         data.batch(step=0, size=1, seq=2000)
+
+
+def test_bpe_is_trained_on_the_text_cached_and_decodes_back(tmp_path, monkeypatch):
+    tokenizers = pytest.importorskip("tokenizers")
+    monkeypatch.setenv("PIPELOOM_CACHE", str(tmp_path / "cache"))
+    text = "def pipeline(stage, microbatch):\n    return stage + microbatch\n" * 50 + "naïve ünïcode ✓\n"
+    (tmp_path / "code.py").write_text(text)
+    data = load_data(tmp_path / "code.py", vocab_size=300, tokenizer="bpe")
+    assert 256 < data.vocab_size <= 300 and "BPE" in data.source
+    assert len(data) < len(text.encode()) / 2  # merges learned from the text compress it
+    (saved,) = (tmp_path / "cache" / "bpe").glob("*.tokenizer.json")
+    assert tokenizers.Tokenizer.from_file(str(saved)).decode(data.tokens.tolist()) == text
+    again = load_data(tmp_path / "code.py", vocab_size=300, tokenizer="bpe")  # from the cache
+    assert np.array_equal(again.tokens, data.tokens)
+    loaded = load_data(tmp_path / "code.py", tokenizer=str(saved))  # a saved tokenizer.json
+    assert np.array_equal(loaded.tokens, data.tokens) and loaded.vocab_size == data.vocab_size
+
+
+def test_bad_tokenizer_choices_are_clear_errors(tmp_path):
+    (tmp_path / "a.txt").write_text("hello")
+    np.array([1, 2], dtype=np.uint16).tofile(tmp_path / "t.bin")
+    with pytest.raises(PipeloomError, match="use bytes, bpe, or the path of a tokenizer.json"):
+        load_data(tmp_path / "a.txt", tokenizer="wordpiece")
+    with pytest.raises(PipeloomError, match="already tokenized"):
+        load_data(tmp_path / "t.bin", tokenizer="bpe")
