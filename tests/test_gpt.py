@@ -109,6 +109,20 @@ def test_split_matches_unsplit(n_stages, layers_per_stage, tied):
     assert_same_grads(got_grads, want_grads)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_vocab_parallel_split_leaves_out_the_embedding_and_head(tied):
+    model = tiny(tie_embeddings=tied)
+    tokens, _ = batch(model.config)
+    stages = model.split(3, vocab_parallel=True)
+    names = {n for stage in stages for n, _ in stage.named_parameters()}
+    assert "wte.weight" not in names and "lm_head.weight" not in names and "wpe.weight" in names
+    assert all(stage.tied == {} for stage in stages)
+    x = F.embedding(tokens, model.wte.weight)
+    for stage in stages:
+        x = stage(x)
+    torch.testing.assert_close(F.linear(x, model.lm_head.weight), model(tokens))
+
+
 def test_stages_share_the_unsplit_parameters():
     model = tiny()
     by_name = dict(model.named_parameters())

@@ -129,11 +129,15 @@ def _embed(module: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Token plus position embeddings of ``tokens`` [B, T] with ``module``'s wte, wpe and drop."""
     if tokens.dim() != 2:
         raise PipeloomError(f"tokens must have shape [batch, time], got {list(tokens.shape)}")
-    t, block_size = tokens.shape[1], module.wpe.num_embeddings
+    return _add_positions(module, module.wte(tokens))
+
+
+def _add_positions(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Token embeddings ``x`` [B, T, C] plus ``module``'s position embeddings, through its dropout."""
+    t, block_size = x.shape[1], module.wpe.num_embeddings
     if t > block_size:
         raise PipeloomError(f"sequence of {t} tokens exceeds block_size {block_size}; use at most {block_size} tokens")
-    positions = torch.arange(t, device=tokens.device)
-    return module.drop(module.wte(tokens) + module.wpe(positions))
+    return module.drop(x + module.wpe(torch.arange(t, device=x.device)))
 
 
 class GPT(nn.Module):
@@ -181,7 +185,7 @@ class GPT(nn.Module):
         (the last stage's loss function in a pipeline)."""
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
-    def split(self, n_stages: int, layers_per_stage=None) -> list[GPTStage]:
+    def split(self, n_stages: int, layers_per_stage=None, vocab_parallel: bool = False) -> list[GPTStage]:
         """Cut the model into ``n_stages`` :class:`GPTStage` modules of
         consecutive blocks, sharing this model's parameters.
 
@@ -190,10 +194,16 @@ class GPT(nn.Module):
         split is :func:`pipeloom.sim.split_layers`'s, the simulator's: as even
         as possible, the remainder to the middle stages first, since the
         first and last also hold the embeddings and the head.
+
+        ``vocab_parallel`` leaves the token embedding and the LM head out (a
+        vocabulary-parallel runtime computes them on every rank): the first
+        stage then takes token embeddings [B, T, C] and adds the positions,
+        and the last returns the final norm's output [B, T, C].
         """
         counts = _layer_counts(self.config.n_layer, n_stages, layers_per_stage)
         bounds = list(itertools.accumulate(counts, initial=0))
-        return [GPTStage(self, k, n_stages, range(bounds[k], bounds[k + 1])) for k in range(n_stages)]
+        return [GPTStage(self, k, n_stages, range(bounds[k], bounds[k + 1]), vocab_parallel)
+                for k in range(n_stages)]
 
 
 def _layer_counts(n_layer: int, n_stages, layers_per_stage) -> tuple[int, ...]:
@@ -215,7 +225,8 @@ class GPTStage(nn.Module):
     indices) of a :class:`GPT`, plus the embeddings on the first stage
     (input: tokens [B, T]) and the final norm and LM head on the last
     (output: logits [B, T, V]); other inputs and outputs are hidden states
-    [B, T, C]. One tensor in, one out, so ``torch.distributed.pipelining``'s
+    [B, T, C]. With ``vocab_parallel`` the token embedding and the LM head
+    are left out (see :meth:`GPT.split`). One tensor in, one out, so ``torch.distributed.pipelining``'s
     ``PipelineStage`` can run it too.
 
     ``param_names`` maps each local parameter name to the unsplit model's
@@ -235,17 +246,21 @@ class GPTStage(nn.Module):
     gradient and stay equal under the same optimizer update.
     """
 
-    def __init__(self, model: GPT, index: int, n_stages: int, layers: range):
+    def __init__(self, model: GPT, index: int, n_stages: int, layers: range, vocab_parallel: bool = False):
         super().__init__()
         self.index, self.n_stages, self.layers = index, n_stages, layers
         self.is_first, self.is_last = index == 0, index == n_stages - 1
+        self.vocab_parallel = vocab_parallel
         if self.is_first:
-            self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+            self.wpe, self.drop = model.wpe, model.drop
+            if not vocab_parallel:
+                self.wte = model.wte
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
-        separate_head = model.config.tie_embeddings and n_stages > 1
+        separate_head = model.config.tie_embeddings and n_stages > 1 and not vocab_parallel
         if self.is_last:
             self.ln_f = model.ln_f
-            self.lm_head = _head_copy(model) if separate_head else model.lm_head
+            if not vocab_parallel:
+                self.lm_head = _head_copy(model) if separate_head else model.lm_head
         self.tied: dict[str, str] = {}
         if separate_head and self.is_first:
             self.tied["wte.weight"] = "wte.weight"
@@ -255,11 +270,11 @@ class GPTStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:
-            x = _embed(self, x)
+            x = _add_positions(self, x) if self.vocab_parallel else _embed(self, x)
         for block in self.blocks.values():
             x = block(x)
         if self.is_last:
-            x = self.lm_head(self.ln_f(x))
+            x = self.ln_f(x) if self.vocab_parallel else self.lm_head(self.ln_f(x))
         return x
 
 
