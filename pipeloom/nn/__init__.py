@@ -3,5 +3,9 @@ the Linear layer whose weight gradient a runtime can defer (the B/W split)."""
 
 from .gpt import PRESETS, GPT, GPTConfig, GPTStage
 from .linear import Linear, WeightGradStore, defer_weight_grads
+from .vocab import (VOCAB_ALGORITHMS, LMHeadState, VocabParallelEmbedding, VocabParallelLMHead, VocabShard,
+                    vocab_shard)
 
-__all__ = ["PRESETS", "GPT", "GPTConfig", "GPTStage", "Linear", "WeightGradStore", "defer_weight_grads"]
+__all__ = ["PRESETS", "GPT", "GPTConfig", "GPTStage", "Linear", "WeightGradStore", "defer_weight_grads",
+           "VOCAB_ALGORITHMS", "LMHeadState", "VocabParallelEmbedding", "VocabParallelLMHead", "VocabShard",
+           "vocab_shard"]

@@ -1,0 +1,430 @@
+"""Vocabulary parallelism: the input embedding and the LM head split by rows
+of the vocabulary over a process group ("Balancing Pipeline Parallelism with
+Vocabulary Parallelism").
+
+Each of the group's n ranks holds a contiguous shard of ``ceil(V / n)`` weight
+rows (:class:`VocabShard`); the last shards end in padding rows, which are
+never predicted: they take part in no softmax, max or sum, and their
+gradients stay zero. Each layer's passes are separate methods, so that a
+pipeline runtime can put each where its schedule says:
+
+* :class:`VocabParallelEmbedding`: ``partial`` (this shard's lookups), then
+  ``reduce`` (the sum over ranks); backward: ``broadcast_grad``, then
+  ``torch.autograd.backward(partial, grad)`` on every rank.
+* :class:`VocabParallelLMHead`: softmax cross-entropy in the passes S, C (the
+  collective step), T and R of the paper's algorithms ``naive``, ``vocab-1``
+  and ``vocab-2``, each microbatch carried by an :class:`LMHeadState`.
+
+``dst`` and ``src`` ranks are global ranks, as in torch.distributed. Without
+an initialised torch.distributed both layers work as a single shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from ..errors import PipeloomError
+
+_PASSES = {"naive": ("S", "C", "T", "R"), "vocab-1": ("S", "C", "T", "R"), "vocab-2": ("S", "C", "T")}
+
+#: The LM head's algorithms: the paper's naive placement, Algorithm 1 and Algorithm 2.
+VOCAB_ALGORITHMS = tuple(_PASSES)
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise PipeloomError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Shard ``index`` of a vocabulary of ``vocab_size`` rows split into ``parts``:
+    ``rows = ceil(vocab_size / parts)`` weight rows, the real ones being the
+    vocabulary ids ``[start, end)`` (possibly none), the rest padding up to
+    ``padded_size = rows * parts`` ids over all shards."""
+
+    vocab_size: int
+    parts: int
+    index: int
+    rows: int = field(init=False)
+    start: int = field(init=False)
+    end: int = field(init=False)
+    padded_size: int = field(init=False)
+
+    def __post_init__(self):
+        _check_int("vocab_size", self.vocab_size, 1)
+        _check_int("parts", self.parts, 1)
+        if not isinstance(self.index, int) or isinstance(self.index, bool) or not 0 <= self.index < self.parts:
+            raise PipeloomError(f"shard index must be an integer in [0, {self.parts}), got {self.index!r}")
+        rows = -(-self.vocab_size // self.parts)
+        start = min(self.index * rows, self.vocab_size)
+        object.__setattr__(self, "rows", rows)
+        object.__setattr__(self, "start", start)
+        object.__setattr__(self, "end", min(start + rows, self.vocab_size))
+        object.__setattr__(self, "padded_size", rows * self.parts)
+
+    @property
+    def real_rows(self) -> int:
+        """How many of the shard's rows are real vocabulary entries: ``end - start``."""
+        return self.end - self.start
+
+
+def vocab_shard(vocab_size: int, parts: int, index: int) -> VocabShard:
+    """Shard ``index`` of ``vocab_size`` rows split into ``parts`` (see :class:`VocabShard`)."""
+    return VocabShard(vocab_size, parts, index)
+
+
+def _layout(group) -> tuple[int, int]:
+    """(size of ``group``, this process's rank in it); (1, 0) without torch.distributed."""
+    if dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise PipeloomError("this process is not a member of the given process group")
+        return dist.get_world_size(group), rank
+    if group is not None:
+        raise PipeloomError("a process group was given, but torch.distributed is not initialised")
+    return 1, 0
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class _VocabSharded(nn.Module):
+    """What both layers share: the group, this rank's shard of the weight, the collectives."""
+
+    weight: nn.Parameter
+
+    def __init__(self, vocab_size: int, n_embd: int, group):
+        super().__init__()
+        _check_int("n_embd", n_embd, 1)
+        parts, index = _layout(group)
+        self.group, self.n_embd = group, n_embd
+        self.shard = VocabShard(vocab_size, parts, index)
+
+    def _new_weight(self) -> nn.Parameter:
+        """A shard drawn like GPT's weights (normal, std 0.02), padding rows zero."""
+        weight = nn.Parameter(torch.empty(self.shard.rows, self.n_embd))
+        with torch.no_grad():
+            nn.init.normal_(weight, std=0.02)
+            weight[self.shard.real_rows:].zero_()
+        return weight
+
+    @torch.no_grad()
+    def load_full(self, weight_full: torch.Tensor) -> None:
+        """Copy this shard's rows of the unsplit weight [vocab_size, n_embd]; zero the padding rows."""
+        want = (self.shard.vocab_size, self.n_embd)
+        if tuple(weight_full.shape) != want:
+            raise PipeloomError(f"load_full: the unsplit weight must have shape {list(want)}, "
+                                f"got {list(weight_full.shape)}")
+        n = self.shard.real_rows
+        self.weight[:n].copy_(weight_full[self.shard.start:self.shard.end])
+        self.weight[n:].zero_()
+
+    def _real_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight.detach()[: self.shard.real_rows].to(dtype)
+
+    def _check_member(self, rank: int) -> None:
+        if self.shard.parts == 1 and rank != _global_rank():
+            raise PipeloomError(f"rank {rank} is not in this layer's group of one rank ({_global_rank()})")
+
+    def _all_reduce(self, tensor: torch.Tensor, op=None) -> None:
+        if self.shard.parts > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=self.group)
+
+    def _reduce(self, tensor: torch.Tensor, dst: int | None) -> torch.Tensor | None:
+        """Sum ``tensor`` in place over the group: on every rank, or only on global rank ``dst``
+        (the others get None)."""
+        if dst is None:
+            self._all_reduce(tensor)
+            return tensor
+        self._check_member(dst)
+        if self.shard.parts > 1:
+            dist.reduce(tensor, dst=dst, group=self.group)
+        return tensor if dst == _global_rank() else None
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) forward; the gradient passes unchanged, as every rank holds the same one."""
+
+    @staticmethod
+    def forward(ctx, partial, layer):
+        return layer.reduce(partial)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class VocabParallelEmbedding(_VocabSharded):
+    """Token embedding whose ``weight`` [rows, n_embd] is this rank's shard of the vocabulary.
+
+    The forward is ``reduce(partial(tokens))``; its backward broadcasts the
+    gradient of the full embedding from the rank holding it
+    (:meth:`broadcast_grad`), then every rank runs
+    ``torch.autograd.backward(partial, grad)``. ``forward`` does both in one
+    differentiable call, assuming that every rank computes the same loss
+    downstream (so holds the same gradient and needs no collective in
+    backward). Token ids outside ``[0, vocab_size)`` embed to zero.
+    """
+
+    def __init__(self, vocab_size: int, n_embd: int, group=None):
+        super().__init__(vocab_size, n_embd, group)
+        self.weight = self._new_weight()
+
+    def partial(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This shard's part of the embedding [*tokens.shape, n_embd]: zero for tokens of other shards."""
+        start, end = self.shard.start, self.shard.end
+        inside = (tokens >= start) & (tokens < end)
+        rows = F.embedding(torch.where(inside, tokens - start, 0), self.weight)
+        return rows.masked_fill(~inside.unsqueeze(-1), 0.0)
+
+    def reduce(self, partial: torch.Tensor, dst: int | None = None) -> torch.Tensor | None:
+        """The full embedding: the sum of every rank's ``partial``, on every rank, or with
+        ``dst`` only on that global rank (the others get None). Not differentiable."""
+        return self._reduce(partial.detach().clone(memory_format=torch.contiguous_format), dst)
+
+    def broadcast_grad(self, grad_or_buffer: torch.Tensor, src: int) -> torch.Tensor:
+        """The gradient of the full embedding, sent from global rank ``src`` (which passes it)
+        to the others (which pass a buffer of its shape and dtype to receive it)."""
+        self._check_member(src)
+        tensor = grad_or_buffer.contiguous()
+        if self.shard.parts > 1:
+            dist.broadcast(tensor, src=src, group=self.group)
+        return tensor
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return _SumOverRanks.apply(self.partial(tokens), self)
+
+
+@dataclass(eq=False)
+class LMHeadState:
+    """One microbatch on its way through a :class:`VocabParallelLMHead`.
+
+    Made by ``s_pass`` and advanced by ``collective``, ``t_pass`` and
+    ``reduce_grad_input``. After ``collective``, ``loss`` is the microbatch's
+    loss (the same on every rank); ``grad_input`` (∇X, shaped like the input)
+    comes from ``collective`` with vocab-2, else from ``reduce_grad_input``.
+    ``probs`` is the [N, real rows] buffer kept from S to T: the logits
+    (naive, until C), otherwise exp(logits − ``shift``), the local softmax
+    times its sum. What a pass no longer needs is dropped.
+    """
+
+    algorithm: str
+    x: torch.Tensor | None  # [N, n_embd] in the compute dtype
+    input_shape: torch.Size
+    input_dtype: torch.dtype
+    target_col: torch.Tensor | None  # [N] the target's column in this shard (0 where outside)
+    hit: torch.Tensor | None  # [N] 1 where the target is a real row of this shard (and not ignored)
+    row_weight: torch.Tensor  # [N] 1 / denominator, 0 on ignored rows
+    probs: torch.Tensor | None
+    target_term: torch.Tensor | None  # [N] sum of G·logits over this shard, G the target distribution
+    shift: torch.Tensor | None = None  # [N] the local max m'
+    local_sum: torch.Tensor | None = None  # [N] the local sum z'
+    softmax_w: torch.Tensor | None = None  # [N, n_embd] vocab-2: probs·W_shard
+    target_w: torch.Tensor | None = None  # [N, n_embd] vocab-2: G·W_shard
+    scale: torch.Tensor | None = None  # [N] softmax = probs * scale, after C
+    grad_input_partial: torch.Tensor | None = None  # naive, vocab-1: this shard's part of ∇X, from T to R
+    loss: torch.Tensor | None = None
+    grad_input: torch.Tensor | None = None
+
+
+class _LMHeadLoss(torch.autograd.Function):
+    """S and C forward, T and R backward: the LM head as one differentiable loss."""
+
+    @staticmethod
+    def forward(ctx, x, weight, head, targets, denominator):
+        state = head.s_pass(x, targets, denominator)
+        head.collective(state)
+        ctx.head, ctx.state = head, state
+        return state.loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        head, state = ctx.head, ctx.state
+        grad_real = head._t(state)
+        grad_input = head.reduce_grad_input(state)
+        grad_weight = torch.zeros_like(head.weight, dtype=grad_real.dtype)
+        grad_weight[: grad_real.shape[0]] = grad_real * grad_loss
+        return grad_input * grad_loss, grad_weight.to(head.weight.dtype), None, None, None
+
+
+class VocabParallelLMHead(_VocabSharded):
+    """The output layer with softmax cross-entropy, split by vocabulary rows.
+
+    ``weight`` [rows, n_embd] is this rank's shard: its own, or one given (a
+    :class:`VocabParallelEmbedding`'s weight ties the input and output
+    embeddings, and the gradients of both uses add up in it). A microbatch
+    runs the passes :attr:`passes` names, each a method taking its
+    :class:`LMHeadState`: ``s_pass`` (S, makes the state), ``collective``
+    (C), ``t_pass`` (T) and, except with vocab-2, ``reduce_grad_input`` (R).
+    Every rank runs every pass with the same ``x`` and targets. Logits are
+    computed in fp32 (or the inputs' wider dtype). The loss is that of
+    ``F.cross_entropy(x @ W_full.T, targets, label_smoothing=...,
+    ignore_index=..., reduction="sum") / denominator``, and the gradients
+    are of it. Targets must be in ``[0, vocab_size)`` or ``ignore_index``.
+    """
+
+    def __init__(self, vocab_size: int, n_embd: int, group=None, algorithm: str = "vocab-2",
+                 label_smoothing: float = 0.0, ignore_index: int = -100, weight: nn.Parameter | None = None):
+        super().__init__(vocab_size, n_embd, group)
+        if algorithm not in _PASSES:
+            raise PipeloomError(f"unknown vocabulary-parallel algorithm {algorithm!r}; "
+                                f"choices: {', '.join(VOCAB_ALGORITHMS)}")
+        if (isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float))
+                or not 0.0 <= label_smoothing <= 1.0):
+            raise PipeloomError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
+        if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+            raise PipeloomError(f"ignore_index must be an integer, got {ignore_index!r}")
+        if weight is None:
+            weight = self._new_weight()
+        elif not isinstance(weight, nn.Parameter) or tuple(weight.shape) != (self.shard.rows, n_embd):
+            raise PipeloomError(f"weight must be an nn.Parameter of shape [{self.shard.rows}, {n_embd}] "
+                                f"(this rank's shard), got {type(weight).__name__} {list(weight.shape)}")
+        self.algorithm, self.label_smoothing, self.ignore_index = algorithm, float(label_smoothing), ignore_index
+        self.weight = weight
+
+    @property
+    def passes(self) -> tuple[str, ...]:
+        """The passes this algorithm runs per microbatch, in order: S, C, T and (not vocab-2) R."""
+        return _PASSES[self.algorithm]
+
+    @torch.no_grad()
+    def s_pass(self, x: torch.Tensor, targets: torch.Tensor, denominator=None) -> LMHeadState:
+        """S: the local logits of ``x`` [..., n_embd] and the algorithm's local softmax parts.
+
+        ``denominator`` divides the summed per-token loss (a number or a
+        tensor; by default this call's count of non-ignored targets, at least
+        1); pass the whole batch's count so that microbatches add up to the
+        batch mean.
+        """
+        return self._s_pass(x, targets, denominator, self.algorithm)
+
+    def _s_pass(self, x, targets, denominator, algorithm) -> LMHeadState:
+        if x.dim() < 2 or x.shape[-1] != self.n_embd:
+            raise PipeloomError(f"x must have shape [..., {self.n_embd}], got {list(x.shape)}")
+        if targets.shape != x.shape[:-1]:
+            raise PipeloomError(f"targets must have shape {list(x.shape[:-1])} (x without its last "
+                                f"dimension), got {list(targets.shape)}")
+        dtype = torch.promote_types(torch.promote_types(x.dtype, self.weight.dtype), torch.float32)
+        flat = x.detach().reshape(-1, self.n_embd).to(dtype)
+        targets = targets.reshape(-1).to(device=flat.device, dtype=torch.long)
+        valid = targets != self.ignore_index
+        if denominator is None:
+            denominator = valid.sum().clamp(min=1)
+        row_weight = valid.to(dtype) / torch.as_tensor(denominator, dtype=dtype, device=flat.device)
+        shard, eps = self.shard, self.label_smoothing
+        inside = valid & (targets >= shard.start) & (targets < shard.end)
+        target_col = torch.where(inside, targets - shard.start, 0)
+        hit = inside.to(dtype)
+        weight = self._real_weight(dtype)
+        logits = flat @ weight.T
+        target_term = logits.sum(1) * (eps / shard.vocab_size)
+        if shard.real_rows:
+            target_term += logits.gather(1, target_col[:, None]).squeeze(1) * hit * (1.0 - eps)
+        state = LMHeadState(algorithm, flat, x.shape, x.dtype, target_col, hit, row_weight, logits, target_term)
+        if algorithm == "naive":
+            return state
+        state.shift = self._row_max(logits)
+        state.probs = logits.sub_(state.shift[:, None]).exp_()
+        state.local_sum = state.probs.sum(1)
+        if algorithm == "vocab-2":
+            state.softmax_w = state.probs @ weight
+            state.target_w = (weight.sum(0) * (eps / shard.vocab_size)).expand_as(state.softmax_w)
+            if shard.real_rows:
+                state.target_w = state.target_w + weight[target_col] * (hit * (1.0 - eps))[:, None]
+        return state
+
+    def _row_max(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.shard.real_rows:
+            return logits.amax(1)
+        return logits.new_full(logits.shape[:1], float("-inf"))
+
+    @torch.no_grad()
+    def collective(self, state: LMHeadState) -> torch.Tensor:
+        """C: the global max and sum of every row (and for vocab-2 ∇X), so ``state.loss``; returns it."""
+        if state.loss is not None:
+            raise PipeloomError("collective already ran on this microbatch's state")
+        if state.algorithm == "naive":
+            top = self._row_max(state.probs)
+            self._all_reduce(top, dist.ReduceOp.MAX)
+            state.probs.sub_(top[:, None]).exp_()
+            rescale = torch.ones_like(top)
+            local_sum = state.probs.sum(1)
+        else:
+            top = state.shift.clone()
+            self._all_reduce(top, dist.ReduceOp.MAX)
+            rescale = (state.shift - top).exp()
+            local_sum = state.local_sum * rescale
+        sums = torch.stack([local_sum, state.target_term], 1)
+        self._all_reduce(sums)
+        total, target_term = sums.unbind(1)
+        state.scale = rescale / total
+        state.loss = (state.row_weight * (top + total.log() - target_term)).sum()
+        if state.algorithm == "vocab-2":
+            grad = (state.softmax_w * state.scale[:, None] - state.target_w) * state.row_weight[:, None]
+            self._all_reduce(grad)
+            state.grad_input = grad.to(state.input_dtype).reshape(state.input_shape)
+            state.softmax_w = state.target_w = None
+        state.shift = state.local_sum = state.target_term = None
+        return state.loss
+
+    @torch.no_grad()
+    def t_pass(self, state: LMHeadState) -> None:
+        """T: the corrected softmax, ∇W_shard accumulated into ``weight.grad`` and (naive,
+        vocab-1) this shard's part of ∇X for R."""
+        grad_real = self._t(state)
+        if self.weight.grad is None:
+            self.weight.grad = torch.zeros_like(self.weight)
+        self.weight.grad[: grad_real.shape[0]] += grad_real.to(self.weight.grad.dtype)
+
+    @torch.no_grad()
+    def _t(self, state: LMHeadState) -> torch.Tensor:
+        """T's work; returns ∇W of the shard's real rows."""
+        if state.scale is None:
+            raise PipeloomError("run collective on this microbatch's state before t_pass")
+        if state.probs is None:
+            raise PipeloomError("t_pass already ran on this microbatch's state")
+        eps = self.label_smoothing
+        grad = state.probs.mul_(state.scale[:, None]).sub_(eps / self.shard.vocab_size)  # softmax − G (smoothing)
+        if self.shard.real_rows:
+            grad.scatter_add_(1, state.target_col[:, None], (state.hit * (eps - 1.0))[:, None])
+        grad.mul_(state.row_weight[:, None])
+        grad_real = grad.T @ state.x
+        if state.algorithm != "vocab-2":
+            state.grad_input_partial = grad @ self._real_weight(grad.dtype)
+        state.probs = state.x = state.target_col = state.hit = None
+        return grad_real
+
+    @torch.no_grad()
+    def reduce_grad_input(self, state: LMHeadState, dst: int | None = None) -> torch.Tensor | None:
+        """R (naive, vocab-1): ∇X summed over ranks into ``state.grad_input``, on every rank
+        or only on global rank ``dst`` (the others get None). With vocab-2 it does
+        nothing. Returns ``state.grad_input``."""
+        if state.algorithm != "vocab-2":
+            if state.grad_input_partial is None:
+                raise PipeloomError("run t_pass on this microbatch's state before reduce_grad_input")
+            grad = self._reduce(state.grad_input_partial, dst)
+            state.grad_input_partial = None
+            state.grad_input = None if grad is None else grad.to(state.input_dtype).reshape(state.input_shape)
+        return state.grad_input
+
+    @torch.no_grad()
+    def loss(self, x: torch.Tensor, targets: torch.Tensor, denominator=None) -> torch.Tensor:
+        """The loss alone (evaluation): no autograd graph, no gradients; two collectives."""
+        state = self._s_pass(x, targets, denominator, "vocab-1")
+        return self.collective(state)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor, denominator=None) -> torch.Tensor:
+        """The loss, differentiable: S and C now, T and R in backward, where ∇W reaches
+        ``weight.grad`` and ∇X flows on into ``x``. Every rank must run the backward."""
+        if not torch.is_grad_enabled():
+            return self.loss(x, targets, denominator)
+        return _LMHeadLoss.apply(x, self.weight, self, targets, denominator)

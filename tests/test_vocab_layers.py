@@ -1,0 +1,200 @@
+"""The vocabulary-parallel embedding and LM head, against torch's own functions on the unsplit tensors."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.nn.functional as F  # noqa: E402
+
+from pipeloom.errors import PipeloomError  # noqa: E402
+from pipeloom.nn import (VOCAB_ALGORITHMS, VocabParallelEmbedding, VocabParallelLMHead,  # noqa: E402
+                         vocab_shard)
+from pipeloom.runtime.local import spawn  # noqa: E402
+
+HIDDEN, TOKENS = 6, 10
+
+
+def close(name, got, want, tol=1e-5):
+    """Relative error below ``tol`` (measured against at least 0.01: V = 1 has a zero loss and gradients)."""
+    got, want = got.double(), want.double()
+    assert got.shape == want.shape, f"{name}: shape {list(got.shape)}, want {list(want.shape)}"
+    if not want.numel():
+        return
+    error = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-2)
+    assert error < tol, f"{name}: relative error {error:.2e}"
+
+
+def data(vocab, seed):
+    """An unsplit weight, hidden states, tokens, targets and a hidden-to-hidden matrix, in float64."""
+    g = torch.Generator().manual_seed(1000 * vocab + seed)
+    weight = torch.randn(vocab, HIDDEN, generator=g, dtype=torch.float64)
+    x = torch.randn(TOKENS, HIDDEN, generator=g, dtype=torch.float64)
+    tokens = torch.randint(vocab, (TOKENS,), generator=g)
+    targets = torch.randint(vocab, (TOKENS,), generator=g)
+    mix = torch.randn(HIDDEN, HIDDEN, generator=g, dtype=torch.float64) / HIDDEN ** 0.5
+    return weight, x, tokens, targets, mix
+
+
+def shard_grad(name, layer, want_full):
+    """``layer.weight.grad`` is the shard's rows of ``want_full``, and zero on padding rows."""
+    shard, grad = layer.shard, layer.weight.grad
+    close(name, grad[: shard.real_rows], want_full[shard.start:shard.end])
+    assert not grad[shard.real_rows:].any(), f"{name}: padding rows have a gradient"
+
+
+def run_passes(head, states, dst):
+    """The passes after S, in the order ``head.passes`` gives, interleaving microbatches like a schedule."""
+    steps = {"C": head.collective, "T": head.t_pass, "R": lambda state: head.reduce_grad_input(state, dst)}
+    for name in head.passes[1:]:
+        for state in (states if name == "C" else reversed(states)):
+            steps[name](state)
+
+
+def check_head(algorithm, vocab, rank, world, smoothing, ignore_index, microbatches):
+    """Loss, ∇X and ∇W of the pass API against F.cross_entropy; then the forward-only loss."""
+    weight, x, _, targets, _ = data(vocab, 1)
+    if ignore_index is not None:
+        targets[::3] = ignore_index
+    kwargs = {} if ignore_index is None else {"ignore_index": ignore_index}
+    ref_w, ref_x = weight.clone().requires_grad_(), x.clone().requires_grad_()
+    count = (targets != kwargs.get("ignore_index", -100)).sum()
+    want = F.cross_entropy(ref_x @ ref_w.T, targets, label_smoothing=smoothing, reduction="sum", **kwargs) / count
+    want.backward()
+
+    name = f"{algorithm} V={vocab} eps={smoothing} ignore={ignore_index} mb={microbatches}"
+    head = VocabParallelLMHead(vocab, HIDDEN, algorithm=algorithm, label_smoothing=smoothing, **kwargs)
+    head.load_full(weight.float())
+    if microbatches == 1:  # one [batch, time, hidden] microbatch
+        xs, ts = [x.float().view(2, TOKENS // 2, HIDDEN)], [targets.view(2, TOKENS // 2)]
+    else:
+        xs, ts = x.float().chunk(microbatches), targets.chunk(microbatches)
+    denominator = None if microbatches == 1 else count
+    states = [head.s_pass(xm, tm, denominator) for xm, tm in zip(xs, ts)]
+    dst = None if microbatches == 1 else world - 1
+    run_passes(head, states, dst)
+    close(f"{name}: loss", sum(state.loss for state in states), want)
+    shard_grad(f"{name}: grad W", head, ref_w.grad)
+    if dst is None or dst == rank or algorithm == "vocab-2":
+        close(f"{name}: grad x", torch.cat([state.grad_input.reshape(-1, HIDDEN) for state in states]), ref_x.grad)
+    else:
+        assert all(state.grad_input is None for state in states), f"{name}: grad x off rank {dst}"
+
+    before = head.weight.grad.clone()
+    evaluated = head.loss(x.float().requires_grad_(), targets)
+    assert evaluated.grad_fn is None and not evaluated.requires_grad, f"{name}: loss() built a graph"
+    assert torch.equal(head.weight.grad, before), f"{name}: loss() touched the gradients"
+    close(f"{name}: loss()", evaluated, want)
+
+
+def tied_reference(vocab, smoothing):
+    """The unsplit tied model: embed, tanh(e @ mix), then the head with the same weight, by torch autograd."""
+    weight, _, tokens, targets, mix = data(vocab, 2)
+    weight.requires_grad_()
+    mix.requires_grad_()
+    hidden = torch.tanh(F.embedding(tokens, weight) @ mix)
+    loss = F.cross_entropy(hidden @ weight.T, targets, label_smoothing=smoothing)
+    loss.backward()
+    return weight, mix, tokens, targets, loss
+
+
+def check_tied(algorithm, vocab, rank, world):
+    """Tied weights, first through the passes as a pipeline places them, then through ``forward``."""
+    smoothing = 0.1
+    weight, mix, tokens, targets, want = tied_reference(vocab, smoothing)
+    name = f"tied {algorithm} V={vocab}"
+
+    embedding = VocabParallelEmbedding(vocab, HIDDEN)
+    embedding.load_full(weight.detach().float())
+    head = VocabParallelLMHead(vocab, HIDDEN, algorithm=algorithm, label_smoothing=smoothing, weight=embedding.weight)
+    assert head.weight is embedding.weight
+    my_mix = mix.detach().float().requires_grad_()
+    partial = embedding.partial(tokens)
+    on_first = embedding.reduce(partial, dst=0)
+    if rank == 0:
+        close(f"{name}: reduced embedding", on_first, F.embedding(tokens, weight.detach()))
+    else:
+        assert on_first is None, f"{name}: the embedding reached rank {rank}, not only rank 0"
+    full = embedding.reduce(partial).requires_grad_()
+    hidden = torch.tanh(full @ my_mix)
+    last = world - 1
+    state = head.s_pass(hidden.detach(), targets)
+    run_passes(head, [state], last)
+    close(f"{name}: loss", state.loss, want)
+    if rank == last:
+        hidden.backward(state.grad_input)
+        close(f"{name}: grad mix", my_mix.grad, mix.grad)
+    grad = embedding.broadcast_grad(full.grad if rank == last else torch.empty_like(full), last)
+    torch.autograd.backward(partial, grad)
+    shard_grad(f"{name}: grad W (passes)", embedding, weight.grad)
+
+    embedding.weight.grad = None
+    my_mix.grad = None
+    loss = head(torch.tanh(embedding(tokens) @ my_mix), targets)
+    loss.backward()
+    close(f"{name}: forward loss", loss, want)
+    close(f"{name}: forward grad mix", my_mix.grad, mix.grad)
+    shard_grad(f"{name}: forward grad W", embedding, weight.grad)
+
+
+def worker(rank, world, vocab_sizes):
+    """Every check for every algorithm on ``world`` ranks; returns how many ran."""
+    torch.manual_seed(rank)  # the layers' own initial weights differ by rank: load_full must replace them
+    checks = 0
+    for vocab in vocab_sizes:
+        for algorithm in VOCAB_ALGORITHMS:
+            check_head(algorithm, vocab, rank, world, smoothing=0.0, ignore_index=None, microbatches=1)
+            check_head(algorithm, vocab, rank, world, smoothing=0.1, ignore_index=-1, microbatches=2)
+            check_tied(algorithm, vocab, rank, world)
+            checks += 3
+    return checks
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world, vocab_sizes", [(2, [7]), (3, [10]), (4, [37, 5])])
+def test_layers_match_torch_on_ranks(world, vocab_sizes):
+    # V=37 on 4 ranks pads 3 rows; V=10 on 3 pads 2; V=5 on 4 leaves rank 3 with padding alone
+    assert spawn(world, worker, world, vocab_sizes, timeout=50, group_timeout=30) == [9 * len(vocab_sizes)] * world
+
+
+def test_layers_match_torch_without_distributed():
+    assert worker(0, 1, [7, 1]) == 18
+
+
+def test_vocab_shard_splits_padded_rows():
+    shards = [vocab_shard(37, 4, i) for i in range(4)]
+    assert [(s.start, s.end) for s in shards] == [(0, 10), (10, 20), (20, 30), (30, 37)]
+    assert {(s.rows, s.padded_size, s.vocab_size, s.parts) for s in shards} == {(10, 40, 37, 4)}
+    assert [(s.start, s.end, s.real_rows) for s in (vocab_shard(5, 4, i) for i in range(4))] == \
+        [(0, 2, 2), (2, 4, 2), (4, 5, 1), (5, 5, 0)]
+    assert (vocab_shard(10, 1, 0).start, vocab_shard(10, 1, 0).end, vocab_shard(10, 1, 0).rows) == (0, 10, 10)
+
+
+@pytest.mark.parametrize("args, match", [((10, 0, 0), "parts"), ((10, 2, 2), r"index .*\[0, 2\)"),
+                                         ((10, 2, -1), "index"), ((0, 1, 0), "vocab_size"),
+                                         ((10, 2.0, 0), "parts")])
+def test_vocab_shard_rejects_bad_arguments(args, match):
+    with pytest.raises(PipeloomError, match=match):
+        vocab_shard(*args)
+
+
+def test_lm_head_rejects_bad_arguments():
+    with pytest.raises(PipeloomError, match=r"'vocab-3'.*naive, vocab-1, vocab-2"):
+        VocabParallelLMHead(10, 4, algorithm="vocab-3")
+    with pytest.raises(PipeloomError, match="label_smoothing"):
+        VocabParallelLMHead(10, 4, label_smoothing=1.5)
+    with pytest.raises(PipeloomError, match=r"shape \[10, 4\]"):
+        VocabParallelLMHead(10, 4, weight=torch.nn.Parameter(torch.zeros(9, 4)))
+    head = VocabParallelLMHead(10, 4)
+    with pytest.raises(PipeloomError, match="targets must have shape"):
+        head.s_pass(torch.zeros(3, 4), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(PipeloomError, match=r"x must have shape \[\.\.\., 4\]"):
+        head.loss(torch.zeros(3, 5), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(PipeloomError, match="before t_pass"):
+        head.t_pass(head.s_pass(torch.zeros(3, 4), torch.zeros(3, dtype=torch.long)))
+    with pytest.raises(PipeloomError, match=r"shape \[10, 4\]"):
+        VocabParallelEmbedding(10, 4).load_full(torch.zeros(11, 4))
+
+
+def test_passes_follow_the_algorithm():
+    assert [VocabParallelLMHead(10, 4, algorithm=a).passes for a in VOCAB_ALGORITHMS] == \
+        [("S", "C", "T", "R"), ("S", "C", "T", "R"), ("S", "C", "T")]
