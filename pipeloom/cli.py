@@ -46,7 +46,8 @@ def _add_simulate(sub) -> None:
     p.add_argument("--chunks", type=int, help="stages per rank (interleaved-1f1b: >= 2, default 2)")
     p.add_argument("--steps", type=int, help="consecutive steps to build (2bw)")
     p.add_argument("--costs", default="", metavar="f=1,b=1,w=1,comm=0",
-                   help="per full stage: f, b, w, comm times; m_b, m_w activation memory (defaults 1,1,1,0,1,0)")
+                   help="per full stage: f, b, w, comm times; m_b, m_w activation memory (defaults 1,1,1,0,1,0); "
+                        "per rank, the vocabulary passes: s, t, c, r, e_f, e_b, e_comm times, m_v memory (default 0)")
     p.add_argument("--memory-limit", type=float, metavar="X",
                    help="activation memory limit per rank in units of a full stage's M_B (zb-auto searches under it; "
                         "other schedules are checked against it)")
@@ -54,6 +55,11 @@ def _add_simulate(sub) -> None:
     p.add_argument("--seq", type=int, default=2048, help="sequence length with --model (default 2048)")
     p.add_argument("--microbatch-size", type=int, default=1, help="sequences per microbatch with --model (default 1)")
     p.add_argument("--device", default="a100", help="device preset with --model (default a100)")
+    p.add_argument("--vocab", type=int, metavar="V", help="vocabulary size with --model (default: the preset's)")
+    p.add_argument("--vocab-parallel", metavar="MODE[,MODE...]",
+                   help="where the vocabulary layers go: none (first and last stage), redis (layers moved to balance "
+                        "them), naive, vocab-1, vocab-2 (split over every rank, in extra passes); a comma list "
+                        "compares the modes side by side")
     p.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace (Perfetto, chrome://tracing)")
     p.add_argument("--plot", metavar="FILE.png|.svg", help="draw the schedule and its memory with matplotlib")
     p.add_argument("--torch-csv", metavar="FILE", help="export for torch.distributed.pipelining's runtime schedule")
@@ -62,6 +68,10 @@ def _add_simulate(sub) -> None:
 
 
 def _run_simulate(args) -> int:
+    modes = _vocab_modes(args)
+    if len(modes) > 1:
+        return _compare_vocab(args, modes)
+    args.vocab_parallel = modes[0] if modes else None
     if args.compare:
         reports = [_simulate_one(args, name.strip(), compare=True) for name in args.compare.split(",") if name.strip()]
         if args.json:
@@ -103,7 +113,7 @@ def _simulate_one(args, name: str, compare: bool):
     costs, model = _costs(args, family, chunks)
     options = {"costs": costs, "memory_limit": args.memory_limit, "steps": args.steps}
     options = {k: v for k, v in options.items() if v is not None and k in family.options}
-    schedule = build(name, args.pp, args.microbatches, chunks, **options)
+    schedule = build(name, args.pp, args.microbatches, chunks, vocab_parallel=args.vocab_parallel, **options)
     if args.memory_limit is not None and "memory_limit" not in options:
         validate(schedule, memory_limit=args.memory_limit, m_w=_m_w_fraction(costs))
     result = simulate(schedule, costs)
@@ -114,13 +124,20 @@ def _costs(args, family, chunks):
     from .schedule import Costs
 
     if not args.model:
+        if args.vocab is not None:
+            raise PipeloomError("--vocab sets the vocabulary of a --model preset; give --model too")
         return Costs.parse(args.costs), None
     if args.costs:
         raise PipeloomError("give either --costs or --model, not both")
+    from dataclasses import replace
+
     from .sim.model import costs_from_model, get_device, get_model
 
     model, device = get_model(args.model), get_device(args.device)
-    costs = costs_from_model(model, args.pp, args.seq, args.microbatch_size, device, chunks=chunks or family.default_chunks)
+    if args.vocab is not None:
+        model = replace(model, vocab=args.vocab)
+    costs = costs_from_model(model, args.pp, args.seq, args.microbatch_size, device,
+                             chunks=chunks or family.default_chunks, vocab_parallel=args.vocab_parallel)
     return costs, (model, device)
 
 
@@ -140,6 +157,7 @@ def _report(result, model, args) -> dict:
         "chunks": schedule.chunks,
         "stages": schedule.stages,
         "steps": schedule.steps,
+        "vocab_parallel": schedule.options.get("vocab_parallel"),
         "makespan": result.makespan,
         "bubble_rate": result.bubble_rate,
         "peak_activation": result.peak_activation,
@@ -161,7 +179,8 @@ def _report(result, model, args) -> dict:
         spec, device = model
         full_stage_m_b = sum(result.costs.m_b) / schedule.pp  # bytes of M_B for an average full stage
         report.update(
-            model=spec.name, device=device.name, seq=args.seq, microbatch_size=args.microbatch_size, time_unit="ms",
+            model=spec.name, vocab=spec.vocab, device=device.name, seq=args.seq, microbatch_size=args.microbatch_size,
+            time_unit="ms",
             peak_activation=[x / full_stage_m_b for x in result.peak_activation],
             peak_activation_bytes=result.peak_activation,
             peak_memory_bytes=peak_memory_bytes(spec, result, args.seq),
@@ -187,6 +206,69 @@ def _rank_table(report: dict) -> str:
         if memory:
             line += f"  {memory[row['rank']] / 2**30:>17.2f}"
         lines.append(line)
+    return "\n".join(lines)
+
+
+def _vocab_modes(args) -> list[str]:
+    """The --vocab-parallel modes, checked; only one with --compare, --trace or --torch-csv."""
+    from .schedule.vocab import check_mode
+
+    if not args.vocab_parallel:
+        return []
+    modes = [check_mode(m.strip()) for m in args.vocab_parallel.split(",") if m.strip()]
+    if len(modes) > 1:
+        for flag, value in (("--compare", args.compare), ("--trace", args.trace), ("--torch-csv", args.torch_csv)):
+            if value:
+                raise PipeloomError(f"{flag} takes one --vocab-parallel mode; got {len(modes)} ({', '.join(modes)})")
+    return modes
+
+
+def _compare_vocab(args, modes: list[str]) -> int:
+    """One schedule under each vocabulary mode: a table (or a JSON list) and, with --plot, per-rank bars."""
+    reports = []
+    for mode in modes:
+        args.vocab_parallel = mode
+        reports.append(_simulate_one(args, args.schedule, compare=False)[0])
+    base = next((r for r in reports if r["vocab_parallel"] == "none"), reports[0])
+    for r in reports:
+        busy = [row["busy"] for row in r["ranks"]]
+        r.update(relative_throughput=base["makespan"] / r["makespan"], relative_to=base["vocab_parallel"],
+                 busy_max=max(busy), busy_min=min(busy), busy_mean=sum(busy) / len(busy))
+    if args.plot:
+        from .sim.plot import plot_rank_comparison
+
+        memory = "peak_memory_bytes" in base
+        plot_rank_comparison(
+            args.plot, [r["vocab_parallel"] for r in reports], [[row["busy"] for row in r["ranks"]] for r in reports],
+            [[x / 2**30 for x in r["peak_memory_bytes"]] if memory else r["peak_activation"] for r in reports],
+            busy_label=f"busy ({base.get('time_unit', 'units')})",
+            memory_label="peak memory (GiB)" if memory else "peak activation (M_B)",
+            title=_vocab_title(base),
+        )
+    print(json.dumps(reports, indent=2) if args.json else _vocab_table(reports))
+    return 0
+
+
+def _vocab_title(report: dict) -> str:
+    title = f"{report['schedule']}: pp={report['pp']} microbatches={report['microbatches']}"
+    if "model" in report:
+        title += f", {report['model']} (V={report['vocab']}), seq {report['seq']}, {report['device']}"
+    return title
+
+
+def _vocab_table(reports: list[dict]) -> str:
+    memory = "peak_memory_bytes" in reports[0]
+    unit = f" ({reports[0]['time_unit']})" if "time_unit" in reports[0] else ""
+    lines = [
+        _vocab_title(reports[0]) + f"; times{unit}, throughput relative to {reports[0]['relative_to']}",
+        "",
+        f"{'mode':<9} {'makespan':>10} {'throughput':>10} {'busy max':>10} {'busy min':>10} {'busy mean':>10} "
+        + ("max peak memory (GiB)" if memory else "max peak act (M_B)"),
+    ]
+    for r in reports:
+        peak = max(r["peak_memory_bytes"]) / 2**30 if memory else max(r["peak_activation"])
+        lines.append(f"{r['vocab_parallel']:<9} {r['makespan']:>10.5g} {r['relative_throughput']:>9.3f}x "
+                     f"{r['busy_max']:>10.5g} {r['busy_min']:>10.5g} {r['busy_mean']:>10.5g} {peak:>21.4g}")
     return "\n".join(lines)
 
 
@@ -220,6 +302,9 @@ def _add_train(sub) -> None:
     g.add_argument("--microbatches", type=int, default=4, help="microbatches per step and replica (default 4)")
     g.add_argument("--microbatch-size", type=int, default=8, help="sequences per microbatch (default 8)")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL); default cpu")
+    g.add_argument("--vocab-parallel", choices=("none", "naive", "vocab-1", "vocab-2"), default="none",
+                   help="split the token embedding and the LM head by vocabulary over the pipeline ranks with "
+                        "this algorithm (default none: embedding on the first stage, head on the last)")
     g.add_argument("--precision", choices=("fp32", "bf16"), help="bf16 autocast (default on cuda) or fp32 (default on cpu)")
     g.add_argument("--timeout", type=float, default=60.0,
                    help="seconds a rank waits for a peer before it stops, naming what it waited for (default 60)")
@@ -237,7 +322,11 @@ def _add_train(sub) -> None:
                    help="a text file, a directory of text files, or a token file (*.bin); "
                         "default: the Python standard library's sources, byte-level")
     g.add_argument("--token-dtype", choices=("uint16", "uint32"), help="read --data as a token file of this type (*.bin: uint16)")
-    g.add_argument("--vocab-size", type=int, help="vocabulary of a token file (default: its largest id + 1)")
+    g.add_argument("--tokenizer", default="bytes", metavar="bytes|bpe|FILE.json",
+                   help="tokenize text by bytes (default), by a byte-level BPE trained on the data "
+                        "(--vocab-size tokens, default 32000; cached), or by a saved tokenizers tokenizer.json")
+    g.add_argument("--vocab-size", type=int,
+                   help="the size of a BPE vocabulary to train, or the vocabulary of a token file (default: its largest id + 1)")
     g = p.add_argument_group("checkpoints and output")
     g.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints (torch.distributed.checkpoint) under DIR")
     g.add_argument("--checkpoint-every", type=int, metavar="N", help="save every N steps (default: at the end only)")

@@ -81,7 +81,8 @@ def check(args, world: int) -> None:
         from .runtime.checkpoint import read_meta
 
         read_meta(args.resume)
-    schedule = build(args.schedule, args.pp, args.microbatches)
+    vocab = None if args.vocab_parallel == "none" else args.vocab_parallel
+    schedule = build(args.schedule, args.pp, args.microbatches, **({"vocab_parallel": vocab} if vocab else {}))
     if args.steps % schedule.steps:
         raise PipeloomError(f"{args.schedule} runs {schedule.steps} steps per call without a flush; "
                             f"use a --steps that is a multiple of {schedule.steps}")
@@ -173,8 +174,9 @@ class Trainer:
         autocast = torch.bfloat16 if precision == "bf16" else None
         model = GPT(self.config)
         self.n_params = sum(p.numel() for p in model.parameters())
+        vocab = None if args.vocab_parallel == "none" else args.vocab_parallel
         self.pipe = Pipeline(model, schedule=args.schedule, pp=args.pp, microbatches=args.microbatches,
-                             dp=dp, timeout=args.timeout, autocast=autocast)
+                             dp=dp, timeout=args.timeout, autocast=autocast, vocab_parallel=vocab)
         params = self.pipe.parameters()
         self.optimizer = torch.optim.AdamW(
             [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},

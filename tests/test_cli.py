@@ -64,3 +64,41 @@ def test_bad_input_one_clear_line(args, message):
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+VOCAB_ARGS = ["--schedule", "1f1b", "--pp", "8", "--microbatches", "16", "--model", "4b", "--seq", "2048",
+              "--vocab", "256000"]
+
+
+def test_vocab_parallel_one_mode_json(capsys):
+    out = run_json(capsys, *VOCAB_ARGS, "--vocab-parallel", "vocab-2")
+    assert out["vocab_parallel"] == "vocab-2" and out["vocab"] == 256000
+    assert len(out["peak_memory_bytes"]) == 8 and out["makespan"] > 0
+    busy = [r["busy"] for r in out["ranks"]]
+    assert max(busy) == pytest.approx(min(busy), rel=0.01)
+
+
+def test_vocab_parallel_comparison(capsys, tmp_path):
+    modes = ["none", "redis", "naive", "vocab-1", "vocab-2"]
+    out = run_json(capsys, *VOCAB_ARGS, "--vocab-parallel", ",".join(modes))
+    assert [r["vocab_parallel"] for r in out] == modes
+    assert out[0]["relative_throughput"] == 1 and out[-1]["relative_throughput"] > 1.5
+    assert all(r["busy_min"] <= r["busy_mean"] <= r["busy_max"] for r in out)
+    plot = tmp_path / "vocab.png"
+    assert main(["simulate", *VOCAB_ARGS, "--vocab-parallel", ",".join(modes), "--plot", str(plot)]) == 0
+    table = capsys.readouterr().out
+    assert all(mode in table for mode in modes) and "max peak memory (GiB)" in table
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--vocab-parallel", "vocab-3"], "unknown vocab_parallel mode 'vocab-3'; modes: none, redis, naive, vocab-1"),
+    (["--schedule", "gpipe", "--vocab-parallel", "vocab-1"], "gpipe cannot take vocabulary passes (vocab-1)"),
+    (["--vocab", "1000"], "--vocab sets the vocabulary of a --model preset"),
+    (["--vocab-parallel", "none,vocab-2", "--compare", "1f1b,zb-h1"], "--compare takes one --vocab-parallel mode"),
+])
+def test_vocab_parallel_bad_input_one_clear_line(args, message):
+    proc = subprocess.run([sys.executable, "-m", "pipeloom", "simulate", *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr

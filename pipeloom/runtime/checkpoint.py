@@ -3,7 +3,9 @@
 Every tensor is stored under its name in the unsplit model: ``model/<name>``
 for a weight, ``optim/<name>/<key>`` for its optimizer state (AdamW's
 ``exp_avg``, ``exp_avg_sq``, ``step``), and with weight versions (2bw)
-``version<j>/<name>`` for the weights the next steps run with (j = 0, 1, ...). Each rank saves what its stages hold
+``version<j>/<name>`` for the weights the next steps run with (j = 0, 1, ...).
+Vocabulary-parallel shards are gathered and saved whole under the same names,
+so a checkpoint resumes with or without vocabulary parallelism. Each rank saves what its stages hold
 (replicas and tied copies are written once) and loads what its stages need,
 whatever split saved them. A checkpoint is a directory; ``pipeloom.json``
 beside the tensor files holds the caller's metadata and is written last, so
@@ -30,7 +32,7 @@ def save(pipe, optimizer: torch.optim.Optimizer, directory: str | Path, meta: di
     directory = Path(directory)
     if dist.get_rank() == 0:
         (directory / META).unlink(missing_ok=True)  # an overwritten checkpoint is incomplete until the end
-    dcp.save(_state(pipe, optimizer), storage_writer=dcp.FileSystemWriter(directory, overwrite=True))
+    dcp.save(_state(pipe, optimizer)[0], storage_writer=dcp.FileSystemWriter(directory, overwrite=True))
     dist.barrier()
     if dist.get_rank() == 0:
         partial = directory / (META + ".partial")
@@ -48,11 +50,14 @@ def load(pipe, optimizer: torch.optim.Optimizer, directory: str | Path) -> dict:
         pipe.steps_done = meta["step"]
         pipe.versions.restart(pipe.steps_done)  # versions the checkpoint lacks stay the newest weights
     saved = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
-    state = {k: v for k, v in _state(pipe, optimizer).items() if k in saved or not k.startswith("version")}
+    state, shards = _state(pipe, optimizer)
+    state = {k: v for k, v in state.items() if k in saved or not k.startswith("version")}
     try:
         dcp.load(state, checkpoint_id=Path(directory))
     except Exception as err:  # DCP wraps each rank's failure; say which checkpoint did not fit
         raise PipeloomError(f"checkpoint {directory} does not fit this model and optimizer: {_first_line(err)}") from None
+    for shard, full in shards:
+        pipe.vocab.load_rows(shard, full)
     by_name: dict[str, list[torch.nn.Parameter]] = {}
     for name, p in pipe.named_parameters():
         by_name.setdefault(name, []).append(p)
@@ -79,8 +84,10 @@ def latest(root: str | Path) -> Path | None:
     return max(found, key=lambda d: read_meta(d).get("step", -1), default=None)
 
 
-def _state(pipe, optimizer) -> dict[str, torch.Tensor]:
-    state = {}
+def _state(pipe, optimizer) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The tensors to save or load by key, and the (shard, unsplit tensor) pairs of the
+    vocabulary shards: they are saved whole, and a load copies each rank's rows back."""
+    state, shards = {}, []
     for name, p in pipe.named_parameters():
         if f"model/{name}" in state:
             continue  # a tied copy on the same rank: saved and loaded once
@@ -88,11 +95,18 @@ def _state(pipe, optimizer) -> dict[str, torch.Tensor]:
         for key, value in optimizer.state.get(p, {}).items():
             if torch.is_tensor(value):
                 state[f"optim/{name}/{key}"] = value
+    for name, p in pipe.vocab.named_shards() if pipe.vocab else ():
+        for key, shard in [("model", p.detach()), *((k, v) for k, v in optimizer.state.get(p, {}).items()
+                                                     if torch.is_tensor(v))]:
+            whole = pipe.vocab.full(shard) if shard.shape == p.shape else shard  # AdamW's step: one number
+            state[f"model/{name}" if key == "model" else f"optim/{name}/{key}"] = whole
+            if whole is not shard:
+                shards.append((shard, whole))
     if pipe.versions:
         for (s, t), weights in pipe.versions.weights.items():
             for local, tensor in weights.items():
                 state.setdefault(f"version{t - pipe.steps_done}/{pipe.stages[s].param_names[local]}", tensor.detach())
-    return state
+    return state, shards
 
 
 def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

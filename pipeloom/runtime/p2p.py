@@ -29,7 +29,7 @@ class Channel:
 
     def __init__(self, rank: int, groups: dict[tuple[int, int], dist.ProcessGroup], timeout: float):
         self.rank, self.groups, self.timeout = rank, groups, timeout
-        self.pending: list[dist.Work] = []
+        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
         self.posted: dict[Message, tuple[torch.Tensor, int, dist.Work]] = {}
 
     def open(self, device: torch.device) -> None:
@@ -42,7 +42,13 @@ class Channel:
             self.wait(work, f"opening the link from rank {src} to rank {dst}")
 
     def send(self, tensor: torch.Tensor, peer: int) -> None:
-        self.pending.append(dist.isend(tensor.contiguous(), dst=peer, group=self.groups[(self.rank, peer)]))
+        tensor = tensor.contiguous()
+        self.send_work(dist.isend(tensor, dst=peer, group=self.groups[(self.rank, peer)]), tensor)
+
+    def send_work(self, work: dist.Work, tensor: torch.Tensor) -> None:
+        """Count ``work`` (a send of ``tensor``, or a collective this rank only gives to)
+        among the sends :meth:`flush` waits for, keeping ``tensor`` alive until then."""
+        self.pending.append((work, tensor))
 
     def post(self, buffer: torch.Tensor, peer: int, message: Message) -> None:
         """Start receiving ``message`` from ``peer`` into ``buffer``; post in the link's send order."""
@@ -58,7 +64,7 @@ class Channel:
 
     def flush(self) -> None:
         """Wait for every send posted so far to complete."""
-        for work in self.pending:
+        for work, _ in self.pending:
             self.wait(work, "the end of the step waited for its sends to be received")
         self.pending.clear()
 

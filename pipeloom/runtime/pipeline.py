@@ -17,9 +17,11 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import PipeloomError
 from ..nn.linear import WeightGradStore, defer_weight_grads
 from ..schedule import BW, B, F, W, Action, Schedule, build, validate
+from ..schedule.ir import VOCAB_KINDS
 from ..schedule.links import Message, link_messages, sent_message
 from .p2p import Channel
 from .versions import WeightVersions
+from .vocab import VocabPasses
 
 
 @dataclass
@@ -82,6 +84,7 @@ class Pipeline:
         recompute: bool | Iterable[int] = False,
         autocast: torch.dtype | None = None,
         timeout: float = 300.0,
+        vocab_parallel: str | None = None,
         **schedule_options,
     ):
         if not dist.is_available() or not dist.is_initialized():
@@ -97,7 +100,10 @@ class Pipeline:
         else:
             if pp is None or microbatches is None:
                 raise PipeloomError("give pp and microbatches with a schedule name")
+            if vocab_parallel is not None:
+                schedule_options["vocab_parallel"] = vocab_parallel
             self.schedule = build(schedule, pp, microbatches, chunks, **schedule_options)
+        algorithm = self.schedule.vocab_parallel  # None also for "redis" and "none": plain stages
         world = dist.get_world_size()
         if world != dp * pp:
             raise PipeloomError(
@@ -112,7 +118,8 @@ class Pipeline:
         self.pp_group, self.dp_group = self.mesh.get_group("pp"), self.mesh.get_group("dp")
         self.peers = [dist.get_global_rank(self.pp_group, q) for q in range(pp)]
         self.rank = dist.get_rank()
-        stages = model.split(self.schedule.stages, layers_per_stage)
+        self.dtype = next(model.parameters()).dtype  # hidden states travel in the weights' dtype
+        stages = model.split(self.schedule.stages, layers_per_stage, vocab_parallel=algorithm is not None)
         mine = self.schedule.stages_of(self.pp_rank)
         self.stages = {s: stages[s].to(self.device) for s in mine}
         _free_other_stages(stages, self.stages)
@@ -130,24 +137,28 @@ class Pipeline:
         self.channel.open(self.device)
         self._posts = self._receive_plan(links)
         multi_step = self.schedule.steps > 1 or self.schedule.weight_versions > 1
+        if algorithm and multi_step:
+            raise PipeloomError(f"vocabulary parallelism runs with synchronous schedules, not {self.schedule.family}")
+        self.vocab = VocabPasses(self, model, algorithm) if algorithm else None
+        if self.vocab:
+            _free([model.wte.weight, model.lm_head.weight])  # each rank keeps its shards only
         self.versions = WeightVersions(self.stages, self.schedule.weight_versions) if multi_step else None
         self._update_after = self._update_plan() if multi_step else {}
         self._reduce_after = self._data_parallel_plan() if dp > 1 and not multi_step else {}
         self.last_step: _Step | None = None
         self.steps_done = 0  # steps run so far by run_steps (multi-version schedules)
         self._hidden = getattr(getattr(model, "config", None), "n_embd", None)
-        params = self.parameters()
-        self._dtype = params[0].dtype if params else torch.get_default_dtype()
 
     # -- the public surface ---------------------------------------------------
     def parameters(self):
-        """This rank's parameters (of its own stages), for an optimizer."""
-        return [p for stage in self.stages.values() for p in stage.parameters()]
+        """This rank's parameters (of its own stages, and its vocabulary shards), for an optimizer."""
+        own = [p for stage in self.stages.values() for p in stage.parameters()]
+        return own + self.vocab.parameters() if self.vocab else own
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """(name in the unsplit model, parameter) of this rank's stages; a tied copy
-        held beside its original appears under the same name."""
-        return [(self.names[id(p)], p) for p in self.parameters()]
+        """(name in the unsplit model, parameter) of this rank's stages (not its
+        vocabulary shards); a tied copy held beside its original appears under the same name."""
+        return [(self.names[id(p)], p) for stage in self.stages.values() for p in stage.parameters()]
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """One training step's forward and backward on the global batch
@@ -208,7 +219,13 @@ class Pipeline:
         }
         parts: list = [None] * self.pp
         dist.all_gather_object(parts, own, group=self.pp_group)
-        return {name: grad for part in parts for name, grad in part.items()}
+        grads = {name: grad for part in parts for name, grad in part.items()}
+        return {**grads, **self.vocab.gather_grads()} if self.vocab else grads
+
+    @staticmethod
+    def slot(step: _Step, stage: int, microbatch: int) -> _Slot:
+        """What (stage, microbatch) keeps between its passes in ``step``."""
+        return step.slots.setdefault((stage, microbatch), _Slot())
 
     def zero_grad(self) -> None:
         for p in self.parameters():
@@ -238,7 +255,10 @@ class Pipeline:
     # -- one action -----------------------------------------------------------
     def _run(self, action: Action, step: _Step, tokens, targets) -> None:
         kind, s, i = action.kind, action.stage, action.microbatch
-        slot = step.slots.setdefault((s, i), _Slot())
+        if self.vocab and kind in VOCAB_KINDS:
+            self.vocab.run(action, step, tokens, targets)
+            return
+        slot = self.slot(step, s, i)
         if kind == F:
             self._forward(action, step, slot, tokens, targets)
         elif kind in (B, BW):
@@ -251,21 +271,23 @@ class Pipeline:
 
     def _forward(self, action: Action, step: _Step, slot: _Slot, tokens, targets) -> None:
         s, i = action.stage, action.microbatch
-        if s == 0:
+        if s == 0 and not self.vocab:
             slot.input = tokens[i]
-        else:
+        else:  # received, or the token embeddings summed by the vocabulary passes
             slot.input.requires_grad_()
         x = slot.input
         stage = self.versions.module(s, self.steps_done + i // self.schedule.microbatches) if self.versions \
             else self.stages[s]
         with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
             y = checkpoint(stage, x, use_reentrant=False) if s in self.recompute else stage(x)
-        if s == self.schedule.stages - 1:
+        if s == self.schedule.stages - 1 and self.vocab:
+            slot.output = y.to(self.dtype)  # the vocabulary passes take it from here
+        elif s == self.schedule.stages - 1:
             loss = nn.functional.cross_entropy(y.flatten(0, 1).float(), targets[i].flatten()) / self.schedule.microbatches
             step.loss[i // self.schedule.microbatches] += loss.detach()
             slot.output = loss
         else:
-            slot.output = y.to(self._dtype)  # hidden states travel in the weights' dtype
+            slot.output = y.to(self.dtype)
             self._deliver(action, slot.output.detach(), step)
 
     def _backward(self, action: Action, step: _Step, slot: _Slot) -> None:
@@ -276,6 +298,8 @@ class Pipeline:
             torch.autograd.backward(slot.output, slot.grad)
         if s > 0:
             self._deliver(action, slot.input.grad, step)
+        elif self.vocab:
+            self.vocab.input_grads[i] = slot.input.grad
         slot.input = slot.output = slot.grad = None
         if action.kind == BW:
             del step.slots[(s, i)]
@@ -290,15 +314,15 @@ class Pipeline:
             return
         s, i = action.stage, action.microbatch
         if action.kind == F:
-            step.slots.setdefault((s + 1, i), _Slot()).input = tensor.detach()
+            self.slot(step, s + 1, i).input = tensor.detach()
         else:
-            step.slots.setdefault((s - 1, i), _Slot()).grad = tensor
+            self.slot(step, s - 1, i).grad = tensor
 
     def _receive_input(self, action: Action, step: _Step) -> None:
         """Wait for the input ``action`` needs from another rank, if any, and keep it in its slot."""
         need = self._remote_input(action)
         if need:
-            slot = step.slots.setdefault((action.stage, action.microbatch), _Slot())
+            slot = self.slot(step, action.stage, action.microbatch)
             data = self.channel.recv(need[1], action)
             if action.kind == F:
                 slot.input = data
@@ -351,7 +375,7 @@ class Pipeline:
     def _post_receive(self, src: int, message: Message, tokens) -> None:
         """Post the receive of ``message`` from pipeline rank ``src`` (hidden states
         [microbatch, time, hidden] either way)."""
-        buffer = torch.empty((*tokens[message.microbatch].shape[:2], self._hidden), dtype=self._dtype, device=self.device)
+        buffer = torch.empty((*tokens[message.microbatch].shape[:2], self._hidden), dtype=self.dtype, device=self.device)
         self.channel.post(buffer, self.peers[src], message)
 
     def _microbatches(self, tokens: torch.Tensor, targets: torch.Tensor):
@@ -439,7 +463,7 @@ class Pipeline:
         for p, work in reductions:
             self.channel.wait(work, "averaging gradients over the data-parallel replicas")
             p.grad /= self.dp
-        for p in self.tied:
+        for p in self.tied + (self.vocab.parameters() if self.vocab else []):
             if p.grad is not None:
                 self._all_reduce(p.grad, self.dp_group, "averaging gradients over the data-parallel replicas")
                 p.grad /= self.dp
@@ -450,9 +474,12 @@ class Pipeline:
 
 
 def _free_other_stages(stages: list[nn.Module], kept: dict[int, nn.Module]) -> None:
-    """Release the weights of the stages this rank does not run (they stay as empty tensors)."""
+    """Release the weights of the stages this rank does not run."""
     keep = {id(p) for stage in kept.values() for p in stage.parameters()}
-    for stage in stages:
-        for p in stage.parameters():
-            if id(p) not in keep:
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    _free([p for stage in stages for p in stage.parameters() if id(p) not in keep])
+
+
+def _free(params) -> None:
+    """Release the storage of ``params`` (they stay as empty tensors)."""
+    for p in params:
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)

@@ -4,8 +4,9 @@ Pure Python: nothing here imports torch.
 """
 
 from .costs import Costs, StageCosts
-from .ir import BW, B, F, W, Action, Schedule, looped_placement, v_placement
+from .ir import BW, VOCAB_PASSES, B, F, W, Action, Schedule, looped_placement, v_placement
 from .registry import FAMILIES, build
+from .vocab import add_vocab_passes
 from .torch_csv import to_torch_csv, write_torch_csv
 from .validate import validate
 from . import families  # noqa: E402,F401  (registers the built-in families)
@@ -13,5 +14,5 @@ from . import families  # noqa: E402,F401  (registers the built-in families)
 __all__ = [
     "Action", "Schedule", "Costs", "StageCosts", "F", "B", "W", "BW",
     "FAMILIES", "build", "validate", "looped_placement", "v_placement",
-    "to_torch_csv", "write_torch_csv",
+    "to_torch_csv", "write_torch_csv", "VOCAB_PASSES", "add_vocab_passes",
 ]

@@ -24,6 +24,40 @@ W = "W"
 #: Fused backward: B then W in one pass (PyTorch's "B").
 BW = "BW"
 
+# Vocabulary Parallelism ("Balancing Pipeline Parallelism with Vocabulary
+# Parallelism"): passes on every rank over its shard of the vocabulary. Their
+# ``stage`` field holds the rank (the shard), not a pipeline stage.
+#: Output layer, first pass: the shard's logits, local max and sum (vocab-2 also
+#: the products that the input gradient needs).
+S = "S"
+#: The collective step after S: the global max and sum (vocab-2 also reduces
+#: the input gradient; naive: the all-reduce of the max only).
+C = "C"
+#: naive only: exponentials and the local sum once the global max is known.
+Z = "Z"
+#: naive only: the all-reduce of the sums.
+CZ = "CZ"
+#: Output layer, second pass: the weight gradient (vocab-1 and naive also the
+#: corrected softmax and the shard's part of the input gradient).
+T = "T"
+#: vocab-1 and naive: the reduce of the input gradient to the last stage.
+R = "R"
+#: Input layer forward: the shard's embedding rows, summed into stage 0's input.
+IF = "IF"
+#: Input layer backward: the shard's embedding gradient, from stage 0's gradient.
+IB = "IB"
+
+#: The passes of each vocabulary-parallel algorithm, per rank and microbatch.
+VOCAB_PASSES = {
+    "naive": (IF, S, C, Z, CZ, T, R, IB),
+    "vocab-1": (IF, S, C, T, R, IB),
+    "vocab-2": (IF, S, C, T, IB),
+}
+VOCAB_KINDS = frozenset(VOCAB_PASSES["naive"])
+#: Kinds whose result reaches its consumers only through a collective (an
+#: all-reduce or reduce over every rank): even a consumer on the same rank waits for it.
+REDUCED_KINDS = frozenset((S, Z, T, IF))
+
 #: Our kind -> the letter PyTorch's pipelining runtime uses in action strings.
 TORCH_CODE = {F: "F", B: "I", W: "W", BW: "B"}
 _FROM_TORCH_CODE = {code: kind for kind, code in TORCH_CODE.items()}
@@ -34,7 +68,8 @@ class Action(NamedTuple):
     """One unit of work: ``kind`` on ``stage`` for ``microbatch``.
 
     ``str(action)`` is PyTorch's action string (``1F3``, ``1I3``, ``1W3``,
-    ``1B3``: stage, kind, microbatch), which :meth:`parse` reads back.
+    ``1B3``: stage, kind, microbatch), which :meth:`parse` reads back; other
+    kinds print as themselves (``3S7``: rank 3's S pass of microbatch 7).
     """
 
     kind: str
@@ -106,6 +141,18 @@ class Schedule:
 
     def stages_of(self, rank: int) -> list[int]:
         return [s for s, r in enumerate(self.placement) if r == rank]
+
+    def rank_of(self, action: Action) -> int:
+        """The rank that runs ``action``: its stage's rank, or for a vocabulary
+        pass the rank its ``stage`` field names."""
+        return action.stage if action.kind in VOCAB_KINDS else self.placement[action.stage]
+
+    @property
+    def vocab_parallel(self) -> str | None:
+        """The vocabulary-parallel algorithm whose passes the lists hold (a key
+        of :data:`VOCAB_PASSES`, from ``options["vocab_parallel"]``), or None."""
+        algorithm = self.options.get("vocab_parallel")
+        return algorithm if algorithm in VOCAB_PASSES else None
 
     def weight_version(self, microbatch: int) -> int:
         """The weight version microbatch ``microbatch`` (0-based) runs with.

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from ..errors import PipeloomError
 from .ir import Schedule
 from .validate import validate
+from .vocab import ALGORITHMS, HEAD_DELAY, add_vocab_passes, check_mode
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ def build(
     chunks: int | None = None,
     *,
     check: bool = True,
+    vocab_parallel: str | None = None,
     **options,
 ) -> Schedule:
     """Build the schedule of family ``name`` for ``pp`` ranks and ``microbatches``
@@ -52,7 +54,14 @@ def build(
 
     ``chunks`` is the number of stages per rank (interleaved 1F1B: any >= 2,
     default 2; V families: 2). Family options (``steps`` for 2bw; ``costs``
-    and ``memory_limit`` for zb-auto) go in ``options``.
+    and ``memory_limit`` for zb-auto; ``head_delay``, the intervals by which
+    the last stage's backward follows its forward, for the families that can
+    delay it) go in ``options``.
+
+    ``vocab_parallel`` (one of :data:`~.vocab.MODES`) is stored in
+    ``options["vocab_parallel"]``; naive, vocab-1 and vocab-2 build the
+    family with :data:`~.vocab.HEAD_DELAY` (unless ``head_delay`` is given)
+    and add their passes with :func:`~.vocab.add_vocab_passes`.
     """
     family = FAMILIES.get(name)
     if family is None:
@@ -72,5 +81,22 @@ def build(
     if unknown:
         takes = ", ".join(family.options) or "no options"
         raise PipeloomError(f"{name} does not take option {unknown[0]!r}; it takes: {takes}")
+    if vocab_parallel is not None:
+        check_mode(vocab_parallel)
+    delay = options.get("head_delay", 0)
+    if not isinstance(delay, int) or isinstance(delay, bool) or delay < 0:
+        raise PipeloomError(f"{name}: head_delay={delay!r} must be a whole number >= 0")
+    if vocab_parallel in ALGORITHMS:
+        if "head_delay" not in family.options:
+            can = ", ".join(n for n, f in FAMILIES.items() if "head_delay" in f.options)
+            raise PipeloomError(
+                f"{name} cannot take vocabulary passes ({vocab_parallel}): it cannot delay the last stage's "
+                f"backward to make room for them; families that can: {can}"
+            )
+        options.setdefault("head_delay", HEAD_DELAY[vocab_parallel])
     schedule = family.generate(pp, microbatches, chunks, **options)
+    if vocab_parallel in ALGORITHMS:
+        schedule = add_vocab_passes(schedule, vocab_parallel)
+    elif vocab_parallel is not None:
+        schedule = replace(schedule, options={**schedule.options, "vocab_parallel": vocab_parallel})
     return validate(schedule) if check else schedule

@@ -6,16 +6,20 @@ Pure Python: nothing here imports torch.
 from ..schedule.costs import Costs, StageCosts
 from .simulate import Event, RankStats, Result, simulate
 from .grid import text_grid
-from .plot import plot_schedule
+from .plot import plot_rank_comparison, plot_schedule
 from .trace import Transfer, chrome_trace, chrome_trace_events, transfers_of, write_chrome_trace
 from .model import (
-    BYTES_PER_PARAM, DEVICES, MODELS, Device, ModelSpec, costs_from_model, get_device, get_model,
+    BYTES_PER_PARAM, DEVICES, MODELS, Device, ModelSpec, balanced_layers, costs_from_model, get_device, get_model,
     peak_memory_bytes, split_layers, stage_parameters,
 )
 
 __all__ = ["Costs", "StageCosts", "Event", "RankStats", "Result", "simulate"]
 __all__ += [
-    "BYTES_PER_PARAM", "DEVICES", "MODELS", "Device", "ModelSpec", "costs_from_model", "get_device", "get_model",
+    "BYTES_PER_PARAM", "DEVICES", "MODELS", "Device", "ModelSpec", "balanced_layers", "costs_from_model", "get_device",
+    "get_model",
     "peak_memory_bytes", "split_layers", "stage_parameters",
 ]
-__all__ += ["text_grid", "plot_schedule", "Transfer", "chrome_trace", "chrome_trace_events", "transfers_of", "write_chrome_trace"]
+__all__ += [
+    "text_grid", "plot_schedule", "plot_rank_comparison", "Transfer", "chrome_trace", "chrome_trace_events", "transfers_of",
+    "write_chrome_trace",
+]

@@ -16,14 +16,32 @@ the output layer (LM head and softmax cross-entropy: 2bshV FLOPs each for F,
 B and W; hV parameters plus the final norm) on the last. Times are in
 milliseconds, memory in bytes, so the simulator's peak activation comes out
 in bytes.
+
+``vocab_parallel`` picks where the vocabulary layers go (REFERENCE.md,
+"Vocabulary Parallelism"): ``none`` as above; ``redis`` also, with the
+transformer layers spread so that every stage's compute is as even as whole
+layers allow (:func:`balanced_layers`); ``naive``, ``vocab-1``, ``vocab-2``
+split both layers over the p ranks (V/p rows each, padded), whose passes
+cost, per rank and microbatch, with ``X`` the ``[bs, V/p]`` by ``[V/p, h]``
+product (2bshV/p FLOPs): S = X (vocab-2: 2X, the logits and ``softmax'·W``),
+T = 2X (vocab-2: X, the weight gradient), input forward bsh/p and backward
+2bsh/p (3bsh in all); collectives on the ring at the link bandwidth
+(all-reduce of n bytes ``2(p-1)/p·n``, reduce ``(p-1)/p·n``): C the
+all-reduces of the max and the sum (4bs bytes each; naive: the max only, and
+as much for its CZ), plus for vocab-2 the reduce of the input gradient
+(2bsh), which R is for vocab-1 and naive; the input layer's all-reduce
+(2bsh). An S keeps the fp32 softmax (4bsV/p) and its input (2bsh) until its
+T. The first stage keeps the position embeddings, the last the final norm
+(whose input stays in its M_B).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import PipeloomError
 from ..schedule.costs import Costs
+from ..schedule.vocab import ALGORITHMS, check_mode
 from .simulate import Result
 
 #: Bytes of model state per parameter, Megatron-style mixed precision: bf16
@@ -80,6 +98,11 @@ class ModelSpec:
     def head_params(self) -> int:
         """LM head weights (hV) plus the final layer norm (2h)."""
         return self.hidden * (self.vocab + 2)
+
+    def vocab_shard_params(self, ranks: int) -> int:
+        """Parameters of one rank's vocabulary shard (V/p rows, padded) of the
+        token embedding and the LM head (one matrix when they are tied)."""
+        return -(-self.vocab // ranks) * self.hidden * (1 if self.tied_embeddings else 2)
 
 
 # GPT-2 BPE vocabulary (50257) padded by Megatron-LM to a multiple of 128.
@@ -200,9 +223,30 @@ def split_layers(layers: int, stages: int) -> tuple[int, ...]:
     return tuple(base + (s in favoured) for s in range(stages))
 
 
-def _stage_layers(model: ModelSpec, stages: int, layers_per_stage) -> tuple[int, ...]:
+def balanced_layers(model: ModelSpec | str, stages: int, seq: int) -> tuple[int, ...]:
+    """Layers per stage of the ``redis`` baseline: each layer in turn goes to
+    the stage with the least compute (F + B + W) so far, the first stage
+    starting with the input layer's and the last with the output layer's, so
+    the slowest stage is as fast as whole layers allow (stages may get none);
+    ties go to the middle stages. FLOP ratios only: b and the device cancel."""
+    model = get_model(model)
+    _positive(stages=stages, seq=seq)
+    load = [0] * stages  # FLOPs / bsh
+    load[0] += 3
+    load[-1] += 6 * model.vocab
+    layer = 3 * (8 + 4 * model.ffn) * model.hidden + 12 * seq
+    centre_first = sorted(range(stages), key=lambda s: (abs(2 * s - (stages - 1)), s))
+    counts = [0] * stages
+    for _ in range(model.layers):
+        s = min(centre_first, key=load.__getitem__)
+        load[s] += layer
+        counts[s] += 1
+    return tuple(counts)
+
+
+def _stage_layers(model: ModelSpec, stages: int, layers_per_stage, seq: int = 0, mode: str = "none") -> tuple[int, ...]:
     if layers_per_stage is None:
-        return split_layers(model.layers, stages)
+        return balanced_layers(model, stages, seq) if mode == "redis" else split_layers(model.layers, stages)
     split = tuple(layers_per_stage)
     if len(split) != stages or any(not isinstance(n, int) or n < 0 for n in split) or sum(split) != model.layers:
         raise PipeloomError(
@@ -218,6 +262,12 @@ def _positive(**values) -> None:
             raise PipeloomError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _collective_ms(device: Device, nbytes: float, ranks: int, passes: int) -> float:
+    """A ring collective of ``nbytes`` over ``ranks``: ``passes`` = 2 for an
+    all-reduce, 1 for a reduce (each rank sends ``(ranks-1)/ranks`` per pass)."""
+    return 1e3 * passes * (ranks - 1) / ranks * nbytes / device.link_bandwidth
+
+
 def costs_from_model(
     model: ModelSpec | str,
     pp: int,
@@ -227,19 +277,24 @@ def costs_from_model(
     chunks: int = 1,
     layers_per_stage=None,
     recompute: bool = False,
+    vocab_parallel: str | None = None,
 ) -> Costs:
     """Per-virtual-stage costs (ms, bytes) of ``model`` cut into ``pp * chunks``
     stages, for microbatches of ``microbatch_size`` sequences of ``seq`` tokens.
 
-    ``layers_per_stage`` overrides :func:`split_layers`. With ``recompute``
-    each layer keeps only its input (2sbh bytes) and B first reruns the
-    layer's forward; W still needs its inputs, so ``m_w`` exceeds ``m_b`` and
-    memory grows from B to W (use a fused-backward schedule with it).
+    ``layers_per_stage`` overrides :func:`split_layers` (:func:`balanced_layers`
+    with ``vocab_parallel="redis"``). With ``recompute`` each layer keeps
+    only its input (2sbh bytes) and B first reruns the layer's forward; W
+    still needs its inputs, so ``m_w`` exceeds ``m_b`` and memory grows from
+    B to W (use a fused-backward schedule with it). ``vocab_parallel`` (none,
+    redis, naive, vocab-1, vocab-2) places the vocabulary layers as the
+    module docstring says.
     """
     model, device = get_model(model), get_device(device)
     _positive(pp=pp, seq=seq, microbatch_size=microbatch_size, chunks=chunks)
+    mode = check_mode(vocab_parallel or "none")
     stages = pp * chunks
-    split = _stage_layers(model, stages, layers_per_stage)
+    split = _stage_layers(model, stages, layers_per_stage, seq, mode)
     b, s, h, a, v, k = microbatch_size, seq, model.hidden, model.heads, model.vocab, model.ffn
     bsh = b * s * h
     layer_f = bsh * ((8 + 4 * k) * h + 4 * s)
@@ -247,11 +302,15 @@ def costs_from_model(
     layer_w = (8 + 4 * k) * bsh * h
     layer_mb = 2 * bsh if recompute else s * b * ((18 + 4 * k) * h + 5 * a * s)
     layer_mw = (16 + 4 * k) * bsh
-    head = 2 * bsh * v  # FLOPs of each of the output layer's F, B and W
-    # The output layer keeps the fp32 softmax (4bsV) and its input and the
-    # final norm's input (2bsh each) for B; W keeps the logits' gradient
-    # (2bsV, bf16) and the LM head's input.
-    head_mb, head_mw = 4 * b * s * v + 4 * bsh, 2 * b * s * v + 2 * bsh
+    if mode in ALGORITHMS:
+        embedding = head = head_mw = 0
+        head_mb = 2 * bsh  # the final norm's input
+    else:
+        embedding, head = 3 * bsh, 2 * bsh * v  # head: FLOPs of each of the output layer's F, B and W
+        # The output layer keeps the fp32 softmax (4bsV) and its input and the
+        # final norm's input (2bsh each) for B; W keeps the logits' gradient
+        # (2bsV, bf16) and the LM head's input.
+        head_mb, head_mw = 4 * b * s * v + 4 * bsh, 2 * b * s * v + 2 * bsh
 
     def per_stage(per_layer, first=0, last=0):
         values = [n * per_layer for n in split]
@@ -259,25 +318,53 @@ def costs_from_model(
         values[-1] += last
         return values
 
-    return Costs(
-        f=[device.ms(x) for x in per_stage(layer_f, first=3 * bsh, last=head)],
+    costs = Costs(
+        f=[device.ms(x) for x in per_stage(layer_f, first=embedding, last=head)],
         b=[device.ms(x) for x in per_stage(layer_b, last=head)],
         w=[device.ms(x) for x in per_stage(layer_w, last=head)],
         comm=[1e3 * 2 * bsh / device.link_bandwidth] * stages,
         m_b=[float(x) for x in per_stage(layer_mb, last=head_mb)],
         m_w=[float(x) for x in per_stage(layer_mw, last=head_mw)],
     )
+    if mode not in ALGORITHMS:
+        return costs
+    shard = -(-v // pp)
+    product = device.ms(2 * b * s * shard * h)  # one [bs, h] x [h, V/p] product on one rank
+    statistic = _collective_ms(device, 4 * b * s, pp, 2)  # all-reduce of one fp32 value per token
+    grad_input = _collective_ms(device, 2 * bsh, pp, 1)  # reduce of the input gradient to the last stage
+    two = mode == "vocab-2"
+    return replace(
+        costs,
+        s=2 * product if two else product,
+        t=product if two else 2 * product,
+        c=statistic if mode == "naive" else 2 * statistic + (grad_input if two else 0.0),
+        r=0.0 if two else grad_input,
+        e_f=device.ms(bsh / pp),
+        e_b=device.ms(2 * bsh / pp),
+        e_comm=_collective_ms(device, 2 * bsh, pp, 2),
+        m_v=float(4 * b * s * shard + 2 * bsh),
+    )
 
 
-def stage_parameters(model: ModelSpec | str, stages: int, seq: int, layers_per_stage=None) -> list[int]:
+def stage_parameters(
+    model: ModelSpec | str, stages: int, seq: int, layers_per_stage=None, vocab_parallel: str | None = None
+) -> list[int]:
     """Parameters of each of ``stages`` stages: its layers, plus the
-    embeddings on the first and the LM head and final norm on the last."""
+    embeddings on the first and the LM head and final norm on the last (with
+    a vocabulary-parallel algorithm only the position embeddings and the
+    final norm: the vocabulary shards belong to ranks, see
+    :meth:`ModelSpec.vocab_shard_params`)."""
     model = get_model(model)
     _positive(stages=stages, seq=seq)
-    split = _stage_layers(model, stages, layers_per_stage)
+    mode = check_mode(vocab_parallel or "none")
+    split = _stage_layers(model, stages, layers_per_stage, seq, mode)
     params = [n * model.layer_params for n in split]
-    params[0] += model.embedding_params(seq)
-    params[-1] += model.head_params
+    if mode in ALGORITHMS:
+        params[0] += model.hidden * seq
+        params[-1] += 2 * model.hidden
+    else:
+        params[0] += model.embedding_params(seq)
+        params[-1] += model.head_params
     return params
 
 
@@ -287,15 +374,20 @@ def peak_memory_bytes(
     seq: int,
     *,
     layers_per_stage=None,
+    vocab_parallel: str | None = None,
     bytes_per_param: float = BYTES_PER_PARAM,
 ) -> list[float]:
-    """Peak bytes per rank: model state of the rank's stages
-    (``bytes_per_param`` each) plus the simulated peak activation, which is
-    in bytes when ``result`` was simulated with :func:`costs_from_model`
-    costs. ``layers_per_stage`` must match the one the costs used."""
+    """Peak bytes per rank: model state of the rank's stages and vocabulary
+    shard (``bytes_per_param`` each) plus the simulated peak activation
+    (with the vocabulary buffers), which is in bytes when ``result`` was
+    simulated with :func:`costs_from_model` costs. ``layers_per_stage`` and
+    ``vocab_parallel`` (default: the schedule's ``options["vocab_parallel"]``)
+    must match the ones the costs used."""
     schedule = result.schedule
-    params = stage_parameters(model, schedule.stages, seq, layers_per_stage)
+    mode = check_mode(vocab_parallel or schedule.options.get("vocab_parallel") or "none")
+    params = stage_parameters(model, schedule.stages, seq, layers_per_stage, mode)
+    shard = get_model(model).vocab_shard_params(schedule.pp) if mode in ALGORITHMS else 0
     return [
-        bytes_per_param * sum(params[s] for s in schedule.stages_of(rank)) + result.peak_activation[rank]
+        bytes_per_param * (shard + sum(params[s] for s in schedule.stages_of(rank))) + result.peak_activation[rank]
         for rank in range(schedule.pp)
     ]

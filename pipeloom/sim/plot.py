@@ -3,8 +3,11 @@
 Top panel: one row per rank (rank 0 on top), one box per action coloured by
 kind, later chunks of interleaved and V schedules in lighter shades,
 microbatch numbers where the boxes are big enough. Bottom panel: activation
-memory of every rank over time. matplotlib is imported only when drawing,
-and only its Figure API (Agg for PNG, its SVG writer for SVG), never pyplot.
+memory of every rank over time. :func:`plot_rank_comparison` draws per-rank
+bars of several runs side by side (the vocabulary modes of ``pipeloom
+simulate --vocab-parallel A,B,...``). matplotlib is imported only when
+drawing, and only its Figure API (Agg for PNG, its SVG writer for SVG), never
+pyplot.
 """
 
 from __future__ import annotations
@@ -12,11 +15,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import PipeloomError
-from ..schedule.ir import BW, B, F, W
+from ..schedule.ir import BW, IB, IF, VOCAB_KINDS, B, F, S, T, W
 from .simulate import Result
 
-KIND_COLOURS = {F: "#4c72b0", B: "#dd8452", W: "#55a868", BW: "#c44e52"}
-KIND_NAMES = {F: "F forward", B: "B input grad", W: "W weight grad", BW: "BW fused backward"}
+KIND_COLOURS = {F: "#4c72b0", B: "#dd8452", W: "#55a868", BW: "#c44e52", S: "#8172b3", T: "#937860",
+                IF: "#da8bc3", IB: "#da8bc3"}
+KIND_NAMES = {F: "F forward", B: "B input grad", W: "W weight grad", BW: "BW fused backward",
+              S: "S output layer (vocab)", T: "T output layer grad (vocab)", IF: "IF input layer (vocab)",
+              IB: "IB input layer grad (vocab)"}
 OTHER_COLOUR = "#8c8c8c"
 SUFFIXES = (".png", ".svg")
 WIDTH_IN, DPI = 14.0, 110
@@ -26,10 +32,7 @@ RASTER_ABOVE = 5000  # boxes drawn as a bitmap inside SVGs above this many
 
 def plot_schedule(result: Result, path: str | Path) -> None:
     """Draw ``result`` to ``path``; the suffix (.png or .svg) picks the format."""
-    path = Path(path)
-    if path.suffix.lower() not in SUFFIXES:
-        got = repr(path.suffix) if path.suffix else "no suffix"
-        raise PipeloomError(f"cannot plot to {str(path)!r}: the file name must end in .png or .svg, not {got}")
+    path = _checked_path(path)
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
 
     rows_in = min(max(1.6, 0.35 * result.schedule.pp), 10.0)
@@ -39,6 +42,14 @@ def plot_schedule(result: Result, path: str | Path) -> None:
     _draw_memory(bottom, result)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
+
+
+def _checked_path(path: str | Path) -> Path:
+    path = Path(path)
+    if path.suffix.lower() not in SUFFIXES:
+        got = repr(path.suffix) if path.suffix else "no suffix"
+        raise PipeloomError(f"cannot plot to {str(path)!r}: the file name must end in .png or .svg, not {got}")
+    return path
 
 
 def _shade(colour: str, chunk: int, chunks: int) -> tuple[float, float, float]:
@@ -53,13 +64,18 @@ def _box_colours(result: Result) -> list[list[tuple[float, float, float]]]:
     """The fill of every event's box, per rank: its kind's colour, lighter for later chunks."""
     schedule = result.schedule
     chunk_of = {s: k for r in range(schedule.pp) for k, s in enumerate(schedule.stages_of(r))}
+
+    def key(action) -> tuple[str, int]:
+        """Kind and chunk; a vocabulary pass (whose stage field is a rank) counts as chunk 0."""
+        return action.kind, 0 if action.kind in VOCAB_KINDS else chunk_of[action.stage]
+
     palette = {}
     for events in result.events:
         for ev in events:
-            key = (ev.action.kind, chunk_of[ev.action.stage])
-            if key not in palette:
-                palette[key] = _shade(KIND_COLOURS.get(key[0], OTHER_COLOUR), key[1], schedule.chunks)
-    return [[palette[ev.action.kind, chunk_of[ev.action.stage]] for ev in events] for events in result.events]
+            k = key(ev.action)
+            if k not in palette:
+                palette[k] = _shade(KIND_COLOURS.get(k[0], OTHER_COLOUR), k[1], schedule.chunks)
+    return [[palette[key(ev.action)] for ev in events] for events in result.events]
 
 
 def _draw_timeline(ax, result: Result, rows_in: float) -> None:
@@ -98,7 +114,7 @@ def _draw_timeline(ax, result: Result, rows_in: float) -> None:
 def _legend(ax, result: Result) -> None:
     from matplotlib.patches import Patch
 
-    kinds = dict.fromkeys(ev.action.kind for evs in result.events for ev in evs)
+    kinds = dict.fromkeys(ev.action.kind for evs in result.events for ev in evs if ev.end > ev.start)
     handles = [Patch(color=KIND_COLOURS.get(k, OTHER_COLOUR), label=KIND_NAMES.get(k, k)) for k in kinds]
     if result.schedule.chunks > 1:
         handles.append(Patch(color=_shade(OTHER_COLOUR, 1, 2), label="lighter: later chunk"))
@@ -131,3 +147,37 @@ def _draw_memory(ax, result: Result) -> None:
     ax.set_ylabel("activation memory (M_B)")
     ax.set_xlabel("time (simulator units; ms with model costs)")
     ax.set_ylim(bottom=0)
+
+
+def plot_rank_comparison(
+    path: str | Path,
+    labels: list[str],
+    busy: list[list[float]],
+    memory: list[list[float]],
+    *,
+    busy_label: str = "busy",
+    memory_label: str = "peak memory",
+    title: str = "",
+) -> None:
+    """Grouped bars per rank, one colour per label: compute (``busy[k][rank]``)
+    on top, peak memory (``memory[k][rank]``) below; the suffix of ``path``
+    (.png or .svg) picks the format."""
+    path = _checked_path(path)
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+
+    ranks = len(busy[0])
+    width = 0.8 / len(labels)
+    cmap = colormaps["tab10"]
+    fig = Figure(figsize=(max(6.0, 0.9 * ranks + 3.0), 6.5))
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    for ax, values, label in ((top, busy, busy_label), (bottom, memory, memory_label)):
+        for k, (name, per_rank) in enumerate(zip(labels, values)):
+            xs = [r - 0.4 + width * (k + 0.5) for r in range(ranks)]
+            ax.bar(xs, per_rank, width=width, color=cmap(k % 10), label=name)
+        ax.set_ylabel(label)
+    top.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    top.set_title(title)
+    bottom.set_xticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)

@@ -7,7 +7,7 @@ from functools import cached_property
 from typing import NamedTuple
 
 from ..schedule.costs import Costs, StageCosts
-from ..schedule.deps import activation_delta, asap, peak_activation
+from ..schedule.deps import asap, peak_activation
 from ..schedule.ir import Action, Schedule
 
 
@@ -38,7 +38,8 @@ class Result:
 
     ``bubble_rate`` is the largest over ranks of (span - busy) / span, the span
     running from the start of a rank's first action to the end of its last.
-    Activation memory is in the unit of ``Costs.m_b`` (M_B of a full stage).
+    Activation memory is in the unit of ``Costs.m_b`` (M_B of a full stage)
+    and includes the vocabulary passes' buffers (``Costs.m_v``, from S to T).
     """
 
     schedule: Schedule
@@ -57,7 +58,7 @@ class Result:
         for rank, actions in enumerate(schedule.ranks):
             busy = sum(e - s for s, e in zip(starts[rank], ends[rank]))
             span = ends[rank][-1] - starts[rank][0] if actions else 0.0
-            peak = peak_activation(actions, costs.m_b.__getitem__, costs.m_w.__getitem__)
+            peak = peak_activation(actions, costs.memory_delta)
             stats.append(RankStats(busy=busy, idle=span - busy, span=span, peak_activation=peak))
         makespan = max((e[-1] for e in ends if e), default=0.0)
         bubble = max((s.bubble_rate for s in stats), default=0.0)
@@ -80,7 +81,7 @@ class Result:
         action starts and shrinks when it ends."""
         points, level = [(0.0, 0.0)], 0.0
         for ev in self.events[rank]:
-            delta = activation_delta(ev.action, self.costs.m_b[ev.action.stage], self.costs.m_w[ev.action.stage])
+            delta = self.costs.memory_delta(ev.action)
             level += delta
             points.append((ev.start if delta > 0 else ev.end, level))
         return points

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
 from ..schedule.deps import Dependencies
-from ..schedule.ir import F, Action, Schedule
+from ..schedule.ir import BW, VOCAB_KINDS, B, F, Action, Schedule
 from .simulate import Event, Result
 
 #: Microseconds per simulator time unit (1 unit = 1 ms).
@@ -155,16 +155,18 @@ def _rank_metadata(rank: int, stages: Sequence[int], comm_lanes: int) -> list[di
 
 def _compute_event(ev: Event) -> dict:
     a = ev.action
+    place = "shard" if a.kind in VOCAB_KINDS else "stage"  # a vocabulary pass's stage field is its rank
     return {
         "ph": "X", "name": str(a), "cat": a.kind, "pid": ev.rank, "tid": COMPUTE_TID,
         "ts": _us(ev.start), "dur": _us(ev.end - ev.start),
-        "args": {"stage": a.stage, "microbatch": a.microbatch, "kind": a.kind},
+        "args": {place: a.stage, "microbatch": a.microbatch, "kind": a.kind},
     }
 
 
 def _send_name(action: Action) -> str:
-    """PyTorch's name of the send of ``action``'s output: ``1SEND_F3`` or ``1SEND_B3``."""
-    direction = "F" if action.kind == F else "B"
+    """PyTorch's name of the send of ``action``'s output: ``1SEND_F3`` or ``1SEND_B3``
+    (a vocabulary pass's result, broadcast or reduced: ``3SEND_S3``)."""
+    direction = "F" if action.kind == F else "B" if action.kind in (B, BW) else action.kind
     return f"{action.stage}SEND_{direction}{action.microbatch}"
 
 

@@ -99,7 +99,7 @@ def _makespan(schedule: Schedule, costs: StageCosts) -> float:
 
 
 def _peak(ranks: tuple, costs: StageCosts) -> float:
-    return max(peak_activation(actions, costs.m_b.__getitem__, costs.m_w.__getitem__) for actions in ranks)
+    return max(peak_activation(actions, costs.memory_delta) for actions in ranks)
 
 
 def _limit(memory_limit: float | None, costs: StageCosts, h2_ranks: tuple) -> float:

@@ -25,6 +25,10 @@ resulting order with the real costs.
 
 Squeezing out the idle slots is left to the simulator: each rank runs its
 list in order, every pass as soon as its inputs exist.
+
+``head_delay`` inserts that many intervals between the last stage's F and B
+in the block (and keeps them in the warm-up and cool-down), the room the
+Vocabulary Parallelism paper makes for its output-layer passes.
 """
 
 from __future__ import annotations
@@ -73,13 +77,15 @@ def _path(pp: int) -> list[tuple[int, int]]:
     return [(r, 0) for r in down] + [(r, 1) for r in up] + [(r, 2) for r in down] + [(r, 3) for r in up]
 
 
-def block_slots(pp: int, block: Block) -> list[list[int]]:
+def block_slots(pp: int, block: Block, head_delay: int = 0) -> list[list[int]]:
     """``slots[rank][lane]`` of microbatch 0's F and B passes (lanes 0-3), with
     the smallest gap after the last F that leaves every rank's four passes
-    in distinct slots modulo :data:`INTERVAL`."""
+    in distinct slots modulo :data:`INTERVAL`, plus ``head_delay`` intervals
+    (room for vocabulary passes between the last stage's F and B)."""
     for gap in range(1, INTERVAL + 1):
         slots = [[0] * 4 for _ in range(pp)]
-        for (rank, lane), t in zip(_path(pp), accumulate([0] + block.hops(pp, gap))):
+        hops = block.hops(pp, gap + INTERVAL * head_delay)
+        for (rank, lane), t in zip(_path(pp), accumulate([0] + hops)):
             slots[rank][lane] = t
         if all(len({t % INTERVAL for t in lanes}) == 4 for lanes in slots):
             return slots
@@ -116,10 +122,14 @@ class _Timeline:
     activations held after slot ``t``; ``cap`` is the largest of them in the
     repeated blocks."""
 
-    def __init__(self, pp: int, microbatches: int, block: Block):
+    def __init__(self, pp: int, microbatches: int, block: Block, head_delay: int = 0):
         self.pp, self.m = pp, microbatches
         self.pred = _predecessors(pp)
-        base = block_slots(pp, block)
+        # slots a pass comes at least after its input: 1, and for the last
+        # stage's B (rank 0, lane 2) the head delay too
+        self.lag = [[1] * 6 for _ in range(pp)]
+        self.lag[0][2] += INTERVAL * head_delay
+        base = block_slots(pp, block, head_delay)
         self.first_done = base[0][3]  # the last pass of microbatch 0's block
         self.last_start = INTERVAL * (microbatches - 1)  # the first of the last block
         length = INTERVAL * (microbatches - 1) + max(map(max, base)) + 1
@@ -159,13 +169,13 @@ class _Timeline:
         return list(accumulate(0 if code is None else _MEMORY[code & _MASK] for code in occ))
 
     def _ready(self, rank: int, code: int) -> int:
-        """The first slot after the pass's input and after the same lane's
-        previous microbatch."""
+        """The first slot after the pass's input (by its lag) and after the
+        same lane's previous microbatch."""
         lane = code & _MASK
         ready = self.pos[rank][code - (1 << _SHIFT)] + 1 if code >> _SHIFT else 0
         pred = self.pred[rank][lane]
         if pred is not None:
-            ready = max(ready, self.pos[pred[0]][code - lane + pred[1]] + 1)
+            ready = max(ready, self.pos[pred[0]][code - lane + pred[1]] + self.lag[rank][lane])
         return ready
 
     def warm_up(self) -> None:
@@ -236,12 +246,12 @@ class _Timeline:
 
     def _pick(self, rank: int, t: int, tail: _Tail, may_grow: bool) -> int | None:
         """The ready F or B first in block order, else the oldest pending W."""
-        pos, pred = self.pos, self.pred[rank]
+        pos, pred, lag = self.pos, self.pred[rank], self.lag[rank]
         ready = []
         for lane, codes in tail.lanes.items():
             code = next(iter(codes))
             before = pred[lane]
-            waits = before is not None and pos[before[0]][code - lane + before[1]] >= t
+            waits = before is not None and pos[before[0]][code - lane + before[1]] + lag[lane] > t
             if not waits and (may_grow or lane >= 2):
                 ready.append((codes[code], code))
         if ready:
@@ -277,9 +287,10 @@ class _Timeline:
         )
 
 
-def v_schedule(family: str, pp: int, microbatches: int) -> Schedule:
-    """The schedule of ``family``'s building block (see :data:`BLOCKS`)."""
-    timeline = _Timeline(pp, microbatches, BLOCKS[family])
+def v_schedule(family: str, pp: int, microbatches: int, head_delay: int = 0) -> Schedule:
+    """The schedule of ``family``'s building block (see :data:`BLOCKS`), the
+    last stage's B ``head_delay`` more intervals after its F."""
+    timeline = _Timeline(pp, microbatches, BLOCKS[family], head_delay)
     timeline.warm_up()
     timeline.cool_down()
     ranks = tuple(timeline.actions(rank) for rank in range(pp))
@@ -287,15 +298,15 @@ def v_schedule(family: str, pp: int, microbatches: int) -> Schedule:
 
 
 @register("v-min", "V-shape blocks, about 1/3 of 1F1B's activation memory", chunks=(2,), default_chunks=2)
-def v_min(pp: int, microbatches: int, chunks: int) -> Schedule:
-    return v_schedule("v-min", pp, microbatches)
+def v_min(pp: int, microbatches: int, chunks: int, head_delay: int = 0) -> Schedule:
+    return v_schedule("v-min", pp, microbatches, head_delay)
 
 
 @register("v-half", "V-shape blocks, about 1/2 of 1F1B's activation memory", chunks=(2,), default_chunks=2)
-def v_half(pp: int, microbatches: int, chunks: int) -> Schedule:
-    return v_schedule("v-half", pp, microbatches)
+def v_half(pp: int, microbatches: int, chunks: int, head_delay: int = 0) -> Schedule:
+    return v_schedule("v-half", pp, microbatches, head_delay)
 
 
 @register("v-zb", "V-shape blocks, 1F1B's activation memory and almost no bubble", chunks=(2,), default_chunks=2)
-def v_zb(pp: int, microbatches: int, chunks: int) -> Schedule:
-    return v_schedule("v-zb", pp, microbatches)
+def v_zb(pp: int, microbatches: int, chunks: int, head_delay: int = 0) -> Schedule:
+    return v_schedule("v-zb", pp, microbatches, head_delay)
