@@ -237,6 +237,15 @@ class LMHeadState:
     grad_input: torch.Tensor | None = None
 
 
+def _global_softmax(stats: torch.Tensor):
+    """From every shard's local max and sum per row [parts, N, 3+]: the global max [N],
+    the global sum [N], and each shard's rescale exp(local max − global max) [parts, N]."""
+    shifts, sums = stats[:, :, 0], stats[:, :, 1]
+    top = shifts.amax(0)
+    rescales = (shifts - top).exp()
+    return top, (sums * rescales).sum(0), rescales
+
+
 class _LMHeadLoss(torch.autograd.Function):
     """S and C forward, T and R backward: the LM head as one differentiable loss."""
 
@@ -355,32 +364,79 @@ class VocabParallelLMHead(_VocabSharded):
 
     @torch.no_grad()
     def collective(self, state: LMHeadState) -> torch.Tensor:
-        """C: the global max and sum of every row (and for vocab-2 ∇X), so ``state.loss``; returns it."""
+        """C: the global max and sum of every row (and for vocab-2 ∇X), so ``state.loss``;
+        returns it. Blocking; a runtime that overlaps the collectives uses the pieces:
+        :meth:`row_stats`, :meth:`combine`, :meth:`row_sums`, :meth:`combine_sums`,
+        :meth:`grad_input_parts` and :meth:`grad_input_from`."""
         if state.loss is not None:
             raise PipeloomError("collective already ran on this microbatch's state")
+        parts = self._gather(self.grad_input_parts(state)) if state.algorithm == "vocab-2" else None
+        stats = self._gather(self.row_stats(state))
+        self.combine(state, stats)
         if state.algorithm == "naive":
-            top = self._row_max(state.probs)
-            self._all_reduce(top, dist.ReduceOp.MAX)
-            state.probs.sub_(top[:, None]).exp_()
-            rescale = torch.ones_like(top)
-            local_sum = state.probs.sum(1)
-        else:
-            top = state.shift.clone()
-            self._all_reduce(top, dist.ReduceOp.MAX)
-            rescale = (state.shift - top).exp()
-            local_sum = state.local_sum * rescale
-        sums = torch.stack([local_sum, state.target_term], 1)
-        self._all_reduce(sums)
-        total, target_term = sums.unbind(1)
-        state.scale = rescale / total
-        state.loss = (state.row_weight * (top + total.log() - target_term)).sum()
-        if state.algorithm == "vocab-2":
-            grad = (state.softmax_w * state.scale[:, None] - state.target_w) * state.row_weight[:, None]
-            self._all_reduce(grad)
-            state.grad_input = grad.to(state.input_dtype).reshape(state.input_shape)
-            state.softmax_w = state.target_w = None
-        state.shift = state.local_sum = state.target_term = None
+            sums = self.row_sums(state)
+            self._all_reduce(sums)
+            self.combine_sums(state, sums)
+        if parts is not None:
+            state.grad_input = self.grad_input_from(state, stats, parts)
         return state.loss
+
+    def row_stats(self, state: LMHeadState) -> torch.Tensor:
+        """This shard's numbers per row [N, 3] that C gathers from every rank: the local max
+        (naive: of the logits), the local sum (naive: unused) and the target term."""
+        if state.algorithm == "naive":
+            return torch.stack([self._row_max(state.probs), torch.zeros_like(state.target_term), state.target_term], 1)
+        return torch.stack([state.shift, state.local_sum, state.target_term], 1)
+
+    def _gather(self, stats: torch.Tensor) -> torch.Tensor:
+        if self.shard.parts == 1:
+            return stats[None]
+        parts = [torch.empty_like(stats) for _ in range(self.shard.parts)]
+        dist.all_gather(parts, stats.contiguous(), group=self.group)
+        return torch.stack(parts)
+
+    @torch.no_grad()
+    def combine(self, state: LMHeadState, gathered: torch.Tensor) -> None:
+        """C from every rank's :meth:`row_stats` [parts, N, 3]: the global max, and (not
+        naive, whose sums need a second round) the global sum, the scale and the loss."""
+        state.target_term = gathered[:, :, 2].sum(0)
+        if state.algorithm == "naive":
+            top = gathered[:, :, 0].amax(0)
+            state.probs.sub_(top[:, None]).exp_()
+            state.shift = top
+            return
+        top, total, _ = _global_softmax(gathered)
+        self._finish(state, top, total, (state.shift - top).exp())
+
+    def row_sums(self, state: LMHeadState) -> torch.Tensor:
+        """naive's second round: this shard's sum of exp(logits − global max) per row [N]."""
+        return state.probs.sum(1)
+
+    @torch.no_grad()
+    def combine_sums(self, state: LMHeadState, total: torch.Tensor) -> None:
+        """naive: the scale and the loss from the summed :meth:`row_sums`."""
+        self._finish(state, state.shift, total, torch.ones_like(total))
+
+    def _finish(self, state: LMHeadState, top, total, rescale) -> None:
+        state.scale = rescale / total
+        state.loss = (state.row_weight * (top + total.log() - state.target_term)).sum()
+        state.shift = state.local_sum = state.target_term = None
+
+    def grad_input_parts(self, state: LMHeadState) -> torch.Tensor:
+        """vocab-2: what this shard adds to ∇X [2, N, n_embd], ready at the end of S: its
+        probs·W and G·W, to be gathered where ∇X is needed (:meth:`grad_input_from`)."""
+        parts = torch.stack([state.softmax_w, state.target_w])
+        state.softmax_w = state.target_w = None
+        return parts
+
+    @torch.no_grad()
+    def grad_input_from(self, state: LMHeadState, stats: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
+        """vocab-2: ∇X, shaped like the input, from every rank's :meth:`row_stats` [parts, N, 3]
+        and :meth:`grad_input_parts` [parts, 2, N, n_embd] (after :meth:`combine`)."""
+        _, total, rescales = _global_softmax(stats)
+        scales = rescales / total  # [parts, N]: each shard's softmax correction
+        grad = (parts[:, 0] * scales[..., None]).sum(0) - parts[:, 1].sum(0)
+        return (grad * state.row_weight[:, None]).to(state.input_dtype).reshape(state.input_shape)
 
     @torch.no_grad()
     def t_pass(self, state: LMHeadState) -> None:

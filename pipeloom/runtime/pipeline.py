@@ -281,7 +281,8 @@ class Pipeline:
         with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
             y = checkpoint(stage, x, use_reentrant=False) if s in self.recompute else stage(x)
         if s == self.schedule.stages - 1 and self.vocab:
-            slot.output = y.to(self.dtype)  # the vocabulary passes take it from here
+            slot.output = y.to(self.dtype)
+            self.vocab.share_output(i, slot.output.detach())  # for every rank's S
         elif s == self.schedule.stages - 1:
             loss = nn.functional.cross_entropy(y.flatten(0, 1).float(), targets[i].flatten()) / self.schedule.microbatches
             step.loss[i // self.schedule.microbatches] += loss.detach()
@@ -299,7 +300,7 @@ class Pipeline:
         if s > 0:
             self._deliver(action, slot.input.grad, step)
         elif self.vocab:
-            self.vocab.input_grads[i] = slot.input.grad
+            self.vocab.share_input_grad(i, slot.input.grad)  # for every rank's IB
         slot.input = slot.output = slot.grad = None
         if action.kind == BW:
             del step.slots[(s, i)]
@@ -320,6 +321,12 @@ class Pipeline:
 
     def _receive_input(self, action: Action, step: _Step) -> None:
         """Wait for the input ``action`` needs from another rank, if any, and keep it in its slot."""
+        s, i = action.stage, action.microbatch
+        if self.vocab and action.kind == F and s == 0:
+            self.slot(step, s, i).input = self.vocab.stage_input(i, action)
+        elif self.vocab and action.kind in (B, BW) and s == self.schedule.stages - 1:
+            slot = self.slot(step, s, i)
+            slot.grad = self.vocab.grad_input(i, action, slot.output)
         need = self._remote_input(action)
         if need:
             slot = self.slot(step, action.stage, action.microbatch)

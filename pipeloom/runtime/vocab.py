@@ -2,24 +2,25 @@
 
 Every pipeline rank holds a shard of the token embedding and of the LM head
 (:mod:`pipeloom.nn.vocab`) and runs, per microbatch, the passes the schedule
-places on it:
+places on it (their dependencies are in :mod:`pipeloom.schedule.deps`):
 
 - ``IF``: this shard's lookups, summed (reduce) into stage 0's input;
-- ``IB``: stage 0's input gradient, broadcast from its rank, into this
-  shard's embedding gradient;
-- ``S``: the last stage's output, broadcast from its rank, into the head's S pass;
-- ``C``: the algorithm's collective step (with vocab-2 it yields ∇X; with
-  naive it also does the sum that the schedule places in ``Z`` and ``CZ``,
-  which are then empty here);
-- ``T``: the head's T pass (∇W; with naive and vocab-1 also this shard's ∇X);
-- ``R``: naive and vocab-1: ∇X summed into the last stage's rank.
+- ``S``: the head's S pass on the last stage's output (broadcast from its rank
+  as soon as that stage's forward ends);
+- ``C``: the global max and sum from every rank's S (gathered as soon as each
+  S ends), so the loss; with vocab-2 the parts of ∇X, also ready at the end of
+  S, are gathered into the last stage's rank, which finishes ∇X there;
+- ``Z``, ``CZ`` (naive): the exponentials and their sum over ranks;
+- ``T``: ∇W of this shard, and with naive and vocab-1 its part of ∇X;
+- ``R``: nothing here: the last stage's backward waits for ∇X itself;
+- ``IB``: this shard's embedding gradient, from stage 0's input gradient
+  (broadcast from its rank as soon as that stage's backward ends).
 
-Each kind of pass talks on a process group of its own (the replica's pipeline
-ranks), so only the order of microbatches within a kind must agree between
-ranks. A rank that only gives to a broadcast or a reduce does not wait for it
-(as a send, it is waited for at the end of the step); a rank that needs the
-result waits, and a dead or stalled peer stops the wait with the pipeline's
-timeout.
+So each rank gives to a collective as soon as its part is ready and waits
+only where it needs the result, as the simulator assumes. Each collective has
+a process group of its own (the replica's pipeline ranks), so only the order
+of microbatches within one must agree between ranks, which the constructor
+checks. Waits use the pipeline's timeout and say which action waited.
 """
 
 from __future__ import annotations
@@ -28,10 +29,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..errors import PipeloomError
 from ..nn.vocab import VocabParallelEmbedding, VocabParallelLMHead
-from ..schedule.ir import Action
+from ..schedule.ir import BW, IB, IF, B, C, F, S, T, Z, Action
 
-_COLLECTIVE_KINDS = ("IF", "IB", "S", "C", "R")
+#: The collectives, each on its own group: which action kind issues each (see
+#: :meth:`VocabPasses._check_order`).
+_GROUPS = ("sum-embeddings", "share-output", "gather-stats", "sum-exp", "sum-grad-input", "gather-grad-input",
+           "share-input-grad")
 
 
 class VocabPasses:
@@ -41,11 +46,11 @@ class VocabPasses:
         self.pipe = pipe
         self.groups = self._groups()
         config = model.config
-        self.embedding = VocabParallelEmbedding(config.vocab_size, config.n_embd, group=self.groups["IF"])
+        self.embedding = VocabParallelEmbedding(config.vocab_size, config.n_embd, group=self.groups["sum-embeddings"])
         self.embedding.load_full(model.wte.weight)
         tied = config.tie_embeddings
-        self.head = VocabParallelLMHead(config.vocab_size, config.n_embd, group=self.groups["C"], algorithm=algorithm,
-                                        weight=self.embedding.weight if tied else None, reduce_group=self.groups["R"])
+        self.head = VocabParallelLMHead(config.vocab_size, config.n_embd, group=self.groups["gather-stats"],
+                                        algorithm=algorithm, weight=self.embedding.weight if tied else None)
         if not tied:
             self.head.load_full(model.lm_head.weight)
         self.embedding.to(pipe.device)
@@ -53,23 +58,37 @@ class VocabPasses:
         self.names = {id(self.embedding.weight): "wte.weight"}
         if not tied:
             self.names[id(self.head.weight)] = "lm_head.weight"
-        first, last = pipe.schedule.placement[0], pipe.schedule.placement[-1]
-        self.first, self.last = pipe.peers[first], pipe.peers[last]
-        self.partials: dict[int, torch.Tensor] = {}
-        self.input_grads: dict[int, torch.Tensor] = {}
-        self.states: dict = {}
+        self.first, self.last = pipe.peers[pipe.schedule.placement[0]], pipe.peers[pipe.schedule.placement[-1]]
+        self.last_stage = pipe.schedule.stages - 1
+        self.partials: dict[int, torch.Tensor] = {}  # IF -> IB
+        self.states: dict = {}  # S -> T (and vocab-2, on the last stage's rank, S -> its backward)
+        self.stats: dict[int, torch.Tensor] = {}  # vocab-2, on the last stage's rank: C -> its backward
+        self.incoming: dict[tuple[str, int], tuple] = {}  # (what, microbatch) -> (work, tensor) to wait for
+        self._check_order()
 
     def _groups(self) -> dict[str, dist.ProcessGroup]:
-        """A process group per collective kind over this replica's pipeline ranks (every
-        rank creates every replica's groups, in one order)."""
+        """A process group per collective over this replica's pipeline ranks (every rank
+        creates every replica's groups, in one order)."""
         pipe, mine = self.pipe, {}
         for replica in range(pipe.dp):
             ranks = [int(r) for r in pipe.mesh.mesh[replica]]
-            for kind in _COLLECTIVE_KINDS:
+            for name in _GROUPS:
                 group = dist.new_group(ranks)
                 if replica == pipe.dp_rank:
-                    mine[kind] = group
+                    mine[name] = group
         return mine
+
+    def _check_order(self) -> None:
+        """Every collective must meet its microbatches in one order on every rank: the
+        order in which each rank issues it (microbatch order, as the families build)."""
+        issuers = {IF: None, S: None, C: None, Z: None, T: None, IB: None, F: self.last_stage, B: 0, BW: 0}
+        for rank, actions in enumerate(self.pipe.schedule.ranks):
+            for kind, stage in issuers.items():
+                order = [a.microbatch for a in actions if a.kind == kind and stage in (None, a.stage)]
+                if order != sorted(order):
+                    raise PipeloomError(
+                        f"rank {rank} runs the {kind} passes of microbatches {order}: the vocabulary-parallel "
+                        f"runtime needs each collective's microbatches in increasing order on every rank")
 
     def parameters(self) -> list[nn.Parameter]:
         return list(dict.fromkeys([self.embedding.weight, self.head.weight]))
@@ -81,77 +100,122 @@ class VocabPasses:
     # -- the input layer ----------------------------------------------------------
     def _if(self, action, step, tokens, targets) -> None:
         i = action.microbatch
-        partial = self.embedding.partial(tokens[i])
-        self.partials[i] = partial
-        total = partial.detach().clone()
-        if self._reduce(total, self.first, "IF", action, "the sum of the token embeddings"):
-            self.pipe.slot(step, 0, i).input = total.to(self.pipe.dtype)
+        self.partials[i] = partial = self.embedding.partial(tokens[i])
+        self._give("sum-embeddings", i, partial.detach().clone(), self.first, dist.reduce)
+
+    def stage_input(self, i: int, action: Action) -> torch.Tensor:
+        """Stage 0's input for microbatch ``i``: the summed token embeddings (on its rank)."""
+        return self._wait("sum-embeddings", i, action, "the sum of the token embeddings").to(self.pipe.dtype)
+
+    def share_input_grad(self, i: int, grad: torch.Tensor) -> None:
+        """Stage 0's input gradient of microbatch ``i`` (on its rank), for every rank's ``IB``."""
+        self.incoming["own-input-grad", i] = (None, grad)
+        self._give("share-input-grad", i, grad, self.first, dist.broadcast)
 
     def _ib(self, action, step, tokens, targets) -> None:
         i = action.microbatch
         partial = self.partials.pop(i)
-        grad = self.input_grads.pop(i) if self.pipe.rank == self.first else torch.empty_like(partial)
-        self._broadcast(grad, self.first, "IB", action, "the gradient of the token embeddings")
+        if self.pipe.rank == self.first:
+            grad = self.incoming.pop(("own-input-grad", i))[1]
+        else:
+            grad = self._receive("share-input-grad", i, torch.empty_like(partial, dtype=self.pipe.dtype), self.first,
+                                 action, "the gradient of the token embeddings")
         torch.autograd.backward(partial, grad.to(partial.dtype))
 
     # -- the output layer ---------------------------------------------------------
+    def share_output(self, i: int, y: torch.Tensor) -> None:
+        """The last stage's output of microbatch ``i`` (on its rank), for every rank's ``S``."""
+        self.incoming["own-output", i] = (None, y)
+        self._give("share-output", i, y, self.last, dist.broadcast)
+
     def _s(self, action, step, tokens, targets) -> None:
-        i, last_stage = action.microbatch, self.pipe.schedule.stages - 1
+        i = action.microbatch
         if self.pipe.rank == self.last:
-            x = step.slots[(last_stage, i)].output.detach()
+            x = self.incoming.pop(("own-output", i))[1]
         else:
-            x = torch.empty((*tokens[i].shape, self.head.n_embd), dtype=self.pipe.dtype, device=self.pipe.device)
-        self._broadcast(x, self.last, "S", action, "the last stage's output")
+            buffer = torch.empty((*tokens[i].shape, self.head.n_embd), dtype=self.pipe.dtype, device=self.pipe.device)
+            x = self._receive("share-output", i, buffer, self.last, action, "the last stage's output")
         denominator = targets[i].numel() * self.pipe.schedule.microbatches  # the mean over the replica's batch
-        self.states[i] = self.head.s_pass(x, targets[i], denominator)
+        self.states[i] = state = self.head.s_pass(x, targets[i], denominator)
+        if self.head.algorithm == "vocab-2":  # ∇X's parts: to the last stage's rank
+            parts = self.head.grad_input_parts(state)
+            into = [torch.empty_like(parts) for _ in range(self.pipe.pp)] if self.pipe.rank == self.last else None
+            work = dist.gather(parts, into, dst=self.last, group=self.groups["gather-grad-input"], async_op=True)
+            if into is None:
+                self.pipe.channel.send_work(work, parts)
+            else:
+                self.incoming["gather-grad-input", i] = (work, into)
+                self.states["last", i] = state  # its row weights and shape, for the backward
+        stats = self.head.row_stats(state)
+        every = [torch.empty_like(stats) for _ in range(self.pipe.pp)]
+        work = dist.all_gather(every, stats, group=self.groups["gather-stats"], async_op=True)
+        self.incoming["gather-stats", i] = (work, every)
 
     def _c(self, action, step, tokens, targets) -> None:
         i = action.microbatch
         state = self.states[i]
-        loss = self.head.collective(state)
-        if self.pipe.rank == self.last:
-            step.loss[i // self.pipe.schedule.microbatches] += loss.detach()
-            if state.grad_input is not None:
-                self._give_last_stage(step, i, state.grad_input)
+        stats = torch.stack(self._wait("gather-stats", i, action, "every rank's softmax maxima and sums"))
+        self.head.combine(state, stats)
+        if state.loss is not None:
+            self._count_loss(step, i, state.loss)
+        if self.head.algorithm == "vocab-2" and self.pipe.rank == self.last:
+            self.stats[i] = stats
 
     def _z(self, action, step, tokens, targets) -> None:
-        """naive's exponentials and sums: done in ``C`` (see the module docstring)."""
+        i = action.microbatch
+        sums = self.head.row_sums(self.states[i])
+        work = dist.all_reduce(sums, group=self.groups["sum-exp"], async_op=True)
+        self.incoming["sum-exp", i] = (work, sums)
 
-    _cz = _z
+    def _cz(self, action, step, tokens, targets) -> None:
+        i = action.microbatch
+        state = self.states[i]
+        self.head.combine_sums(state, self._wait("sum-exp", i, action, "every rank's softmax sums"))
+        self._count_loss(step, i, state.loss)
 
     def _t(self, action, step, tokens, targets) -> None:
-        i = action.microbatch
-        self.head.t_pass(self.states[i])
-        if self.head.algorithm == "vocab-2":
-            del self.states[i]
+        state = self.states.pop(action.microbatch)
+        self.head.t_pass(state)
+        if state.grad_input_partial is not None:  # naive, vocab-1
+            self._give("sum-grad-input", action.microbatch, state.grad_input_partial, self.last, dist.reduce)
 
     def _r(self, action, step, tokens, targets) -> None:
-        state = self.states.pop(action.microbatch)
-        grad = state.grad_input_partial
-        if self._reduce(grad, self.last, "R", action, "the sum of the input gradient of the LM head"):
-            self._give_last_stage(step, action.microbatch, grad.to(state.input_dtype).reshape(state.input_shape))
+        """R: the sum of ∇X was started by every rank's T; the last stage's backward waits for it."""
 
-    def _give_last_stage(self, step, i: int, grad: torch.Tensor) -> None:
-        self.pipe.slot(step, self.pipe.schedule.stages - 1, i).grad = grad
+    def grad_input(self, i: int, action: Action, like: torch.Tensor) -> torch.Tensor:
+        """∇ of the last stage's output of microbatch ``i`` (on its rank), from every shard."""
+        if self.head.algorithm == "vocab-2":
+            parts = self._wait("gather-grad-input", i, action, "every rank's part of the LM head's input gradient")
+            grad = self.head.grad_input_from(self.states.pop(("last", i)), self.stats.pop(i), torch.stack(parts))
+        else:
+            grad = self._wait("sum-grad-input", i, action, "the LM head's gradient of its input")
+        return grad.to(like.dtype).reshape(like.shape)
 
-    def _broadcast(self, tensor: torch.Tensor, src: int, kind: str, action: Action, what: str) -> None:
-        """Broadcast ``tensor`` from global rank ``src``; the receivers wait for it."""
-        work = dist.broadcast(tensor, src=src, group=self.groups[kind], async_op=True)
-        self._settle(work, self.pipe.rank != src, action, what, tensor)
+    def _count_loss(self, step, i: int, loss: torch.Tensor) -> None:
+        if self.pipe.rank == self.last:  # the pipeline sums the loss over its ranks: count it once
+            step.loss[i // self.pipe.schedule.microbatches] += loss
 
-    def _reduce(self, tensor: torch.Tensor, dst: int, kind: str, action: Action, what: str) -> bool:
-        """Sum ``tensor`` into global rank ``dst``, which waits for it; True there."""
-        work = dist.reduce(tensor, dst=dst, group=self.groups[kind], async_op=True)
-        self._settle(work, self.pipe.rank == dst, action, what, tensor)
-        return self.pipe.rank == dst
-
-    def _settle(self, work, needed: bool, action: Action, what: str, tensor: torch.Tensor) -> None:
-        """Wait for ``work`` if this rank needs its result; else treat it as a send, waited
-        for at the end of the step (``tensor`` must live until then)."""
-        if needed:
-            self.pipe.channel.wait(work, f"action {action} waited for {what} over the pipeline ranks")
+    # -- giving, receiving, waiting -------------------------------------------------
+    def _give(self, group: str, i: int, tensor: torch.Tensor, root: int, collective) -> None:
+        """Start ``collective`` (``dist.reduce`` into, or ``dist.broadcast`` from, global rank
+        ``root``) of ``tensor`` for microbatch ``i``. The root of a reduce waits for it where it
+        needs the result; every other giver treats it as a send, waited for at the end of the step."""
+        key = "dst" if collective is dist.reduce else "src"
+        work = collective(tensor, **{key: root}, group=self.groups[group], async_op=True)
+        if collective is dist.reduce and self.pipe.rank == root:
+            self.incoming[group, i] = (work, tensor)
         else:
             self.pipe.channel.send_work(work, tensor)
+
+    def _receive(self, group: str, i: int, buffer: torch.Tensor, src: int, action: Action, what: str) -> torch.Tensor:
+        """Receive a broadcast from global rank ``src`` into ``buffer``."""
+        self.incoming[group, i] = (dist.broadcast(buffer, src=src, group=self.groups[group], async_op=True), buffer)
+        return self._wait(group, i, action, what)
+
+    def _wait(self, group: str, i: int, action: Action, what: str):
+        work, result = self.incoming.pop((group, i))
+        self.pipe.channel.wait(work, f"action {action} waited for {what} over the pipeline ranks")
+        return result
 
     # -- whole tensors by the unsplit model's names ---------------------------------
     def named_shards(self) -> list[tuple[str, nn.Parameter]]:
