@@ -324,15 +324,20 @@ def report(schedule, timelines, step_times) -> str:
         f"{own.bubble_rate:.1%}; simulated / measured span {own.makespan / span:.3f})",
         "  measured costs per stage (ms): " + ", ".join(
             f"{k} {' '.join(f'{v:.2f}' for v in getattr(costs, k))}" for k in ("f", "b", "w", "comm")),
+        *(["  vocabulary passes per rank (ms): " + ", ".join(
+            f"{k} {' '.join(f'{v:.2f}' for v in getattr(costs, k))}" for k in ("s", "t", "c", "e_f", "e_b"))]
+          if schedule.vocab_parallel else []),
         "  the simulator's prediction for other schedules with these costs:",
     ]
     full = full_stage_costs(costs, schedule)
     for name in FAMILIES:
         if name == schedule.family:
             continue
+        options = {"costs": full} if name == "zb-auto" else {}
+        if schedule.vocab_parallel:
+            options["vocab_parallel"] = schedule.vocab_parallel
         try:
-            other = build(name, schedule.pp, schedule.microbatches, costs=full) if name == "zb-auto" else \
-                build(name, schedule.pp, schedule.microbatches)
+            other = build(name, schedule.pp, schedule.microbatches, **options)
         except PipeloomError as err:
             lines.append(f"    {name:<18} cannot run here: {err}")
             continue

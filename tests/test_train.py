@@ -184,3 +184,22 @@ def test_two_bw_trains_in_calls_and_resumes_with_its_weight_versions(tmp_path):
     assert np.allclose(resumed, [r["loss"] for r in full[4:]], rtol=1e-4, atol=0)
     done = train("--schedule", "2bw", "--steps", "10", cwd=tmp_path, check=False)
     assert done.returncode == 2 and "use a --steps that is a multiple of 4" in done.stderr
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_vocab_parallel_with_a_bpe_vocabulary_resumes_under_other_splits(tmp_path):
+    pytest.importorskip("tokenizers")
+    (tmp_path / "a.txt").write_text("def stage(x):\n    return pipeline(x) + vocabulary\n" * 400)
+    common = ("--data", "a.txt", "--tokenizer", "bpe", "--vocab-size", "320", "--seq", "32", "--steps", "8",
+              "--lr", "1e-2")
+    env = {"PIPELOOM_CACHE": str(tmp_path / "cache")}
+    done = train(*common, "--vocab-parallel", "vocab-2", "--checkpoint-dir", "ck", "--checkpoint-every", "4",
+                 "--metrics", "full.jsonl", cwd=tmp_path, env=env)
+    assert "BPE" in done.stderr
+    full = [r["loss"] for r in metrics(tmp_path / "full.jsonl")]
+    assert full[-1] < full[0] - 0.5
+    train(*common, "--vocab-parallel", "vocab-1", "--pp", "4", "--resume", "ck/step_0000004",
+          "--metrics", "pp4.jsonl", cwd=tmp_path, env=env)
+    train(*common, "--resume", "ck/step_0000004", "--metrics", "plain.jsonl", cwd=tmp_path, env=env)
+    for name in ("pp4.jsonl", "plain.jsonl"):  # the shards were saved whole, under the unsplit names
+        assert np.allclose([r["loss"] for r in metrics(tmp_path / name)], full[4:], rtol=1e-4, atol=0), name

@@ -15,6 +15,7 @@ from statistics import median
 import torch.distributed as dist
 
 from ..schedule import BW, B, F, W, Costs
+from ..schedule.ir import IB, IF, C, S, T
 from ..schedule.deps import Dependencies
 from ..sim import Event, Result
 from ..sim.trace import chrome_trace_events, transfers_of
@@ -35,25 +36,34 @@ def gather_timeline(pipe) -> list[list[Event]]:
     ]
 
 
+#: Vocabulary passes and the cost field their measured duration gives (the
+#: collective C's duration holds its wait: it becomes the collective's time).
+_VOCAB_FIELDS = {S: "s", T: "t", IF: "e_f", IB: "e_b", C: "c"}
+_FIELDS = ("f", "b", "w", "comm", *_VOCAB_FIELDS.values())
+
+
 def measured_costs(events: list[list[Event]], schedule) -> Costs:
     """Per-stage costs (ms) from a measured timeline: the median duration of each
-    kind per stage (a fused BW counts as B, with W = 0) and, for T_comm, the
-    median wait of a consumer that sat idle for an input from another rank."""
+    kind per stage (a fused BW counts as B, with W = 0), per rank for the
+    vocabulary passes, and, for T_comm, the median wait of a consumer that sat
+    idle for an input from another rank."""
     durations: dict[tuple[str, int], list[float]] = {}
     for rank_events in events:
         for ev in rank_events:
             kind = B if ev.action.kind == BW else ev.action.kind
             durations.setdefault((kind, ev.action.stage), []).append(ev.end - ev.start)
 
-    def per_stage(kind: str) -> list[float]:
-        return [median(durations.get((kind, s), [0.0])) for s in range(schedule.stages)]
+    def each(kind: str, n: int) -> list[float]:
+        return [median(durations.get((kind, s), [0.0])) for s in range(n)]
 
-    return Costs(f=per_stage(F), b=per_stage(B), w=per_stage(W), comm=[_comm_wait(events, schedule)] * schedule.stages)
+    vocab = {field: each(kind, schedule.pp) for kind, field in _VOCAB_FIELDS.items()}
+    return Costs(f=each(F, schedule.stages), b=each(B, schedule.stages), w=each(W, schedule.stages),
+                 comm=[_comm_wait(events, schedule)] * schedule.stages, **vocab)
 
 
 def median_costs(measured: list[Costs]) -> Costs:
     """The per-stage median of several steps' :func:`measured_costs`."""
-    return Costs(**{k: [median(c) for c in zip(*(getattr(m, k) for m in measured))] for k in ("f", "b", "w", "comm")})
+    return Costs(**{k: [median(c) for c in zip(*(getattr(m, k) for m in measured))] for k in _FIELDS})
 
 
 def full_stage_costs(costs: Costs, schedule) -> Costs:
@@ -62,7 +72,8 @@ def full_stage_costs(costs: Costs, schedule) -> Costs:
     def fold(values):
         return sum(values) / schedule.pp
 
-    return Costs(f=fold(costs.f), b=fold(costs.b), w=fold(costs.w), comm=median(costs.comm))
+    return Costs(f=fold(costs.f), b=fold(costs.b), w=fold(costs.w), comm=median(costs.comm),
+                 **{k: median(getattr(costs, k)) for k in _VOCAB_FIELDS.values()})
 
 
 def measured_result(events: list[list[Event]], schedule) -> Result:
@@ -82,7 +93,7 @@ def _comm_wait(events: list[list[Event]], schedule) -> float:
         previous_end = 0.0
         for ev in rank_events:
             for dep in deps(ev.action):
-                if schedule.placement[dep.stage] != ev.rank and end[dep] >= previous_end:
+                if schedule.rank_of(dep) != ev.rank and end[dep] >= previous_end:
                     waits.append(max(0.0, ev.start - end[dep]))
             previous_end = ev.end
     return median(waits) if waits else 0.0
