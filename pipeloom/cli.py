@@ -302,9 +302,10 @@ def _add_train(sub) -> None:
     g.add_argument("--microbatches", type=int, default=4, help="microbatches per step and replica (default 4)")
     g.add_argument("--microbatch-size", type=int, default=8, help="sequences per microbatch (default 8)")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL); default cpu")
-    g.add_argument("--vocab-parallel", choices=("none", "naive", "vocab-1", "vocab-2"), default="none",
+    g.add_argument("--vocab-parallel", choices=("none", "redis", "naive", "vocab-1", "vocab-2"), default="none",
                    help="split the token embedding and the LM head by vocabulary over the pipeline ranks with "
-                        "this algorithm (default none: embedding on the first stage, head on the last)")
+                        "this algorithm (default none: embedding on the first stage, head on the last; redis: "
+                        "transformer layers moved off those stages instead)")
     g.add_argument("--precision", choices=("fp32", "bf16"), help="bf16 autocast (default on cuda) or fp32 (default on cpu)")
     g.add_argument("--timeout", type=float, default=60.0,
                    help="seconds a rank waits for a peer before it stops, naming what it waited for (default 60)")

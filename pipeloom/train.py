@@ -176,7 +176,8 @@ class Trainer:
         self.n_params = sum(p.numel() for p in model.parameters())
         vocab = None if args.vocab_parallel == "none" else args.vocab_parallel
         self.pipe = Pipeline(model, schedule=args.schedule, pp=args.pp, microbatches=args.microbatches,
-                             dp=dp, timeout=args.timeout, autocast=autocast, vocab_parallel=vocab)
+                             dp=dp, timeout=args.timeout, autocast=autocast, vocab_parallel=vocab,
+                             layers_per_stage=_redistributed(self.config, args) if vocab == "redis" else None)
         params = self.pipe.parameters()
         self.optimizer = torch.optim.AdamW(
             [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
@@ -348,6 +349,15 @@ def report(schedule, timelines, step_times) -> str:
         lines.append(f"    {name:<18} {result.makespan / other.steps:9.2f} ms   bubble {result.bubble_rate:.1%}"
                      + (f"   (a step of {other.steps} without a flush)" if other.steps > 1 else ""))
     return "\n".join(lines)
+
+
+def _redistributed(config, args) -> tuple[int, ...]:
+    """The ``redis`` baseline's layers per stage: the simulator's balance of compute
+    with the embedding on the first stage and the LM head on the last."""
+    from .sim.model import ModelSpec, balanced_layers
+
+    spec = ModelSpec(args.model, config.n_layer, config.n_embd, config.n_head, config.vocab_size)
+    return balanced_layers(spec, build(args.schedule, args.pp, args.microbatches).stages, args.seq)
 
 
 def _count(n: int) -> str:

@@ -69,6 +69,11 @@ class Pipeline:
     hidden states sent between ranks stay in the weights' dtype). ``timeout``:
     seconds a receive or collective may wait for a peer before the step stops
     with a :class:`~pipeloom.runtime.PeerTimeout` naming the rank and action.
+    ``vocab_parallel``: "naive", "vocab-1" or "vocab-2" splits the token
+    embedding and the LM head by vocabulary over the pipeline ranks and runs
+    the schedule's vocabulary passes (:mod:`pipeloom.runtime.vocab`); "redis"
+    and "none" keep them on the first and last stage (give ``layers_per_stage``,
+    e.g. from :func:`pipeloom.sim.model.balanced_layers`, for the redis baseline).
     """
 
     def __init__(
