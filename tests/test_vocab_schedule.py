@@ -23,11 +23,13 @@ def vocab_model(vocab: int):
     return replace(MODELS["4b"], vocab=vocab)
 
 
-def simulate_mode(mode: str, vocab: int = 256_000, microbatches: int = 128, recompute: bool = False):
-    """(result, peak memory per rank) of 1F1B on the paper's setting under one vocabulary mode."""
+def simulate_mode(mode: str, vocab: int = 256_000, microbatches: int = 128, recompute: bool = False,
+                  family: str = "1f1b"):
+    """(result, peak memory per rank) of 1F1B (or ``family``) on the paper's setting under one vocabulary mode."""
     spec, p = vocab_model(vocab), PAPER["pp"]
-    schedule = build("1f1b", p, microbatches, vocab_parallel=mode)
-    costs = costs_from_model(spec, p, PAPER["seq"], 1, PAPER["device"], recompute=recompute, vocab_parallel=mode)
+    schedule = build(family, p, microbatches, vocab_parallel=mode)
+    costs = costs_from_model(spec, p, PAPER["seq"], 1, PAPER["device"], chunks=schedule.chunks, recompute=recompute,
+                             vocab_parallel=mode)
     result = simulate(schedule, costs)
     return result, peak_memory_bytes(spec, result, PAPER["seq"])
 
@@ -287,6 +289,17 @@ def test_vocab_2_memory_is_balanced_but_for_1f1b_own_staircase():
     staircase = [a - result.peak_activation[-1] for a in result.peak_activation]
     flat = [m - s for m, s in zip(memory, staircase)]  # what is left once the staircase is taken out
     assert max(flat) / min(flat) < 1.05
+
+
+def test_vocab_2_on_v_half_balances_memory_and_compute():
+    """The paper: with an activation-balanced schedule (V-Half) vocabulary
+    parallelism balances memory as well as compute."""
+    result, memory = simulate_mode("vocab-2", family="v-half")
+    for values in ([r.busy for r in result.ranks], memory):
+        mean = sum(values) / len(values)
+        assert all(abs(v - mean) <= 0.05 * mean for v in values)
+    baseline, base_memory = simulate_mode("none", family="v-half")
+    assert result.makespan < 0.6 * baseline.makespan and max(memory) < max(base_memory)
 
 
 @pytest.mark.parametrize("vocab", [32_000, 64_000, 128_000, 256_000])
