@@ -56,6 +56,12 @@ def _add_simulate(sub) -> None:
     p.add_argument("--microbatch-size", type=int, default=1, help="sequences per microbatch with --model (default 1)")
     p.add_argument("--device", default="a100", help="device preset with --model (default a100)")
     p.add_argument("--vocab", type=int, metavar="V", help="vocabulary size with --model (default: the preset's)")
+    p.add_argument("--sp", type=int, metavar="N",
+                   help="sequence parallelism with --model: each stage on N ranks holding seq/N tokens each "
+                        "(default 1; N must divide --seq)")
+    p.add_argument("--attention", metavar="ring|rsa",
+                   help="how SP ranks pass keys and values round their ring: ring (blockwise, overlapped; the "
+                        "default) or rsa (Ring Self-Attention, scores kept); with --sp 1 the default is plain attention")
     p.add_argument("--vocab-parallel", metavar="MODE[,MODE...]",
                    help="where the vocabulary layers go: none (first and last stage), redis (layers moved to balance "
                         "them), naive, vocab-1, vocab-2 (split over every rank, in extra passes); a comma list "
@@ -126,6 +132,10 @@ def _costs(args, family, chunks):
     if not args.model:
         if args.vocab is not None:
             raise PipeloomError("--vocab sets the vocabulary of a --model preset; give --model too")
+        for flag, value in (("--sp", args.sp), ("--attention", args.attention)):
+            if value is not None:
+                raise PipeloomError(f"{flag} needs a --model preset to derive sequence-parallel costs from; "
+                                    "give --model too")
         return Costs.parse(args.costs), None
     if args.costs:
         raise PipeloomError("give either --costs or --model, not both")
@@ -137,8 +147,14 @@ def _costs(args, family, chunks):
     if args.vocab is not None:
         model = replace(model, vocab=args.vocab)
     costs = costs_from_model(model, args.pp, args.seq, args.microbatch_size, device,
-                             chunks=chunks or family.default_chunks, vocab_parallel=args.vocab_parallel)
+                             chunks=chunks or family.default_chunks, vocab_parallel=args.vocab_parallel,
+                             sp=_sp(args), attention=args.attention)
     return costs, (model, device)
+
+
+def _sp(args) -> int:
+    """--sp, 1 when not given."""
+    return 1 if args.sp is None else args.sp
 
 
 def _m_w_fraction(costs) -> float:
@@ -183,11 +199,37 @@ def _report(result, model, args) -> dict:
             time_unit="ms",
             peak_activation=[x / full_stage_m_b for x in result.peak_activation],
             peak_activation_bytes=result.peak_activation,
-            peak_memory_bytes=peak_memory_bytes(spec, result, args.seq),
+            peak_memory_bytes=peak_memory_bytes(spec, result, args.seq, microbatch_size=args.microbatch_size,
+                                                sp=_sp(args), attention=args.attention),
         )
         for row, value in zip(report["ranks"], report["peak_activation"]):
             row["peak_activation"] = value
+        if args.sp is not None or args.attention is not None:
+            report.update(_sp_report(spec, device, schedule, args))
     return report
+
+
+def _sp_report(spec, device, schedule, args) -> dict:
+    """The sequence-parallel fields: the ring's transfers per stage, one layer's details, rsa's and ring's scores."""
+    from dataclasses import asdict
+
+    from .sim.model import ATTENTIONS, sequence_parallel_costs, stage_layers
+
+    sp = _sp(args)
+    layer = sequence_parallel_costs(spec, args.seq, args.microbatch_size, device, sp, args.attention)
+    layers = stage_layers(spec, schedule.stages, args.seq, vocab_parallel=schedule.options.get("vocab_parallel"))
+    scores = {}
+    for name in ATTENTIONS:
+        other = sequence_parallel_costs(spec, args.seq, args.microbatch_size, device, sp, name)
+        scores[name] = {"kept": other.kept_bytes, "transient": other.transient_bytes}
+    return {
+        "sp": sp,
+        "attention": layer.attention,
+        "sp_comm_ms": [n * layer.comm_ms for n in layers],
+        "sp_exposed_ms": [n * (layer.exposed_forward_ms + layer.exposed_backward_ms) for n in layers],
+        "sp_layer": {k: v for k, v in asdict(layer).items() if k not in ("sp", "attention")},
+        "score_bytes": scores,
+    }
 
 
 def _rank_table(report: dict) -> str:
@@ -206,7 +248,26 @@ def _rank_table(report: dict) -> str:
         if memory:
             line += f"  {memory[row['rank']] / 2**30:>17.2f}"
         lines.append(line)
+    if "sp" in report:
+        lines += ["", *_sp_lines(report)]
     return "\n".join(lines)
+
+
+def _sp_lines(report: dict) -> list[str]:
+    layer, scores = report["sp_layer"], report["score_bytes"]
+    ring = report["attention"] == "ring"
+    return [
+        f"sp={report['sp']}, {report['attention']} attention: per layer and microbatch {layer['steps']} forward "
+        f"steps of {_size(layer['step_bytes'])} ({'K and V' if ring else 'K, then V'}), {layer['step_ms']:.4g} ms each",
+        f"  ring transfers of a microbatch's F and B: up to {max(report['sp_comm_ms']):.4g} ms per stage, "
+        f"{max(report['sp_exposed_ms']):.4g} ms of it not hidden by compute",
+        f"  attention scores per layer and microbatch: rsa keeps {_size(scores['rsa']['kept'])}; ring keeps "
+        f"{_size(scores['ring']['kept'])} (log-sum-exp) and computes in one {_size(scores['ring']['transient'])} block",
+    ]
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.4g} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.4g} MiB"
 
 
 def _vocab_modes(args) -> list[str]:

@@ -102,3 +102,44 @@ def test_vocab_parallel_bad_input_one_clear_line(args, message):
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+SP_ARGS = ["--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--model", "gpt-1.3b", "--seq", "32768"]
+
+
+def test_sequence_parallel_json(capsys):
+    ring = run_json(capsys, *SP_ARGS, "--sp", "4")
+    assert ring["sp"] == 4 and ring["attention"] == "ring" and len(ring["peak_memory_bytes"]) == 4
+    layer = ring["sp_layer"]
+    assert layer["steps"] == 3 and layer["step_bytes"] == 2 * 8192 * 2048 * 2
+    assert ring["sp_comm_ms"] == pytest.approx([6 * 3 * layer["steps"] * layer["step_ms"]] * 4)  # 6 layers, F + 2F
+    assert ring["sp_exposed_ms"] == [0.0] * 4
+    scores = ring["score_bytes"]  # rsa keeps s columns of each row, ring's block has s/N
+    assert scores["rsa"]["kept"] == 4 * scores["ring"]["transient"] and scores["rsa"]["transient"] == 0
+    rsa = run_json(capsys, *SP_ARGS, "--sp", "4", "--attention", "rsa")
+    assert rsa["attention"] == "rsa" and rsa["sp_exposed_ms"] == rsa["sp_comm_ms"]
+    assert rsa["makespan"] > ring["makespan"] and max(rsa["peak_memory_bytes"]) > 10 * max(ring["peak_memory_bytes"])
+    plain = run_json(capsys, *SP_ARGS)
+    assert "sp" not in plain and max(ring["peak_memory_bytes"]) < max(plain["peak_memory_bytes"]) / 4
+    one = run_json(capsys, *SP_ARGS, "--sp", "1")
+    assert (one["makespan"], one["peak_memory_bytes"]) == (plain["makespan"], plain["peak_memory_bytes"])
+
+
+def test_sequence_parallel_table(capsys):
+    assert main(["simulate", *SP_ARGS, "--sp", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "sp=4, ring attention: per layer and microbatch 3 forward steps of 64 MiB (K and V)" in out
+    assert "rsa keeps 20 GiB; ring keeps 0.5 MiB (log-sum-exp) and computes in one 5 GiB block" in out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--sp", "4"], "--sp needs a --model preset"),
+    (["--attention", "rsa"], "--attention needs a --model preset"),
+    (["--model", "gpt-1.3b", "--seq", "1000", "--sp", "3"], "sp=3 must divide seq=1000"),
+    (["--model", "gpt-1.3b", "--sp", "0"], "sp must be a positive integer, got 0"),
+    (["--model", "gpt-1.3b", "--sp", "2", "--attention", "flash"], "unknown attention 'flash'; algorithms: ring, rsa"),
+])
+def test_sequence_parallel_bad_input_one_clear_line(capsys, args, message):
+    assert main(["simulate", *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]

@@ -9,8 +9,9 @@ from .grid import text_grid
 from .plot import plot_rank_comparison, plot_schedule
 from .trace import Transfer, chrome_trace, chrome_trace_events, transfers_of, write_chrome_trace
 from .model import (
-    BYTES_PER_PARAM, DEVICES, MODELS, Device, ModelSpec, balanced_layers, costs_from_model, get_device, get_model,
-    peak_memory_bytes, split_layers, stage_parameters,
+    ATTENTIONS, BYTES_PER_PARAM, DEVICES, MODELS, Device, ModelSpec, SequenceParallelCosts, balanced_layers,
+    costs_from_model, get_device, get_model, longest_sequence, peak_memory_bytes, sequence_parallel_costs,
+    split_layers, stage_layers, stage_parameters,
 )
 
 __all__ = ["Costs", "StageCosts", "Event", "RankStats", "Result", "simulate"]
@@ -18,6 +19,7 @@ __all__ += [
     "BYTES_PER_PARAM", "DEVICES", "MODELS", "Device", "ModelSpec", "balanced_layers", "costs_from_model", "get_device",
     "get_model",
     "peak_memory_bytes", "split_layers", "stage_parameters",
+    "ATTENTIONS", "SequenceParallelCosts", "longest_sequence", "sequence_parallel_costs", "stage_layers",
 ]
 __all__ += [
     "text_grid", "plot_schedule", "plot_rank_comparison", "Transfer", "chrome_trace", "chrome_trace_events", "transfers_of",

@@ -33,6 +33,32 @@ as much for its CZ), plus for vocab-2 the reduce of the input gradient
 (2bsh). An S keeps the fp32 softmax (4bsV/p) and its input (2bsh) until its
 T. The first stage keeps the position embeddings, the last the final norm
 (whose input stays in its M_B).
+
+``sp = N`` adds sequence parallelism inside every stage (REFERENCE.md,
+"Sequence parallelism with Ring Self-Attention"): each of N ranks holds
+``t = s/N`` tokens of every sequence and all the stage's weights, so every
+per-token term above counts ``t`` tokens and attention ``t`` rows of ``s``
+columns (compute and activations 1/N), the model state is unchanged, and the
+keys and values go round a ring of N ranks, at the link bandwidth:
+
+- ``ring`` (blockwise ring attention, online softmax): N-1 steps of one K
+  and one V block (``4bth`` bytes) per layer forward, twice the bytes
+  backward (K, V, dK, dV); a step's transfer overlaps the compute of the
+  current ``[t, t]`` block (``4bt²h`` FLOPs forward, ``8bt²h`` backward), so
+  only ``max(0, transfer - block)`` per step adds to F and B. Between F and B
+  a layer keeps its log-sum-exp (``4bat`` bytes) instead of the scores, and
+  while it computes it holds one ``[b, a, t, t]`` block (``5at²b`` bytes,
+  REFERENCE's 5 bytes a score), which :func:`peak_memory_bytes` adds once.
+- ``rsa`` (Ring Self-Attention): K, then V, round the ring (2(N-1) steps of
+  ``2bth`` bytes), not overlapped; the backward passes K and V again and
+  all-reduces full-length dK and dV (REFERENCE's ``8(N-1)·b·t·h`` elements
+  per layer in all), also on the critical path. A layer keeps its
+  ``[b, a, t, s]`` scores: ``5atsb`` bytes.
+
+With ``sp = 1`` and no ``attention`` a layer is as above: RSA on one rank is
+plain attention, whose scores stay from F to B; ``ring`` on one rank is
+blockwise attention (log-sum-exp kept, one ``[b, a, s, s]`` block while it
+computes).
 """
 
 from __future__ import annotations
@@ -40,9 +66,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import PipeloomError
+from ..schedule import build
 from ..schedule.costs import Costs
 from ..schedule.vocab import ALGORITHMS, check_mode
-from .simulate import Result
+from .simulate import Result, simulate
 
 #: Bytes of model state per parameter, Megatron-style mixed precision: bf16
 #: weights (2) + fp32 gradient buffer (4) + fp32 master weights (4) + Adam's
@@ -268,6 +295,94 @@ def _collective_ms(device: Device, nbytes: float, ranks: int, passes: int) -> fl
     return 1e3 * passes * (ranks - 1) / ranks * nbytes / device.link_bandwidth
 
 
+#: Attention algorithms of sequence parallelism (module docstring).
+ATTENTIONS = ("ring", "rsa")
+
+
+def _attention(attention: str | None, sp: int) -> str:
+    """``attention`` checked; by default ``ring``, or ``rsa`` (plain attention) with ``sp = 1``."""
+    if attention is None:
+        return "ring" if sp > 1 else "rsa"
+    if attention not in ATTENTIONS:
+        raise PipeloomError(f"unknown attention {attention!r}; algorithms: {', '.join(ATTENTIONS)}")
+    return attention
+
+
+def _local_tokens(seq: int, sp: int) -> int:
+    """Tokens of a sequence on each of ``sp`` ranks."""
+    _positive(seq=seq, sp=sp)
+    if seq % sp:
+        raise PipeloomError(f"sp={sp} must divide seq={seq}: each rank holds seq/sp tokens of a sequence")
+    return seq // sp
+
+
+def _attention_memory(model: ModelSpec, seq: int, microbatch_size: int, sp: int, attention: str) -> tuple[int, int]:
+    """Bytes of one layer's attention scores on one rank: (kept from F to B, alive only while it computes)."""
+    b, s, a, t = microbatch_size, seq, model.heads, _local_tokens(seq, sp)
+    if attention == "rsa":
+        return 5 * a * t * s * b, 0
+    return 4 * b * a * t, 5 * a * t * t * b
+
+
+@dataclass(frozen=True)
+class SequenceParallelCosts:
+    """Sequence parallelism's part of one layer, one microbatch, one rank (ms, bytes).
+
+    The forward sends ``steps`` messages of ``step_bytes`` round the ring,
+    ``step_ms`` each; ``forward_ms`` and ``backward_ms`` are all the ring's
+    transfers, ``exposed_forward_ms`` and ``exposed_backward_ms`` the part no
+    compute hides (all of it for rsa), which F and B take on top of their
+    FLOPs. ``kept_bytes``: the scores (rsa) or the log-sum-exp (ring) kept
+    from F to B; ``transient_bytes``: ring's score block while it computes.
+    """
+
+    sp: int
+    attention: str
+    steps: int
+    step_bytes: int
+    step_ms: float
+    forward_ms: float
+    backward_ms: float
+    exposed_forward_ms: float
+    exposed_backward_ms: float
+    kept_bytes: int
+    transient_bytes: int
+
+    @property
+    def comm_ms(self) -> float:
+        """The ring's transfers of one layer's F and B."""
+        return self.forward_ms + self.backward_ms
+
+
+def sequence_parallel_costs(
+    model: ModelSpec | str, seq: int, microbatch_size: int, device: Device | str, sp: int = 1,
+    attention: str | None = None,
+) -> SequenceParallelCosts:
+    """What ``attention`` (``ring`` or ``rsa``; default as :func:`costs_from_model`)
+    over an SP group of ``sp`` ranks costs one transformer layer for one
+    microbatch of ``microbatch_size`` sequences of ``seq`` tokens (module docstring)."""
+    model, device = get_model(model), get_device(device)
+    _positive(microbatch_size=microbatch_size)
+    attention = _attention(attention, sp)
+    b, s, h, t = microbatch_size, seq, model.hidden, _local_tokens(seq, sp)
+    kept, transient = _attention_memory(model, seq, microbatch_size, sp, attention)
+    block = 2 * b * t * h  # one rank's K (or V) of a layer, bf16
+
+    def link_ms(nbytes: float) -> float:
+        return 1e3 * nbytes / device.link_bandwidth
+
+    if attention == "rsa":
+        forward = 2 * (sp - 1) * link_ms(block)
+        backward = forward + _collective_ms(device, 2 * (2 * b * s * h), sp, 2)  # all-reduce full-length dK, dV
+        return SequenceParallelCosts(sp, attention, 2 * (sp - 1), block, link_ms(block), forward, backward,
+                                     forward, backward, kept, transient)
+    step = link_ms(2 * block)
+    exposed_forward = (sp - 1) * max(0.0, step - device.ms(4 * b * t * t * h))
+    exposed_backward = (sp - 1) * max(0.0, 2 * step - device.ms(8 * b * t * t * h))
+    return SequenceParallelCosts(sp, attention, sp - 1, 2 * block, step, (sp - 1) * step, 2 * (sp - 1) * step,
+                                 exposed_forward, exposed_backward, kept, transient)
+
+
 def costs_from_model(
     model: ModelSpec | str,
     pp: int,
@@ -278,39 +393,49 @@ def costs_from_model(
     layers_per_stage=None,
     recompute: bool = False,
     vocab_parallel: str | None = None,
+    sp: int = 1,
+    attention: str | None = None,
 ) -> Costs:
     """Per-virtual-stage costs (ms, bytes) of ``model`` cut into ``pp * chunks``
-    stages, for microbatches of ``microbatch_size`` sequences of ``seq`` tokens.
+    stages, for microbatches of ``microbatch_size`` sequences of ``seq`` tokens,
+    on one rank of each stage's SP group of ``sp`` ranks.
 
     ``layers_per_stage`` overrides :func:`split_layers` (:func:`balanced_layers`
     with ``vocab_parallel="redis"``). With ``recompute`` each layer keeps
-    only its input (2sbh bytes) and B first reruns the layer's forward; W
+    only its input (2bth bytes) and B first reruns the layer's forward; W
     still needs its inputs, so ``m_w`` exceeds ``m_b`` and memory grows from
     B to W (use a fused-backward schedule with it). ``vocab_parallel`` (none,
     redis, naive, vocab-1, vocab-2) places the vocabulary layers as the
-    module docstring says.
+    module docstring says. ``sp`` and ``attention`` (``ring``, the default
+    with ``sp > 1``, or ``rsa``; with ``sp = 1`` the default is plain
+    attention) add sequence parallelism as the module docstring says: the
+    ring's transfers that compute does not hide are in ``f`` and ``b``
+    (:func:`sequence_parallel_costs` has them apart).
     """
     model, device = get_model(model), get_device(device)
     _positive(pp=pp, seq=seq, microbatch_size=microbatch_size, chunks=chunks)
     mode = check_mode(vocab_parallel or "none")
     stages = pp * chunks
     split = _stage_layers(model, stages, layers_per_stage, seq, mode)
-    b, s, h, a, v, k = microbatch_size, seq, model.hidden, model.heads, model.vocab, model.ffn
-    bsh = b * s * h
-    layer_f = bsh * ((8 + 4 * k) * h + 4 * s)
-    layer_b = bsh * ((8 + 4 * k) * h + 8 * s) + (layer_f if recompute else 0)
-    layer_w = (8 + 4 * k) * bsh * h
-    layer_mb = 2 * bsh if recompute else s * b * ((18 + 4 * k) * h + 5 * a * s)
-    layer_mw = (16 + 4 * k) * bsh
+    ring = sequence_parallel_costs(model, seq, microbatch_size, device, sp, attention)
+    b, s, h, v, k = microbatch_size, seq, model.hidden, model.vocab, model.ffn
+    t = s // sp  # a rank's tokens of each sequence
+    bth = b * t * h
+    layer_f = bth * ((8 + 4 * k) * h + 4 * s)
+    layer_b = bth * ((8 + 4 * k) * h + 8 * s) + (layer_f if recompute else 0)
+    layer_w = (8 + 4 * k) * bth * h
+    layer_mb = 2 * bth if recompute else (18 + 4 * k) * bth + ring.kept_bytes
+    layer_mw = (16 + 4 * k) * bth
+    exposed_b = ring.exposed_backward_ms + (ring.exposed_forward_ms if recompute else 0.0)
     if mode in ALGORITHMS:
         embedding = head = head_mw = 0
-        head_mb = 2 * bsh  # the final norm's input
+        head_mb = 2 * bth  # the final norm's input
     else:
-        embedding, head = 3 * bsh, 2 * bsh * v  # head: FLOPs of each of the output layer's F, B and W
-        # The output layer keeps the fp32 softmax (4bsV) and its input and the
-        # final norm's input (2bsh each) for B; W keeps the logits' gradient
-        # (2bsV, bf16) and the LM head's input.
-        head_mb, head_mw = 4 * b * s * v + 4 * bsh, 2 * b * s * v + 2 * bsh
+        embedding, head = 3 * bth, 2 * bth * v  # head: FLOPs of each of the output layer's F, B and W
+        # The output layer keeps the fp32 softmax (4btV) and its input and the
+        # final norm's input (2bth each) for B; W keeps the logits' gradient
+        # (2btV, bf16) and the LM head's input.
+        head_mb, head_mw = 4 * b * t * v + 4 * bth, 2 * b * t * v + 2 * bth
 
     def per_stage(per_layer, first=0, last=0):
         values = [n * per_layer for n in split]
@@ -319,19 +444,20 @@ def costs_from_model(
         return values
 
     costs = Costs(
-        f=[device.ms(x) for x in per_stage(layer_f, first=embedding, last=head)],
-        b=[device.ms(x) for x in per_stage(layer_b, last=head)],
+        f=[device.ms(x) + n * ring.exposed_forward_ms
+           for x, n in zip(per_stage(layer_f, first=embedding, last=head), split)],
+        b=[device.ms(x) + n * exposed_b for x, n in zip(per_stage(layer_b, last=head), split)],
         w=[device.ms(x) for x in per_stage(layer_w, last=head)],
-        comm=[1e3 * 2 * bsh / device.link_bandwidth] * stages,
+        comm=[1e3 * 2 * bth / device.link_bandwidth] * stages,
         m_b=[float(x) for x in per_stage(layer_mb, last=head_mb)],
         m_w=[float(x) for x in per_stage(layer_mw, last=head_mw)],
     )
     if mode not in ALGORITHMS:
         return costs
     shard = -(-v // pp)
-    product = device.ms(2 * b * s * shard * h)  # one [bs, h] x [h, V/p] product on one rank
-    statistic = _collective_ms(device, 4 * b * s, pp, 2)  # all-reduce of one fp32 value per token
-    grad_input = _collective_ms(device, 2 * bsh, pp, 1)  # reduce of the input gradient to the last stage
+    product = device.ms(2 * bth * shard)  # one [bt, h] x [h, V/p] product on one rank
+    statistic = _collective_ms(device, 4 * b * t, pp, 2)  # all-reduce of one fp32 value per token
+    grad_input = _collective_ms(device, 2 * bth, pp, 1)  # reduce of the input gradient to the last stage
     two = mode == "vocab-2"
     return replace(
         costs,
@@ -339,11 +465,20 @@ def costs_from_model(
         t=product if two else 2 * product,
         c=statistic if mode == "naive" else 2 * statistic + (grad_input if two else 0.0),
         r=0.0 if two else grad_input,
-        e_f=device.ms(bsh / pp),
-        e_b=device.ms(2 * bsh / pp),
-        e_comm=_collective_ms(device, 2 * bsh, pp, 2),
-        m_v=float(4 * b * s * shard + 2 * bsh),
+        e_f=device.ms(bth / pp),
+        e_b=device.ms(2 * bth / pp),
+        e_comm=_collective_ms(device, 2 * bth, pp, 2),
+        m_v=float(4 * b * t * shard + 2 * bth),
     )
+
+
+def stage_layers(
+    model: ModelSpec | str, stages: int, seq: int, layers_per_stage=None, vocab_parallel: str | None = None
+) -> tuple[int, ...]:
+    """Transformer layers of each of ``stages`` stages, as :func:`costs_from_model` places them."""
+    model = get_model(model)
+    _positive(stages=stages, seq=seq)
+    return _stage_layers(model, stages, layers_per_stage, seq, check_mode(vocab_parallel or "none"))
 
 
 def stage_parameters(
@@ -353,13 +488,11 @@ def stage_parameters(
     embeddings on the first and the LM head and final norm on the last (with
     a vocabulary-parallel algorithm only the position embeddings and the
     final norm: the vocabulary shards belong to ranks, see
-    :meth:`ModelSpec.vocab_shard_params`)."""
+    :meth:`ModelSpec.vocab_shard_params`). Sequence parallelism does not
+    change them: every rank of an SP group holds all its stage's weights."""
     model = get_model(model)
-    _positive(stages=stages, seq=seq)
-    mode = check_mode(vocab_parallel or "none")
-    split = _stage_layers(model, stages, layers_per_stage, seq, mode)
-    params = [n * model.layer_params for n in split]
-    if mode in ALGORITHMS:
+    params = [n * model.layer_params for n in stage_layers(model, stages, seq, layers_per_stage, vocab_parallel)]
+    if check_mode(vocab_parallel or "none") in ALGORITHMS:
         params[0] += model.hidden * seq
         params[-1] += 2 * model.hidden
     else:
@@ -376,18 +509,65 @@ def peak_memory_bytes(
     layers_per_stage=None,
     vocab_parallel: str | None = None,
     bytes_per_param: float = BYTES_PER_PARAM,
+    microbatch_size: int = 1,
+    sp: int = 1,
+    attention: str | None = None,
 ) -> list[float]:
     """Peak bytes per rank: model state of the rank's stages and vocabulary
     shard (``bytes_per_param`` each) plus the simulated peak activation
     (with the vocabulary buffers), which is in bytes when ``result`` was
-    simulated with :func:`costs_from_model` costs. ``layers_per_stage`` and
-    ``vocab_parallel`` (default: the schedule's ``options["vocab_parallel"]``)
-    must match the ones the costs used."""
-    schedule = result.schedule
+    simulated with :func:`costs_from_model` costs, plus, with ring
+    attention, one score block alive while a layer computes (on a rank
+    with layers). ``layers_per_stage``, ``vocab_parallel`` (default: the
+    schedule's ``options["vocab_parallel"]``), ``microbatch_size``, ``sp``
+    and ``attention`` must match the ones the costs used."""
+    schedule, model = result.schedule, get_model(model)
     mode = check_mode(vocab_parallel or schedule.options.get("vocab_parallel") or "none")
-    params = stage_parameters(model, schedule.stages, seq, layers_per_stage, mode)
-    shard = get_model(model).vocab_shard_params(schedule.pp) if mode in ALGORITHMS else 0
-    return [
-        bytes_per_param * (shard + sum(params[s] for s in schedule.stages_of(rank))) + result.peak_activation[rank]
-        for rank in range(schedule.pp)
-    ]
+    split = stage_layers(model, schedule.stages, seq, layers_per_stage, mode)
+    params = stage_parameters(model, schedule.stages, seq, split, mode)
+    shard = model.vocab_shard_params(schedule.pp) if mode in ALGORITHMS else 0
+    _positive(microbatch_size=microbatch_size)
+    transient = _attention_memory(model, seq, microbatch_size, sp, _attention(attention, sp))[1]
+    peaks = []
+    for rank in range(schedule.pp):
+        stages = schedule.stages_of(rank)
+        state = bytes_per_param * (shard + sum(params[s] for s in stages))
+        peaks.append(state + result.peak_activation[rank] + (transient if any(split[s] for s in stages) else 0))
+    return peaks
+
+
+def longest_sequence(
+    model: ModelSpec | str,
+    budget_bytes: float,
+    sp: int = 1,
+    attention: str | None = None,
+    *,
+    schedule: str = "1f1b",
+    pp: int = 1,
+    microbatches: int | None = None,
+    microbatch_size: int = 1,
+    device: Device | str = "a100",
+) -> int:
+    """The longest sequence (a multiple of ``sp``) whose :func:`peak_memory_bytes`
+    fits ``budget_bytes`` on every rank when ``schedule`` runs ``microbatches``
+    (default ``pp``) microbatches over ``pp`` ranks with SP groups of ``sp``."""
+    model = get_model(model)
+    plan = build(schedule, pp, microbatches or pp)
+
+    def fits(units: int) -> bool:
+        seq = units * sp
+        costs = costs_from_model(model, pp, seq, microbatch_size, device, chunks=plan.chunks, sp=sp,
+                                 attention=attention)
+        memory = peak_memory_bytes(model, simulate(plan, costs), seq, microbatch_size=microbatch_size, sp=sp,
+                                   attention=attention)
+        return max(memory) <= budget_bytes
+
+    if not fits(1):
+        raise PipeloomError(f"{model.name} does not fit {budget_bytes:.4g} bytes per rank even at seq={sp} (sp={sp})")
+    low, high = 1, 2  # fits(low); does fits(high)?
+    while fits(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low * sp
