@@ -3,9 +3,12 @@ the Linear layer whose weight gradient a runtime can defer (the B/W split)."""
 
 from .gpt import PRESETS, GPT, GPTConfig, GPTStage
 from .linear import Linear, WeightGradStore, defer_weight_grads
+from .ring_attention import (SP_ATTENTION_KINDS, SequenceLayout, ring_attention, rsa_attention, sequence_layout,
+                             sequence_parallel_attention)
 from .vocab import (VOCAB_ALGORITHMS, LMHeadState, VocabParallelEmbedding, VocabParallelLMHead, VocabShard,
                     vocab_shard)
 
 __all__ = ["PRESETS", "GPT", "GPTConfig", "GPTStage", "Linear", "WeightGradStore", "defer_weight_grads",
            "VOCAB_ALGORITHMS", "LMHeadState", "VocabParallelEmbedding", "VocabParallelLMHead", "VocabShard",
-           "vocab_shard"]
+           "vocab_shard", "SP_ATTENTION_KINDS", "SequenceLayout", "ring_attention", "rsa_attention",
+           "sequence_layout", "sequence_parallel_attention"]
