@@ -353,16 +353,20 @@ def _add_train(sub) -> None:
     p = sub.add_parser(
         "train",
         help="train a GPT through a pipeline (launches its own workers, or runs under torchrun)",
-        description="Train a GPT with pipeline (and data) parallelism. Outside torchrun it starts pp x dp "
-                    "worker processes on this machine; under torchrun each process is one rank.",
+        description="Train a GPT with pipeline (and data and sequence) parallelism. Outside torchrun it starts "
+                    "pp x dp x sp worker processes on this machine; under torchrun each process is one rank.",
     )
     g = p.add_argument_group("parallelism")
     g.add_argument("--schedule", default="1f1b", metavar="NAME", help=f"one of: {', '.join(FAMILIES)} (default 1f1b)")
     g.add_argument("--pp", type=int, default=2, help="pipeline ranks (default 2)")
-    g.add_argument("--dp", type=int, help="data-parallel replicas (default 1; under torchrun: world size / pp)")
+    g.add_argument("--dp", type=int, help="data-parallel replicas (default 1; under torchrun: world size / (pp x sp))")
     g.add_argument("--microbatches", type=int, default=4, help="microbatches per step and replica (default 4)")
     g.add_argument("--microbatch-size", type=int, default=8, help="sequences per microbatch (default 8)")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL); default cpu")
+    g.add_argument("--sp", type=int, default=1,
+                   help="sequence-parallel ranks per stage: each holds a share of every sequence (default 1)")
+    g.add_argument("--attention", choices=("ring", "rsa"), default="ring",
+                   help="sequence-parallel attention: blockwise ring (default) or Ring Self-Attention")
     g.add_argument("--vocab-parallel", choices=("none", "redis", "naive", "vocab-1", "vocab-2"), default="none",
                    help="split the token embedding and the LM head by vocabulary over the pipeline ranks with "
                         "this algorithm (default none: embedding on the first stage, head on the last; redis: "

@@ -41,29 +41,36 @@ def run(args) -> int:
     """The command: launch the workers, or be one."""
     if under_torchrun():
         return _worker(args)
-    check(args, world=args.pp * (args.dp or 1))
+    world = args.pp * (args.dp or 1) * args.sp
+    check(args, world)
     load_data(args.data, args.token_dtype, args.vocab_size, args.tokenizer)  # a bad path stops before any worker starts
     from .launch import launch
 
-    return launch(args.argv, args.pp * (args.dp or 1))
+    return launch(args.argv, world)
 
 
 def check(args, world: int) -> None:
     """Every mistake in the arguments, but the data's, that can be found before training."""
     from .nn.gpt import PRESETS
 
-    for flag in ("pp", "microbatches", "microbatch_size", "steps", "seq"):
+    for flag in ("pp", "sp", "microbatches", "microbatch_size", "steps", "seq"):
         if getattr(args, flag) < 1:
             raise PipeloomError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.dp is not None and args.dp < 1:
         raise PipeloomError(f"--dp must be at least 1, got {args.dp}")
-    if world % args.pp:
-        raise PipeloomError(f"{world} processes do not split into --pp {args.pp} pipeline ranks; "
-                            f"use a --pp that divides {world}")
-    dp = args.dp or world // args.pp
-    if dp * args.pp != world:
-        raise PipeloomError(f"--pp {args.pp} x --dp {dp} = {dp * args.pp} ranks, but {world} processes run; "
-                            f"use --dp {world // args.pp}")
+    ranks = args.pp * args.sp  # per data-parallel replica
+    if world % ranks:
+        raise PipeloomError(f"{world} processes do not split into --pp {args.pp} x --sp {args.sp} ranks; "
+                            f"use a --pp and --sp whose product divides {world}")
+    dp = args.dp or world // ranks
+    if dp * ranks != world:
+        raise PipeloomError(f"--pp {args.pp} x --dp {dp} x --sp {args.sp} = {dp * ranks} ranks, but {world} "
+                            f"processes run; use --dp {world // ranks}")
+    if args.seq % (2 * args.sp):
+        raise PipeloomError(f"--seq {args.seq} does not split into 2 x --sp {args.sp} equal chunks (each "
+                            f"sequence-parallel rank holds an early and a late one); use a multiple of {2 * args.sp}")
+    if args.sp > 1 and args.vocab_parallel != "none":
+        raise PipeloomError("--vocab-parallel with --sp > 1 is not supported yet")
     if args.model not in PRESETS:
         raise PipeloomError(f"unknown --model {args.model!r}; presets: {', '.join(PRESETS)}")
     for flag in ("lr", "timeout"):
@@ -168,7 +175,7 @@ class Trainer:
         preset = GPTConfig.preset(args.model)
         self.config = GPTConfig.preset(args.model, vocab_size=self.data.vocab_size,
                                        block_size=max(preset.block_size, args.seq))
-        dp = args.dp or dist.get_world_size() // args.pp
+        dp = args.dp or dist.get_world_size() // (args.pp * args.sp)
         torch.manual_seed(args.seed)  # the same weights on every rank
         precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
         autocast = torch.bfloat16 if precision == "bf16" else None
@@ -176,7 +183,8 @@ class Trainer:
         self.n_params = sum(p.numel() for p in model.parameters())
         vocab = None if args.vocab_parallel == "none" else args.vocab_parallel
         self.pipe = Pipeline(model, schedule=args.schedule, pp=args.pp, microbatches=args.microbatches,
-                             dp=dp, timeout=args.timeout, autocast=autocast, vocab_parallel=vocab,
+                             dp=dp, sp=args.sp, attention=args.attention, timeout=args.timeout, autocast=autocast,
+                             vocab_parallel=vocab,
                              layers_per_stage=_redistributed(self.config, args) if vocab == "redis" else None)
         params = self.pipe.parameters()
         self.optimizer = torch.optim.AdamW(
@@ -186,8 +194,9 @@ class Trainer:
         )
         self.batch = args.microbatch_size * args.microbatches * dp
         if self.rank == 0:
+            sp = f", sp={args.sp} ({args.attention})" if args.sp > 1 else ""
             print(f"pipeloom train: {args.model} ({_count(self.n_params)} parameters), {args.schedule}, pp={args.pp}, "
-                  f"dp={dp}, {args.microbatches} microbatches of {args.microbatch_size} x {args.seq} tokens, "
+                  f"dp={dp}{sp}, {args.microbatches} microbatches of {args.microbatch_size} x {args.seq} tokens, "
                   f"on {device.type}; data: {self.data.source}", file=sys.stderr, flush=True)
         self.start = self._resume() if args.resume else 0
 
@@ -276,7 +285,7 @@ class Trainer:
     def _meta(self, step: int) -> dict:
         args = self.args
         return {"step": step, "model": args.model, "vocab_size": self.config.vocab_size, "seq": args.seq,
-                "schedule": args.schedule, "pp": args.pp, "dp": self.pipe.dp, "microbatches": args.microbatches,
+                "schedule": args.schedule, "pp": args.pp, "dp": self.pipe.dp, "sp": args.sp, "microbatches": args.microbatches,
                 "microbatch_size": args.microbatch_size, "seed": args.seed, "data": self.data.source}
 
     def _save(self, step: int) -> None:

@@ -82,6 +82,10 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with a fused q/k/v projection."""
 
+    #: Set by a sequence-parallel runtime (see :class:`SequenceParallel`): then the
+    #: block's tokens are this rank's share and attention runs over the SP group.
+    sequence_parallel: SequenceParallel | None = None
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_head, self.dropout = config.n_head, config.dropout
@@ -92,7 +96,10 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = (y.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for y in self.qkv(x).split(c, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        if self.sequence_parallel is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        else:
+            y = self.sequence_parallel.attend(q, k, v)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
 
 
@@ -133,11 +140,47 @@ def _embed(module: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _add_positions(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Token embeddings ``x`` [B, T, C] plus ``module``'s position embeddings, through its dropout."""
-    t, block_size = x.shape[1], module.wpe.num_embeddings
+    """Token embeddings ``x`` [B, T, C] plus ``module``'s position embeddings, through its
+    dropout: positions 0..T-1, or with sequence parallelism those of this rank's tokens."""
+    sp = getattr(module, "sequence_parallel", None)
+    t = sp.seq_len if sp else x.shape[1]
+    block_size = module.wpe.num_embeddings
     if t > block_size:
         raise PipeloomError(f"sequence of {t} tokens exceeds block_size {block_size}; use at most {block_size} tokens")
-    return module.drop(x + module.wpe(torch.arange(t, device=x.device)))
+    positions = sp.positions.to(x.device) if sp else torch.arange(t, device=x.device)
+    return module.drop(x + module.wpe(positions))
+
+
+@dataclass
+class SequenceParallel:
+    """How a sequence-parallel rank runs a GPT's layers: it holds the tokens of
+    ``layout`` (a :func:`~pipeloom.nn.ring_attention.sequence_layout`), and causal
+    attention runs over ``group`` with ``kind`` ("ring" or "rsa")."""
+
+    group: object
+    layout: object
+    kind: str = "ring"
+
+    @property
+    def seq_len(self) -> int:
+        return self.layout.seq_len
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return torch.as_tensor(self.layout.positions)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        from .ring_attention import sequence_parallel_attention
+
+        return sequence_parallel_attention(q, k, v, self.group, self.layout, causal=True, kind=self.kind)
+
+
+def set_sequence_parallel(modules, sp: SequenceParallel | None) -> None:
+    """Run ``modules`` (a GPT or its stages) sequence-parallel with ``sp``, or not (None)."""
+    for module in modules:
+        for sub in module.modules():
+            if isinstance(sub, CausalSelfAttention) or hasattr(sub, "wpe"):
+                sub.sequence_parallel = sp
 
 
 class GPT(nn.Module):

@@ -15,7 +15,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import PipeloomError
+from ..nn.gpt import SequenceParallel, set_sequence_parallel
 from ..nn.linear import WeightGradStore, defer_weight_grads
+from ..nn.ring_attention import sequence_layout
 from ..schedule import BW, B, F, W, Action, Schedule, build, validate
 from ..schedule.ir import VOCAB_KINDS
 from ..schedule.links import Message, link_messages, sent_message
@@ -56,7 +58,8 @@ class Pipeline:
     """Pipeline-parallel training of a model that can ``split`` itself into stages.
 
     Call inside a torchrun job (``torch.distributed`` initialised, world size
-    ``dp * pp``); build the same ``model`` on every rank (same seed). Each rank
+    ``dp * pp * sp``, a DeviceMesh with dims ``dp``, ``pp``, ``sp``); build the
+    same ``model`` on every rank (same seed). Each rank
     keeps only its own stages (the other stages' weights are released).
     ``step(tokens, targets)`` runs one step's forward and backward on the
     global batch and returns its mean loss.
@@ -74,6 +77,11 @@ class Pipeline:
     the schedule's vocabulary passes (:mod:`pipeloom.runtime.vocab`); "redis"
     and "none" keep them on the first and last stage (give ``layers_per_stage``,
     e.g. from :func:`pipeloom.sim.model.balanced_layers`, for the redis baseline).
+    ``sp``: sequence parallelism; each stage runs on ``sp`` ranks that each hold
+    a balanced share of every sequence (an early and a late chunk), attention
+    running over them with ``attention`` ("ring" or "rsa",
+    :mod:`pipeloom.nn.ring_attention`); gradients are summed over them and
+    averaged over the ``dp`` replicas in one all-reduce.
     """
 
     def __init__(
@@ -90,6 +98,8 @@ class Pipeline:
         autocast: torch.dtype | None = None,
         timeout: float = 300.0,
         vocab_parallel: str | None = None,
+        sp: int = 1,
+        attention: str = "ring",
         **schedule_options,
     ):
         if not dist.is_available() or not dist.is_initialized():
@@ -110,19 +120,28 @@ class Pipeline:
             self.schedule = build(schedule, pp, microbatches, chunks, **schedule_options)
         algorithm = self.schedule.vocab_parallel  # None also for "redis" and "none": plain stages
         world = dist.get_world_size()
-        if world != dp * pp:
+        if world != dp * pp * sp:
             raise PipeloomError(
-                f"world size {world} does not match dp={dp} x pp={pp} = {dp * pp}; "
-                f"launch {dp * pp} processes or choose dp and pp whose product is {world}"
+                f"world size {world} does not match dp={dp} x pp={pp} x sp={sp} = {dp * pp * sp}; "
+                f"launch {dp * pp * sp} processes or choose dp, pp and sp whose product is {world}"
             )
-        self.dp, self.pp = dp, pp
+        if attention not in ("ring", "rsa"):
+            raise PipeloomError(f"attention={attention!r}: choose ring or rsa")
+        if sp > 1 and self.schedule.vocab_parallel:
+            raise PipeloomError("vocabulary parallelism with sequence parallelism (sp > 1) is not supported yet")
+        self.dp, self.pp, self.sp, self.attention = dp, pp, sp, attention
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        self.mesh = init_device_mesh(self.device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+        self.mesh = init_device_mesh(self.device.type, (dp, pp, sp), mesh_dim_names=("dp", "pp", "sp"))
         self.pp_rank = self.mesh.get_local_rank("pp")
-        self.dp_rank = self.mesh.get_local_rank("dp")
-        self.pp_group, self.dp_group = self.mesh.get_group("pp"), self.mesh.get_group("dp")
-        self.peers = [dist.get_global_rank(self.pp_group, q) for q in range(pp)]
+        self.dp_rank, self.sp_rank = self.mesh.get_local_rank("dp"), self.mesh.get_local_rank("sp")
+        self.pp_group, self.sp_group = self.mesh.get_group("pp"), self.mesh.get_group("sp")
+        #: every pipeline (a row of global ranks by pipeline rank), one per (dp, sp) replica; this rank's row
+        self.pipelines = self.mesh.mesh.transpose(1, 2).reshape(-1, pp).tolist()
+        self.line = self.dp_rank * sp + self.sp_rank
+        self.replicas = dp * sp
         self.rank = dist.get_rank()
+        self.replica_group = self._replica_group()
+        self.peers = [dist.get_global_rank(self.pp_group, q) for q in range(pp)]
         self.dtype = next(model.parameters()).dtype  # hidden states travel in the weights' dtype
         stages = model.split(self.schedule.stages, layers_per_stage, vocab_parallel=algorithm is not None)
         mine = self.schedule.stages_of(self.pp_rank)
@@ -149,7 +168,8 @@ class Pipeline:
             _free([model.wte.weight, model.lm_head.weight])  # each rank keeps its shards only
         self.versions = WeightVersions(self.stages, self.schedule.weight_versions) if multi_step else None
         self._update_after = self._update_plan() if multi_step else {}
-        self._reduce_after = self._data_parallel_plan() if dp > 1 and not multi_step else {}
+        self._reduce_after = self._data_parallel_plan() if self.replicas > 1 and not multi_step else {}
+        self._layouts: dict[int, object] = {}  # sequence-parallel layout by sequence length
         self.last_step: _Step | None = None
         self.steps_done = 0  # steps run so far by run_steps (multi-version schedules)
         self._hidden = getattr(getattr(model, "config", None), "n_embd", None)
@@ -202,7 +222,7 @@ class Pipeline:
             step.timeline.append(TimedAction(self.pp_rank, action, start, time.perf_counter() - t0))
             for p in self._reduce_after.get(k, ()):  # this stage's gradients are final: average them now
                 if p.grad is not None:
-                    reductions.append((p, dist.all_reduce(p.grad, group=self.dp_group, async_op=True)))
+                    reductions.append((p, dist.all_reduce(p.grad, group=self.replica_group, async_op=True)))
             for s, t in self._update_after.get(k, ()):
                 self.versions.update(s, t + self.steps_done, optimizer, partial(self._reduce_now, s))
         self.channel.flush()
@@ -213,7 +233,7 @@ class Pipeline:
         self.last_step = step
         loss = step.loss
         self._all_reduce(loss, self.pp_group, "the end of the step waited for the loss of the last stage")
-        self._all_reduce(loss, self.dp_group, "the end of the step waited for the other replicas' loss")
+        self._all_reduce(loss, self.replica_group, "the end of the step waited for the other replicas' loss")
         return (loss / self.dp).tolist()
 
     def gather_grads(self) -> dict[str, torch.Tensor]:
@@ -289,7 +309,9 @@ class Pipeline:
             slot.output = y.to(self.dtype)
             self.vocab.share_output(i, slot.output.detach())  # for every rank's S
         elif s == self.schedule.stages - 1:
-            loss = nn.functional.cross_entropy(y.flatten(0, 1).float(), targets[i].flatten()) / self.schedule.microbatches
+            # the mean over the step's tokens: this rank holds 1/sp of each sequence
+            loss = nn.functional.cross_entropy(y.flatten(0, 1).float(), targets[i].flatten()) / (
+                self.schedule.microbatches * self.sp)
             step.loss[i // self.schedule.microbatches] += loss.detach()
             slot.output = loss
         else:
@@ -346,9 +368,9 @@ class Pipeline:
         matches a link's messages in send order. Every rank creates every group in one
         order (:meth:`Channel.open` then opens this rank's in that order)."""
         groups = {}
-        for replica in range(self.dp):
+        for line in self.pipelines:
             for src, dst in links:
-                ranks = [int(self.mesh.mesh[replica, q]) for q in (src, dst)]
+                ranks = [line[q] for q in (src, dst)]
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
                     groups[tuple(ranks)] = group
@@ -406,7 +428,32 @@ class Pipeline:
         rows = [r for t in range(steps) for r in range((t * self.dp + self.dp_rank) * share,
                                                        (t * self.dp + self.dp_rank + 1) * share)]
         tokens, targets = tokens[rows].to(self.device), targets[rows].to(self.device)
+        if self.sp > 1:  # this rank's share of every sequence
+            layout = self._sequence_layout(tokens.shape[1])
+            tokens, targets = layout.local(tokens, 1), layout.local(targets, 1)
         return tokens.chunk(steps * m), targets.chunk(steps * m)
+
+    def _sequence_layout(self, seq_len: int):
+        """The sequence-parallel layout of ``seq_len`` tokens (balanced for causal
+        attention), set on this rank's stages when the length changes."""
+        if seq_len not in self._layouts:
+            self._layouts[seq_len] = sequence_layout(seq_len, self.sp, self.sp_rank, balanced=True)
+        layout = self._layouts[seq_len]
+        set_sequence_parallel(self.stages.values(), SequenceParallel(self.sp_group, layout, self.attention))
+        return layout
+
+    def _replica_group(self):
+        """The ranks that hold this rank's stages: its data- and sequence-parallel replicas
+        (their gradients are summed; the sequence-parallel ones each hold part of them)."""
+        if self.sp == 1:
+            return self.mesh.get_group("dp")
+        mine = None
+        for q in range(self.pp):  # every rank creates every group, in the same order
+            ranks = [line[q] for line in self.pipelines]
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        return mine
 
     def _embedding_group(self, stages):
         """The process group of the ranks holding tied weights (first and last
@@ -415,8 +462,8 @@ class Pipeline:
         if not stages[-1].tied or first == last:
             return None
         mine = None
-        for replica in range(self.dp):  # every rank creates every group, in the same order
-            ranks = [int(self.mesh.mesh[replica, q]) for q in (first, last)]
+        for line in self.pipelines:  # every rank creates every group, in the same order
+            ranks = [line[q] for q in (first, last)]
             group = dist.new_group(ranks)
             if self.rank in ranks:
                 mine = group
@@ -452,8 +499,8 @@ class Pipeline:
         for name, grad in grads.items():
             if name in self.stages[s].tied and self.tied_group is not None:
                 self._all_reduce(grad, self.tied_group, "summing the tied embedding's gradients")
-            if self.dp > 1:
-                self._all_reduce(grad, self.dp_group, "averaging gradients over the data-parallel replicas")
+            if self.replicas > 1:
+                self._all_reduce(grad, self.replica_group, "averaging gradients over the data-parallel replicas")
                 grad /= self.dp
 
     def _data_parallel_plan(self) -> dict[int, list[nn.Parameter]]:
@@ -470,14 +517,14 @@ class Pipeline:
 
     def _finish_data_parallel(self, reductions) -> None:
         """Wait for the overlapped averages, then average what was left (tied weights)."""
-        if self.dp == 1:
+        if self.replicas == 1:
             return
         for p, work in reductions:
             self.channel.wait(work, "averaging gradients over the data-parallel replicas")
             p.grad /= self.dp
         for p in self.tied + (self.vocab.parameters() if self.vocab else []):
             if p.grad is not None:
-                self._all_reduce(p.grad, self.dp_group, "averaging gradients over the data-parallel replicas")
+                self._all_reduce(p.grad, self.replica_group, "averaging gradients over the data-parallel replicas")
                 p.grad /= self.dp
 
     def _all_reduce(self, tensor: torch.Tensor, group, what: str) -> None:

@@ -70,11 +70,10 @@ class VocabPasses:
         """A process group per collective over this replica's pipeline ranks (every rank
         creates every replica's groups, in one order)."""
         pipe, mine = self.pipe, {}
-        for replica in range(pipe.dp):
-            ranks = [int(r) for r in pipe.mesh.mesh[replica]]
+        for line, ranks in enumerate(pipe.pipelines):
             for name in _GROUPS:
                 group = dist.new_group(ranks)
-                if replica == pipe.dp_rank:
+                if line == pipe.line:
                     mine[name] = group
         return mine
 
