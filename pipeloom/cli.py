@@ -365,8 +365,9 @@ def _add_train(sub) -> None:
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL); default cpu")
     g.add_argument("--sp", type=int, default=1,
                    help="sequence-parallel ranks per stage: each holds a share of every sequence (default 1)")
-    g.add_argument("--attention", choices=("ring", "rsa"), default="ring",
-                   help="sequence-parallel attention: blockwise ring (default) or Ring Self-Attention")
+    g.add_argument("--attention", choices=("ring", "rsa"),
+                   help="sequence-parallel attention: blockwise ring (the default with --sp > 1) or Ring "
+                        "Self-Attention; with --sp 1 the default is torch's scaled_dot_product_attention")
     g.add_argument("--vocab-parallel", choices=("none", "redis", "naive", "vocab-1", "vocab-2"), default="none",
                    help="split the token embedding and the LM head by vocabulary over the pipeline ranks with "
                         "this algorithm (default none: embedding on the first stage, head on the last; redis: "

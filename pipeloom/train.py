@@ -194,7 +194,7 @@ class Trainer:
         )
         self.batch = args.microbatch_size * args.microbatches * dp
         if self.rank == 0:
-            sp = f", sp={args.sp} ({args.attention})" if args.sp > 1 else ""
+            sp = f", sp={args.sp} ({self.pipe.attention})" if args.sp > 1 else ""
             print(f"pipeloom train: {args.model} ({_count(self.n_params)} parameters), {args.schedule}, pp={args.pp}, "
                   f"dp={dp}{sp}, {args.microbatches} microbatches of {args.microbatch_size} x {args.seq} tokens, "
                   f"on {device.type}; data: {self.data.source}", file=sys.stderr, flush=True)

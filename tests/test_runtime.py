@@ -190,7 +190,7 @@ def _bad_input_worker(rank, case):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case,message", [
-    ("world", "world size 2 does not match dp=1 x pp=3 = 3"),
+    ("world", "world size 2 does not match dp=1 x pp=3 x sp=1 = 3"),
     ("layers", "3 layers cannot fill 4 stages"),
     ("microbatches", "microbatches=9 does not divide"),
     ("batch", "a batch of 6 sequences does not divide into dp=1 x microbatches=4"),

@@ -203,3 +203,15 @@ def test_vocab_parallel_with_a_bpe_vocabulary_resumes_under_other_splits(tmp_pat
     train(*common, "--resume", "ck/step_0000004", "--metrics", "plain.jsonl", cwd=tmp_path, env=env)
     for name in ("pp4.jsonl", "plain.jsonl"):  # the shards were saved whole, under the unsplit names
         assert np.allclose([r["loss"] for r in metrics(tmp_path / name)], full[4:], rtol=1e-4, atol=0), name
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_sequence_parallel_training_matches_the_plain_run(tmp_path):
+    train("--steps", "6", "--seq", "32", "--metrics", "plain.jsonl", cwd=tmp_path)
+    done = train("--steps", "6", "--seq", "32", "--sp", "2", "--attention", "rsa", "--metrics", "sp.jsonl",
+                 cwd=tmp_path)
+    assert "sp=2 (rsa)" in done.stderr
+    plain, sp = ([r["loss"] for r in metrics(tmp_path / name)] for name in ("plain.jsonl", "sp.jsonl"))
+    assert np.allclose(sp, plain, rtol=1e-4, atol=0)
+    bad = train("--sp", "3", "--seq", "32", cwd=tmp_path, check=False)
+    assert bad.returncode == 2 and "use a multiple of 6" in bad.stderr

@@ -79,9 +79,11 @@ class Pipeline:
     e.g. from :func:`pipeloom.sim.model.balanced_layers`, for the redis baseline).
     ``sp``: sequence parallelism; each stage runs on ``sp`` ranks that each hold
     a balanced share of every sequence (an early and a late chunk), attention
-    running over them with ``attention`` ("ring" or "rsa",
+    running over them with ``attention`` ("ring", the default, or "rsa",
     :mod:`pipeloom.nn.ring_attention`); gradients are summed over them and
-    averaged over the ``dp`` replicas in one all-reduce.
+    averaged over the ``dp`` replicas in one all-reduce. With ``sp=1``,
+    ``attention`` runs that algorithm on one rank instead of torch's
+    ``scaled_dot_product_attention`` (to compare them).
     """
 
     def __init__(
@@ -99,7 +101,7 @@ class Pipeline:
         timeout: float = 300.0,
         vocab_parallel: str | None = None,
         sp: int = 1,
-        attention: str = "ring",
+        attention: str | None = None,
         **schedule_options,
     ):
         if not dist.is_available() or not dist.is_initialized():
@@ -125,8 +127,10 @@ class Pipeline:
                 f"world size {world} does not match dp={dp} x pp={pp} x sp={sp} = {dp * pp * sp}; "
                 f"launch {dp * pp * sp} processes or choose dp, pp and sp whose product is {world}"
             )
-        if attention not in ("ring", "rsa"):
+        if attention not in (None, "ring", "rsa"):
             raise PipeloomError(f"attention={attention!r}: choose ring or rsa")
+        if attention is None and sp > 1:
+            attention = "ring"
         if sp > 1 and self.schedule.vocab_parallel:
             raise PipeloomError("vocabulary parallelism with sequence parallelism (sp > 1) is not supported yet")
         self.dp, self.pp, self.sp, self.attention = dp, pp, sp, attention
@@ -428,7 +432,7 @@ class Pipeline:
         rows = [r for t in range(steps) for r in range((t * self.dp + self.dp_rank) * share,
                                                        (t * self.dp + self.dp_rank + 1) * share)]
         tokens, targets = tokens[rows].to(self.device), targets[rows].to(self.device)
-        if self.sp > 1:  # this rank's share of every sequence
+        if self.attention:  # this rank's share of every sequence
             layout = self._sequence_layout(tokens.shape[1])
             tokens, targets = layout.local(tokens, 1), layout.local(targets, 1)
         return tokens.chunk(steps * m), targets.chunk(steps * m)
