@@ -128,14 +128,19 @@ class _Ring:
             self.next = dist.get_global_rank(group, (rank + 1) % size)
             self.prev = dist.get_global_rank(group, (rank - 1) % size)
 
-    def send(self, tensor: torch.Tensor, tag: int):
-        """Start sending ``tensor`` (contiguous, left untouched until waited) to the next rank."""
-        return dist.isend(tensor, self.next, group=self.group, tag=tag)
-
-    def recv(self, like: torch.Tensor, tag: int) -> _Transfer:
-        """Start receiving a tensor shaped like ``like`` from the previous rank."""
-        buffer = torch.empty_like(like, memory_format=torch.contiguous_format)
-        return _Transfer(buffer, dist.irecv(buffer, self.prev, group=self.group, tag=tag))
+    def exchange(self, tensor: torch.Tensor, tag: int) -> tuple:
+        """Start sending ``tensor`` (contiguous, left untouched until waited) to the next rank
+        and receiving one shaped like it from the previous rank: (send work, :class:`_Transfer`).
+        gloo matches them by tag; NCCL runs both in one group (``batch_isend_irecv``), since
+        it matches a pair of ranks' operations in order and two ranks that each receive first
+        would wait for each other."""
+        buffer = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        if dist.get_backend(self.group) == "gloo":
+            received = dist.irecv(buffer, self.prev, group=self.group, tag=tag)
+            return dist.isend(tensor, self.next, group=self.group, tag=tag), _Transfer(buffer, received)
+        sent, received = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, self.next, self.group),
+                                                 dist.P2POp(dist.irecv, buffer, self.prev, self.group)])
+        return sent, _Transfer(buffer, received)
 
     def rotate(self, block: torch.Tensor):
         """Yield (owner, block) N times: this rank's ``block`` first, then each block of the
@@ -145,8 +150,7 @@ class _Ring:
         for step in range(self.size):
             incoming = None
             if step < self.size - 1:
-                incoming = self.recv(block, _BLOCKS)
-                sent = self.send(block, _BLOCKS)
+                sent, incoming = self.exchange(block, _BLOCKS)
             yield (self.rank - step) % self.size, block
             if incoming is not None:
                 sent.wait()
@@ -264,8 +268,8 @@ class _RingAttention(torch.autograd.Function):
             if ring.size > 1:
                 # the sum goes on to the next rank (after the last step: the block's owner), and the
                 # previous rank's sum for the next block (after the last step: this rank's own) comes in
-                sends.append((ring.send(grads, _GRADS), grads))
-                incoming = ring.recv(grads, _GRADS)
+                sent, incoming = ring.exchange(grads, _GRADS)
+                sends.append((sent, grads))
         if incoming is not None:
             grads = incoming.wait()
         for work, _ in sends:
@@ -323,8 +327,8 @@ class _RingSelfAttention(torch.autograd.Function):
             if incoming is not None:
                 grads += incoming.wait()
             if step < ring.size - 1:
-                sends.append((ring.send(grads, _GRADS), grads))
-                incoming = ring.recv(grads, _GRADS)
+                sent, incoming = ring.exchange(grads, _GRADS)
+                sends.append((sent, grads))
         for work, _ in sends:
             work.wait()
         return grad_q.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None
