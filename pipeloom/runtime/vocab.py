@@ -63,7 +63,8 @@ class VocabPasses:
         self.partials: dict[int, torch.Tensor] = {}  # IF -> IB
         self.states: dict = {}  # S -> T (and vocab-2, on the last stage's rank, S -> its backward)
         self.stats: dict[int, torch.Tensor] = {}  # vocab-2, on the last stage's rank: C -> its backward
-        self.incoming: dict[tuple[str, int], tuple] = {}  # (what, microbatch) -> (work, tensor) to wait for
+        self.incoming: dict[tuple[str, int], tuple] = {}  # (collective, microbatch) -> (work, result) to wait for
+        self.own: dict[tuple[str, int], torch.Tensor] = {}  # what this rank broadcast: it needs no wait
         self._check_order()
 
     def _groups(self) -> dict[str, dist.ProcessGroup]:
@@ -108,14 +109,14 @@ class VocabPasses:
 
     def share_input_grad(self, i: int, grad: torch.Tensor) -> None:
         """Stage 0's input gradient of microbatch ``i`` (on its rank), for every rank's ``IB``."""
-        self.incoming["own-input-grad", i] = (None, grad)
+        self.own["share-input-grad", i] = grad
         self._give("share-input-grad", i, grad, self.first, dist.broadcast)
 
     def _ib(self, action, step, tokens, targets) -> None:
         i = action.microbatch
         partial = self.partials.pop(i)
         if self.pipe.rank == self.first:
-            grad = self.incoming.pop(("own-input-grad", i))[1]
+            grad = self.own.pop(("share-input-grad", i))
         else:
             grad = self._receive("share-input-grad", i, torch.empty_like(partial, dtype=self.pipe.dtype), self.first,
                                  action, "the gradient of the token embeddings")
@@ -124,13 +125,13 @@ class VocabPasses:
     # -- the output layer ---------------------------------------------------------
     def share_output(self, i: int, y: torch.Tensor) -> None:
         """The last stage's output of microbatch ``i`` (on its rank), for every rank's ``S``."""
-        self.incoming["own-output", i] = (None, y)
+        self.own["share-output", i] = y
         self._give("share-output", i, y, self.last, dist.broadcast)
 
     def _s(self, action, step, tokens, targets) -> None:
         i = action.microbatch
         if self.pipe.rank == self.last:
-            x = self.incoming.pop(("own-output", i))[1]
+            x = self.own.pop(("share-output", i))
         else:
             buffer = torch.empty((*tokens[i].shape, self.head.n_embd), dtype=self.pipe.dtype, device=self.pipe.device)
             x = self._receive("share-output", i, buffer, self.last, action, "the last stage's output")
