@@ -236,7 +236,8 @@ class Pipeline:
         self.steps_done += self.schedule.steps if self.versions else 0
         self.last_step = step
         loss = step.loss
-        self._all_reduce(loss, self.pp_group, "the end of the step waited for the loss of the last stage")
+        self._all_reduce(loss, self.pp_group, "the end of the step waited for the loss of the last stage, "
+                                              f"on rank {self.peers[self.schedule.placement[-1]]}")
         self._all_reduce(loss, self.replica_group, "the end of the step waited for the other replicas' loss")
         return (loss / self.dp).tolist()
 
