@@ -90,6 +90,8 @@ def check(args, world: int) -> None:
         read_meta(args.resume)
     vocab = None if args.vocab_parallel == "none" else args.vocab_parallel
     schedule = build(args.schedule, args.pp, args.microbatches, **({"vocab_parallel": vocab} if vocab else {}))
+    if vocab in ("naive", "vocab-1", "vocab-2") and schedule.steps > 1:
+        raise PipeloomError(f"--vocab-parallel {vocab} runs with synchronous schedules, not {args.schedule}")
     if args.steps % schedule.steps:
         raise PipeloomError(f"{args.schedule} runs {schedule.steps} steps per call without a flush; "
                             f"use a --steps that is a multiple of {schedule.steps}")
