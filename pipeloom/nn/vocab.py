@@ -138,17 +138,15 @@ class _VocabSharded(nn.Module):
         if self.shard.parts > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=self.group)
 
-    def _reduce(self, tensor: torch.Tensor, dst: int | None, group=None) -> torch.Tensor | None:
-        """Sum ``tensor`` in place over the group (or ``group``, of the same ranks): on every
-        rank, or only on global rank ``dst`` (the others get None)."""
-        group = self.group if group is None else group
+    def _reduce(self, tensor: torch.Tensor, dst: int | None) -> torch.Tensor | None:
+        """Sum ``tensor`` in place over the group: on every rank, or only on global rank
+        ``dst`` (the others get None)."""
         if dst is None:
-            if self.shard.parts > 1:
-                dist.all_reduce(tensor, group=group)
+            self._all_reduce(tensor)
             return tensor
         self._check_member(dst)
         if self.shard.parts > 1:
-            dist.reduce(tensor, dst=dst, group=group)
+            dist.reduce(tensor, dst=dst, group=self.group)
         return tensor if dst == _global_rank() else None
 
 
@@ -281,15 +279,11 @@ class VocabParallelLMHead(_VocabSharded):
     ``F.cross_entropy(x @ W_full.T, targets, label_smoothing=...,
     ignore_index=..., reduction="sum") / denominator``, and the gradients
     are of it. Targets must be in ``[0, vocab_size)`` or ``ignore_index``.
-    ``reduce_group`` (the same ranks as ``group``; default ``group``) carries
-    R, so that a runtime may interleave C and R differently on different ranks.
     """
 
     def __init__(self, vocab_size: int, n_embd: int, group=None, algorithm: str = "vocab-2",
-                 label_smoothing: float = 0.0, ignore_index: int = -100, weight: nn.Parameter | None = None,
-                 reduce_group=None):
+                 label_smoothing: float = 0.0, ignore_index: int = -100, weight: nn.Parameter | None = None):
         super().__init__(vocab_size, n_embd, group)
-        self.reduce_group = group if reduce_group is None else reduce_group
         if algorithm not in _PASSES:
             raise PipeloomError(f"unknown vocabulary-parallel algorithm {algorithm!r}; "
                                 f"choices: {', '.join(VOCAB_ALGORITHMS)}")
@@ -473,7 +467,7 @@ class VocabParallelLMHead(_VocabSharded):
         if state.algorithm != "vocab-2":
             if state.grad_input_partial is None:
                 raise PipeloomError("run t_pass on this microbatch's state before reduce_grad_input")
-            grad = self._reduce(state.grad_input_partial, dst, self.reduce_group)
+            grad = self._reduce(state.grad_input_partial, dst)
             state.grad_input_partial = None
             state.grad_input = None if grad is None else grad.to(state.input_dtype).reshape(state.input_shape)
         return state.grad_input
