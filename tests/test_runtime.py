@@ -4,74 +4,33 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from parity import check, make_batch, max_rel_error, parity_worker, reference  # noqa: E402
 from pipeloom.runtime.local import spawn  # noqa: E402
 
 SYNCHRONOUS = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "v-min", "v-half", "v-zb", "zb-auto"]
 
 
-def _batch(config, batch, seq, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def _reference(config, tokens, targets):
-    from pipeloom.nn import GPT
-
-    torch.manual_seed(0)
-    model = GPT(config)
-    loss = model(tokens, targets)
-    loss.backward()
-    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
-
-
-def _max_rel_error(grads, ref):
-    assert set(grads) == set(ref)
-    return max(((grads[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-12)).item() for n in ref)
-
-
-def _parity_worker(rank, families, pp, dp, microbatches, config_overrides, pipe_options=None):
-    import pipeloom
-    from pipeloom.nn import GPT, GPTConfig
-
-    config = GPTConfig.preset("tiny", **config_overrides)
-    tokens, targets = _batch(config, batch=dp * microbatches * 2, seq=16)
-    ref_loss, ref_grads = _reference(config, tokens, targets)
-    out = {}
-    for name in families:
-        torch.manual_seed(0)
-        pipe = pipeloom.Pipeline(GPT(config), schedule=name, pp=pp, microbatches=microbatches, dp=dp,
-                                 **(pipe_options or {}))
-        loss = pipe.step(tokens, targets)
-        out[name] = (abs(loss - ref_loss) / abs(ref_loss), _max_rel_error(pipe.gather_grads(), ref_grads))
-    return out
+def _cases(families, pp, dp, microbatches, **options):
+    return [(name, dict(schedule=name, pp=pp, microbatches=microbatches, dp=dp, **options)) for name in families]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("pp,dp,tied", [(2, 1, False), (2, 1, True)])
 def test_every_family_matches_one_process(pp, dp, tied):
-    results = spawn(pp * dp, _parity_worker, SYNCHRONOUS, pp, dp, 4, {"tie_embeddings": tied}, timeout=240)
-    for rank_result in results:
-        for name, (loss_err, grad_err) in rank_result.items():
-            assert loss_err < 1e-5, (name, loss_err)
-            assert grad_err < 1e-4, (name, grad_err)
+    check(spawn(pp * dp, parity_worker, _cases(SYNCHRONOUS, pp, dp, 4), {"tie_embeddings": tied}, dp * 8, 16,
+                timeout=240))
 
 
 @pytest.mark.timeout(300)
 def test_four_ranks_and_data_parallel():
-    results = spawn(4, _parity_worker, SYNCHRONOUS, 4, 1, 4, {"n_layer": 8}, timeout=240)
-    results += spawn(4, _parity_worker, ["1f1b", "zb-v", "interleaved-1f1b"], 2, 2, 4, {"tie_embeddings": True},
-                     timeout=240)
-    for rank_result in results:
-        for name, (loss_err, grad_err) in rank_result.items():
-            assert loss_err < 1e-5 and grad_err < 1e-4, (name, loss_err, grad_err)
+    check(spawn(4, parity_worker, _cases(SYNCHRONOUS, 4, 1, 4), {"n_layer": 8}, 8, 16, timeout=240))
+    check(spawn(4, parity_worker, _cases(["1f1b", "zb-v", "interleaved-1f1b"], 2, 2, 4), {"tie_embeddings": True},
+                16, 16, timeout=240))
 
 
 @pytest.mark.timeout(120)
 def test_recompute_matches():
-    for rank_result in spawn(2, _parity_worker, ["1f1b", "zb-h1", "zb-v"], 2, 1, 4, {}, {"recompute": True}, timeout=90):
-        for name, (loss_err, grad_err) in rank_result.items():
-            assert loss_err < 1e-5 and grad_err < 1e-4, (name, loss_err, grad_err)
+    check(spawn(2, parity_worker, _cases(["1f1b", "zb-h1", "zb-v"], 2, 1, 4, recompute=True), {}, 8, 16, timeout=90))
 
 
 def _training_worker(rank, name, pp, dp, steps):
@@ -79,7 +38,7 @@ def _training_worker(rank, name, pp, dp, steps):
     from pipeloom.nn import GPT, GPTConfig
 
     config = GPTConfig.preset("tiny", tie_embeddings=True)
-    tokens, targets = _batch(config, batch=8, seq=16)
+    tokens, targets = make_batch(config, batch=8, seq=16)
     torch.manual_seed(0)
     ref = GPT(config)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -121,7 +80,7 @@ def _two_bw_worker(rank, pp, dp, calls, steps, tied):
 
     config = GPTConfig.preset("tiny", tie_embeddings=tied)
     total, m = calls * steps, 4
-    batches = [_batch(config, batch=dp * m * 2, seq=16, seed=10 + t) for t in range(total)]
+    batches = [make_batch(config, batch=dp * m * 2, seq=16, seed=10 + t) for t in range(total)]
     torch.manual_seed(0)
     ref = GPT(config)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
@@ -179,7 +138,7 @@ def _bad_input_worker(rank, case):
         "world": lambda: pipeloom.Pipeline(GPT(config), "1f1b", pp=3, microbatches=4),
         "layers": lambda: pipeloom.Pipeline(GPT(config), "zb-v", pp=2, microbatches=4),
         "microbatches": lambda: pipeloom.Pipeline(GPT(config), "interleaved-1f1b", pp=2, microbatches=9),
-        "batch": lambda: pipeloom.Pipeline(GPT(config), "1f1b", pp=2, microbatches=4).step(*_batch(config, 6, 8)),
+        "batch": lambda: pipeloom.Pipeline(GPT(config), "1f1b", pp=2, microbatches=4).step(*make_batch(config, 6, 8)),
     }
     try:
         make[case]()
@@ -211,7 +170,7 @@ def _timeline_worker(rank, path):
     config = GPTConfig.preset("tiny")
     torch.manual_seed(0)
     pipe = pipeloom.Pipeline(GPT(config), schedule="zb-h1", pp=2, microbatches=4)
-    pipe.step(*_batch(config, 8, 16))
+    pipe.step(*make_batch(config, 8, 16))
     events = gather_timeline(pipe)
     write_trace(pipe, path)
     costs = measured_costs(events, pipe.schedule)
@@ -268,7 +227,7 @@ def _dead_peer_worker(rank):
         return None
     start = time.monotonic()
     try:
-        pipe.step(*_batch(config, 8, 16))
+        pipe.step(*make_batch(config, 8, 16))
     except PeerTimeout as err:
         return str(err), time.monotonic() - start
     return "no error", 0.0
@@ -286,7 +245,7 @@ def _autocast_worker(rank):
     from pipeloom.nn import GPT, GPTConfig
 
     config = GPTConfig.preset("tiny")
-    tokens, targets = _batch(config, 8, 16)
+    tokens, targets = make_batch(config, 8, 16)
     torch.manual_seed(0)
     ref = GPT(config)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -296,8 +255,8 @@ def _autocast_worker(rank):
     pipe = pipeloom.Pipeline(GPT(config), schedule="zb-v", pp=2, microbatches=4, autocast=torch.bfloat16)
     loss = pipe.step(tokens, targets)
     grads = pipe.gather_grads()
-    fp32 = _reference(config, tokens, targets)[0]
-    return loss, ref_loss.item(), fp32, _max_rel_error(grads, {n: p.grad for n, p in ref.named_parameters()})
+    fp32 = reference(config, tokens, targets)[0]
+    return loss, ref_loss.item(), fp32, max_rel_error(grads, {n: p.grad for n, p in ref.named_parameters()})
 
 
 @pytest.mark.timeout(120)

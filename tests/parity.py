@@ -1,0 +1,51 @@
+"""Shared by the runtime tests: pipelines against the one-process GPT on the same batch."""
+
+import torch
+
+
+def make_batch(config, batch, seq, seed=1):
+    """``batch`` random sequences of ``seq`` tokens and their next-token targets."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def reference(config, tokens, targets):
+    """The one-process GPT's loss and gradients (seed 0, as every pipeline in the tests)."""
+    from pipeloom.nn import GPT
+
+    torch.manual_seed(0)
+    model = GPT(config)
+    loss = model(tokens, targets)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def max_rel_error(grads, ref):
+    assert set(grads) == set(ref), sorted(set(grads) ^ set(ref))
+    return max(((grads[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-12)).item() for n in ref)
+
+
+def parity_worker(rank, cases, config_overrides, batch, seq):
+    """For each (label, Pipeline keyword arguments): the relative errors of one step's
+    loss and of every gradient against :func:`reference`."""
+    import pipeloom
+    from pipeloom.nn import GPT, GPTConfig
+
+    config = GPTConfig.preset("tiny", **config_overrides)
+    tokens, targets = make_batch(config, batch, seq)
+    ref_loss, ref_grads = reference(config, tokens, targets)
+    out = {}
+    for label, options in cases:
+        torch.manual_seed(0)
+        pipe = pipeloom.Pipeline(GPT(config), **options)
+        loss = pipe.step(tokens, targets)
+        out[label] = (abs(loss - ref_loss) / abs(ref_loss), max_rel_error(pipe.gather_grads(), ref_grads))
+    return out
+
+
+def check(results):
+    """Every rank's every case: loss within 1e-5 and every gradient within 1e-4 (relative)."""
+    for rank_result in results:
+        for case, (loss_err, grad_err) in rank_result.items():
+            assert loss_err < 1e-5 and grad_err < 1e-4, (case, loss_err, grad_err)
