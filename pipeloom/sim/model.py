@@ -219,20 +219,20 @@ DEVICES: dict[str, Device] = {
 
 def get_model(model: ModelSpec | str) -> ModelSpec:
     """``model`` itself, or the preset of that name."""
-    if isinstance(model, ModelSpec):
-        return model
-    if model not in MODELS:
-        raise PipeloomError(f"unknown model {model!r}; presets: {', '.join(MODELS)}")
-    return MODELS[model]
+    return _preset(model, ModelSpec, MODELS, "model")
 
 
 def get_device(device: Device | str) -> Device:
     """``device`` itself, or the preset of that name."""
-    if isinstance(device, Device):
-        return device
-    if device not in DEVICES:
-        raise PipeloomError(f"unknown device {device!r}; presets: {', '.join(DEVICES)}")
-    return DEVICES[device]
+    return _preset(device, Device, DEVICES, "device")
+
+
+def _preset(value, kind: type, presets: dict, what: str):
+    if isinstance(value, kind):
+        return value
+    if value not in presets:
+        raise PipeloomError(f"unknown {what} {value!r}; presets: {', '.join(presets)}")
+    return presets[value]
 
 
 def split_layers(layers: int, stages: int) -> tuple[int, ...]:
