@@ -131,6 +131,8 @@ class Pipeline:
             raise PipeloomError(f"attention={attention!r}: choose ring or rsa")
         if attention is None and sp > 1:
             attention = "ring"
+        if self.schedule.vocab_parallel and (self.schedule.steps > 1 or self.schedule.weight_versions > 1):
+            raise PipeloomError(f"vocabulary parallelism runs with synchronous schedules, not {self.schedule.family}")
         if sp > 1 and self.schedule.vocab_parallel:
             raise PipeloomError("vocabulary parallelism with sequence parallelism (sp > 1) is not supported yet")
         self.dp, self.pp, self.sp, self.attention = dp, pp, sp, attention
@@ -165,8 +167,6 @@ class Pipeline:
         self.channel.open(self.device)
         self._posts = self._receive_plan(links)
         multi_step = self.schedule.steps > 1 or self.schedule.weight_versions > 1
-        if algorithm and multi_step:
-            raise PipeloomError(f"vocabulary parallelism runs with synchronous schedules, not {self.schedule.family}")
         self.vocab = VocabPasses(self, model, algorithm) if algorithm else None
         if self.vocab:
             _free([model.wte.weight, model.lm_head.weight])  # each rank keeps its shards only
