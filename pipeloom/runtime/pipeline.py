@@ -387,6 +387,7 @@ class Pipeline:
         starts (the first before action 0), so it is in flight while that action runs;
         with it go the messages its link sends earlier and this rank needs later."""
         incoming = {src: messages for (src, dst), messages in links.items() if dst == self.pp_rank}
+        position = {(src, m): k for src, messages in incoming.items() for k, m in enumerate(messages)}
         posted = dict.fromkeys(incoming, 0)  # per link: how many messages are posted
         plan: dict[int, list[tuple[int, Message]]] = {}
         point = 0
@@ -395,7 +396,7 @@ class Pipeline:
             if need is None:
                 continue
             src, message = need
-            upto = incoming[src].index(message) + 1
+            upto = position[need] + 1
             if upto > posted[src]:
                 plan.setdefault(point, []).extend((src, m) for m in incoming[src][posted[src]:upto])
                 posted[src] = upto
