@@ -1,5 +1,7 @@
 """The GPT reference model, its split into stages, and the deferred weight gradients."""
 
+import threading
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -177,6 +179,30 @@ def test_deferred_weight_grads_match_plain_backward(tied):
     assert model.blocks[0].attn.qkv.weight.grad is None
     store.run()
     assert not store.work
+    assert_same_grads(grads(model.named_parameters()), want)
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_deferral_follows_the_backward_not_the_thread(eager):
+    """On CUDA autograd runs a backward's nodes on its own device thread, not on the
+    thread that opened the deferral: here the backward runs on a worker thread."""
+    model = tiny()
+    tokens, targets = batch(model.config)
+    _, want = unsplit_step(model, tokens, targets)
+    model.zero_grad()
+    loss = model(tokens, targets)
+    store = WeightGradStore(eager=eager)
+    with defer_weight_grads(store):
+        worker = threading.Thread(target=loss.backward)
+        worker.start()
+        worker.join()
+    weight = model.blocks[0].attn.qkv.weight
+    if eager:
+        assert not store.work and weight.grad is not None
+    else:
+        assert len(store.work) == sum(isinstance(m, Linear) for m in model.modules())
+        assert weight.grad is None  # deferred until W
+        store.run()
     assert_same_grads(grads(model.named_parameters()), want)
 
 

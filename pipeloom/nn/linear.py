@@ -8,18 +8,21 @@ runtime runs the store later, at the schedule's W action. A store made with
 ``eager=True`` does that work at once instead: a fused backward whose weight
 gradients each accumulate in one GEMM (``addmm_``). Outside it,
 :class:`Linear` is an ordinary ``nn.Linear``.
+
+The store follows the backward call, not a thread: for CUDA tensors autograd
+runs the backward's nodes on a device thread of its own, which a
+thread-local store would never reach (the B/W split then silently computed
+every weight gradient in B). So one store is active per process at a time:
+run one deferred backward at a time, as a pipeline's executor does.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Callable
 
 import torch
 from torch import nn
-
-_state = threading.local()
 
 
 class WeightGradStore:
@@ -44,15 +47,19 @@ class WeightGradStore:
         self.work.clear()
 
 
+#: The store of the deferred backward in progress, process-wide (see the module docstring).
+_active: WeightGradStore | None = None
+
+
 @contextlib.contextmanager
 def defer_weight_grads(store: WeightGradStore):
     """Within this block, :class:`Linear` backwards queue their weight gradients in ``store``."""
-    previous = getattr(_state, "store", None)
-    _state.store = store
+    global _active
+    previous, _active = _active, store
     try:
         yield store
     finally:
-        _state.store = previous
+        _active = previous
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -88,7 +95,7 @@ class _LinearFunction(torch.autograd.Function):
             grad_w = (flat.t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype)
             return grad_w, (flat.sum(0).to(bias.dtype) if bias is not None else None)
 
-        store = getattr(_state, "store", None)
+        store = _active
         if store is None:
             return (grad_x, *weight_grads())
 
