@@ -5,7 +5,6 @@ pipeloom keeps each rank's own stages and runs the schedule's actions.
 """
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
@@ -22,9 +21,7 @@ parser.add_argument("--trace", help="write the last step's measured timeline as 
 args = parser.parse_args()
 
 torch.set_num_threads(1)
-dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-if torch.cuda.is_available():
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")  # the stages follow: LOCAL_RANK's GPU, or the CPU
 torch.manual_seed(0)
 config = GPTConfig.preset("tiny")
 pipe = pipeloom.Pipeline(GPT(config), schedule=args.schedule, pp=dist.get_world_size(), microbatches=args.microbatches)

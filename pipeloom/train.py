@@ -43,6 +43,10 @@ def run(args) -> int:
         return _worker(args)
     world = args.pp * (args.dp or 1) * args.sp
     check(args, world)
+    if args.device == "cuda":
+        from .runtime.device import check_gpus
+
+        check_gpus(world)  # the launcher starts every rank on this machine
     load_data(args.data, args.token_dtype, args.vocab_size, args.tokenizer)  # a bad path stops before any worker starts
     from .launch import launch
 
@@ -117,18 +121,20 @@ def _worker(args) -> int:
     import torch
     import torch.distributed as dist
 
+    from .runtime.device import pipeline_device
     from .runtime.p2p import PeerTimeout
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ["WORLD_SIZE"])
+    backend = "nccl" if args.device == "cuda" else "gloo"
     try:
         check(args, world)
-        device = _device(args.device, int(os.environ["LOCAL_RANK"]))
+        device = pipeline_device(args.device, backend)
     except PipeloomError as err:
         if rank == 0:
             print(f"pipeloom train: error: {err}", file=sys.stderr)
         return 2
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout))
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     code = 0
     try:
         Trainer(args, device).train()
@@ -147,18 +153,6 @@ def _worker(args) -> int:
         if code == 0:
             dist.destroy_process_group()
     return code
-
-
-def _device(name: str, local_rank: int):
-    import torch
-
-    if name == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise PipeloomError("--device cuda: torch sees no CUDA device on this machine; use --device cpu")
-    index = local_rank % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
 
 
 class Trainer:
@@ -186,7 +180,7 @@ class Trainer:
         vocab = None if args.vocab_parallel == "none" else args.vocab_parallel
         self.pipe = Pipeline(model, schedule=args.schedule, pp=args.pp, microbatches=args.microbatches,
                              dp=dp, sp=args.sp, attention=args.attention, timeout=args.timeout, autocast=autocast,
-                             vocab_parallel=vocab,
+                             vocab_parallel=vocab, device=device,
                              layers_per_stage=_redistributed(self.config, args) if vocab == "redis" else None)
         params = self.pipe.parameters()
         self.optimizer = torch.optim.AdamW(

@@ -139,6 +139,7 @@ def _bad_input_worker(rank, case):
         "layers": lambda: pipeloom.Pipeline(GPT(config), "zb-v", pp=2, microbatches=4),
         "microbatches": lambda: pipeloom.Pipeline(GPT(config), "interleaved-1f1b", pp=2, microbatches=9),
         "batch": lambda: pipeloom.Pipeline(GPT(config), "1f1b", pp=2, microbatches=4).step(*make_batch(config, 6, 8)),
+        "device": lambda: pipeloom.Pipeline(GPT(config), "1f1b", pp=2, microbatches=4, device="cuda"),
     }
     try:
         make[case]()
@@ -153,14 +154,35 @@ def _bad_input_worker(rank, case):
     ("layers", "3 layers cannot fill 4 stages"),
     ("microbatches", "microbatches=9 does not divide"),
     ("batch", "a batch of 6 sequences does not divide into dp=1 x microbatches=4"),
+    ("device", "device cuda with the gloo backend, which sends cpu tensors only"),
 ])
 def test_bad_input_stops_before_work(case, message):
     for err in spawn(2, _bad_input_worker, case, timeout=90):
         assert err is not None and message in err, err
 
 
+def _cuda_machine_worker(rank):
+    """On a machine whose torch sees a GPU, a gloo pipeline still runs on the CPU."""
+    import pipeloom
+    from pipeloom.nn import GPT, GPTConfig
+
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 1
+    config = GPTConfig.preset("tiny")
+    torch.manual_seed(0)
+    pipe = pipeloom.Pipeline(GPT(config), schedule="1f1b", pp=2, microbatches=2)
+    return str(pipe.device), pipe.step(*make_batch(config, 4, 8))
+
+
+@pytest.mark.timeout(120)
+def test_the_device_follows_the_backend_where_a_gpu_is_visible():
+    (device, loss), (device1, loss1) = spawn(2, _cuda_machine_worker, timeout=90)
+    assert device == device1 == "cpu" and loss == loss1 > 0
+
+
 def _timeline_worker(rank, path):
     import json
+    import warnings
 
     import pipeloom
     from pipeloom.nn import GPT, GPTConfig
@@ -170,7 +192,9 @@ def _timeline_worker(rank, path):
     config = GPTConfig.preset("tiny")
     torch.manual_seed(0)
     pipe = pipeloom.Pipeline(GPT(config), schedule="zb-h1", pp=2, microbatches=4)
-    pipe.step(*make_batch(config, 8, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a B that deferred no weight gradient warns
+        pipe.step(*make_batch(config, 8, 16))
     events = gather_timeline(pipe)
     write_trace(pipe, path)
     costs = measured_costs(events, pipe.schedule)
@@ -265,3 +289,22 @@ def test_bf16_autocast_tracks_the_one_process_autocast_model():
         assert loss != fp32_loss  # bf16 really ran
         assert loss == pytest.approx(ref_loss, rel=2e-2)
         assert grad_err < 5e-2
+
+
+@pytest.mark.parametrize("device,backend,gpus,local_ranks,message", [
+    ("cpu", "nccl", 1, 1, "device cpu with the nccl backend, which sends cuda tensors only"),
+    ("cuda", "nccl", 0, 1, "device cuda: torch sees no CUDA device on this machine"),
+    (None, "nccl", 1, 2, "device cuda: 2 ranks on this machine but 1 GPU visible; NCCL needs one GPU per rank"),
+    ("cuda:1", "nccl", 1, 1, "2 ranks on this machine but 1 GPU visible"),
+])
+def test_a_device_the_backend_cannot_serve_is_refused(monkeypatch, device, backend, gpus, local_ranks, message):
+    from pipeloom.errors import PipeloomError
+    from pipeloom.runtime.device import pipeline_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(PipeloomError, match=message):
+        pipeline_device(device, backend)
+    assert str(pipeline_device(None, "gloo")) == "cpu"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Iterable
@@ -21,6 +22,7 @@ from ..nn.ring_attention import sequence_layout
 from ..schedule import BW, B, F, W, Action, Schedule, build, validate
 from ..schedule.ir import VOCAB_KINDS
 from ..schedule.links import Message, link_messages, sent_message
+from .device import pipeline_device
 from .p2p import Channel
 from .versions import WeightVersions
 from .vocab import VocabPasses
@@ -83,7 +85,9 @@ class Pipeline:
     :mod:`pipeloom.nn.ring_attention`); gradients are summed over them and
     averaged over the ``dp`` replicas in one all-reduce. With ``sp=1``,
     ``attention`` runs that algorithm on one rank instead of torch's
-    ``scaled_dot_product_attention`` (to compare them).
+    ``scaled_dot_product_attention`` (to compare them). ``device``: where the
+    stages run; by default the backend's (a GPU for NCCL, ``LOCAL_RANK``'s;
+    the CPU for gloo), see :mod:`pipeloom.runtime.device`.
     """
 
     def __init__(
@@ -102,6 +106,7 @@ class Pipeline:
         vocab_parallel: str | None = None,
         sp: int = 1,
         attention: str | None = None,
+        device: str | torch.device | None = None,
         **schedule_options,
     ):
         if not dist.is_available() or not dist.is_initialized():
@@ -136,7 +141,7 @@ class Pipeline:
         if sp > 1 and self.schedule.vocab_parallel:
             raise PipeloomError("vocabulary parallelism with sequence parallelism (sp > 1) is not supported yet")
         self.dp, self.pp, self.sp, self.attention = dp, pp, sp, attention
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = pipeline_device(device, dist.get_backend())
         self.mesh = init_device_mesh(self.device.type, (dp, pp, sp), mesh_dim_names=("dp", "pp", "sp"))
         self.pp_rank = self.mesh.get_local_rank("pp")
         self.dp_rank, self.sp_rank = self.mesh.get_local_rank("dp"), self.mesh.get_local_rank("sp")
@@ -175,6 +180,7 @@ class Pipeline:
         self._reduce_after = self._data_parallel_plan() if self.replicas > 1 and not multi_step else {}
         self._layouts: dict[int, object] = {}  # sequence-parallel layout by sequence length
         self.last_step: _Step | None = None
+        self._empty_w: set[int] = set()  # stages whose B deferred nothing (warned once)
         self.steps_done = 0  # steps run so far by run_steps (multi-version schedules)
         self._hidden = getattr(getattr(model, "config", None), "n_embd", None)
 
@@ -329,6 +335,10 @@ class Pipeline:
         slot.weights = WeightGradStore(eager=action.kind == BW)
         with defer_weight_grads(slot.weights):
             torch.autograd.backward(slot.output, slot.grad)
+        if action.kind == B and not slot.weights.work and s not in self._empty_w:
+            self._empty_w.add(s)
+            warnings.warn(f"rank {self.rank}: B of stage {s} deferred no weight gradient: its W actions do no work "
+                          f"(the stage has no pipeloom.nn.Linear layers, or the B/W split failed)", stacklevel=2)
         if s > 0:
             self._deliver(action, slot.input.grad, step)
         elif self.vocab:
