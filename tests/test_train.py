@@ -80,6 +80,7 @@ def test_text_file_and_token_file(tmp_path):
     (["--pp", "4", "--schedule", "zb-v"], "--model tiny has 4 layers, too few for the 8 stages of zb-v"),
     (["--pp", "3", "--microbatches", "2", "--schedule", "2bw"], "2bw needs microbatches >= pp"),
     (["--model", "huge"], "unknown --model 'huge'"),
+    (["--device", "cuda", "--dp", "64"], "device cuda: "),  # no GPU here, or fewer than 128
 ])
 @pytest.mark.timeout(60)
 def test_bad_arguments_stop_before_any_worker_starts(tmp_path, args, message):
