@@ -260,7 +260,8 @@ class Trainer:
             norm = pipe.optimizer_step(self.optimizer, max_norm=args.clip)
         except PipeloomError as err:
             raise PipeloomError(f"step {first + 1}: {err}. {hint}") from None
-        return [{"step": first + 1, "loss": round(loss, 6), "lr": lr, "grad_norm": round(norm, 6)}]
+        return [{"step": first + 1, "loss": round(loss, 6), "lr": lr,
+                 **({"grad_norm": round(norm, 6)} if norm is not None else {})}]
 
     def _write_timeline(self) -> None:
         """``--trace`` and ``--plot``: the last step's measured timeline (every rank takes part)."""

@@ -76,10 +76,12 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias):
+        ctx.input_dtype = x.dtype
+        if torch.is_autocast_enabled(x.device.type):  # cast once, for the product and to save
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         out = nn.functional.linear(x, weight, bias)
         ctx.save_for_backward(x.to(out.dtype))
         ctx.weight, ctx.bias = weight, bias  # parameters: leaves, safe to hold
-        ctx.input_dtype = x.dtype
         return out
 
     @staticmethod

@@ -175,6 +175,8 @@ class Pipeline:
         self.vocab = VocabPasses(self, model, algorithm) if algorithm else None
         if self.vocab:
             _free([model.wte.weight, model.lm_head.weight])  # each rank keeps its shards only
+        self._params = [p for stage in self.stages.values() for p in stage.parameters()] + (
+            self.vocab.parameters() if self.vocab else [])
         self.versions = WeightVersions(self.stages, self.schedule.weight_versions) if multi_step else None
         self._update_after = self._update_plan() if multi_step else {}
         self._reduce_after = self._data_parallel_plan() if self.replicas > 1 and not multi_step else {}
@@ -185,10 +187,9 @@ class Pipeline:
         self._hidden = getattr(getattr(model, "config", None), "n_embd", None)
 
     # -- the public surface ---------------------------------------------------
-    def parameters(self):
+    def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (of its own stages, and its vocabulary shards), for an optimizer."""
-        own = [p for stage in self.stages.values() for p in stage.parameters()]
-        return own + self.vocab.parameters() if self.vocab else own
+        return list(self._params)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """(name in the unsplit model, parameter) of this rank's stages (not its
@@ -264,26 +265,27 @@ class Pipeline:
         return step.slots.setdefault((stage, microbatch), _Slot())
 
     def zero_grad(self) -> None:
-        for p in self.parameters():
+        for p in self._params:
             p.grad = None
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, max_norm: float | None = None) -> float:
-        """Clip by the global gradient norm (reduced over all stages) if ``max_norm``,
-        step ``optimizer``, zero the gradients; returns the norm before clipping.
-        A non-finite norm skips the step and raises :class:`PipeloomError`."""
-        with_grad = [p for p in self.parameters() if p.grad is not None]
-        square = torch.zeros((), device=self.device)
-        for p in with_grad:
-            if id(p) not in self.copies:
-                square += p.grad.detach().float().pow(2).sum()
-        self._all_reduce(square, self.pp_group, "the optimizer step waited for the gradient norm of the other stages")
-        norm = square.sqrt().item()
-        if not math.isfinite(norm):
-            self.zero_grad()
-            raise PipeloomError(f"the gradient norm is {norm}; the optimizer step was skipped")
-        if max_norm is not None and norm > max_norm:
-            for p in with_grad:
-                p.grad.mul_(max_norm / (norm + 1e-6))
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, max_norm: float | None = None) -> float | None:
+        """Clip by the global gradient norm (over all stages) if ``max_norm``, step
+        ``optimizer``, zero the gradients. Returns the norm before clipping, or None
+        without ``max_norm`` (no norm is computed: no reduction, no host sync). A
+        non-finite norm skips the step and raises :class:`PipeloomError`."""
+        norm = None
+        if max_norm is not None:
+            with_grad = [p for p in self._params if p.grad is not None]
+            own = [p.grad for p in with_grad if id(p) not in self.copies]
+            square = nn.utils.get_total_norm(own, foreach=True).float().square() if own \
+                else torch.zeros((), device=self.device)
+            self._all_reduce(square, self.pp_group, "the optimizer step waited for the gradient norm of the other stages")
+            total = square.sqrt()
+            norm = total.item()
+            if not math.isfinite(norm):
+                self.zero_grad()
+                raise PipeloomError(f"the gradient norm is {norm}; the optimizer step was skipped")
+            nn.utils.clip_grads_with_norm_(with_grad, max_norm, total, foreach=True)
         optimizer.step()
         self.zero_grad()
         return norm
@@ -440,10 +442,9 @@ class Pipeline:
                 f"a batch of {tokens.shape[0]} sequences does not divide into {what}dp={self.dp} x "
                 f"microbatches={m}; use a multiple of {whole}"
             )
-        share = tokens.shape[0] // (steps * self.dp)
-        rows = [r for t in range(steps) for r in range((t * self.dp + self.dp_rank) * share,
-                                                       (t * self.dp + self.dp_rank + 1) * share)]
-        tokens, targets = tokens[rows].to(self.device), targets[rows].to(self.device)
+        # step t's rows of this replica: [(t * dp + dp_rank) * share, ... + share), as views (no index tensor)
+        tokens, targets = (x.unflatten(0, (steps, self.dp, -1))[:, self.dp_rank].flatten(0, 1).to(self.device)
+                           for x in (tokens, targets))
         if self.attention:  # this rank's share of every sequence
             layout = self._sequence_layout(tokens.shape[1])
             tokens, targets = layout.local(tokens, 1), layout.local(targets, 1)
@@ -545,6 +546,8 @@ class Pipeline:
 
     def _all_reduce(self, tensor: torch.Tensor, group, what: str) -> None:
         """Sum ``tensor`` over ``group``; a dead or stalled peer raises a PeerTimeout saying ``what`` waited."""
+        if dist.get_world_size(group) == 1:
+            return
         self.channel.wait(dist.all_reduce(tensor, group=group, async_op=True), what)
 
 
