@@ -10,7 +10,7 @@ from .plot import plot_rank_comparison, plot_schedule
 from .trace import Transfer, chrome_trace, chrome_trace_events, transfers_of, write_chrome_trace
 from .model import (
     ATTENTIONS, BYTES_PER_PARAM, DEVICES, MODELS, Device, ModelSpec, SequenceParallelCosts, balanced_layers,
-    costs_from_model, get_device, get_model, longest_sequence, peak_memory_bytes, sequence_parallel_costs,
+    costs_from_model, get_device, get_model, layer_flops, longest_sequence, peak_memory_bytes, sequence_parallel_costs,
     split_layers, stage_layers, stage_parameters,
 )
 
@@ -18,7 +18,7 @@ __all__ = ["Costs", "StageCosts", "Event", "RankStats", "Result", "simulate"]
 __all__ += [
     "BYTES_PER_PARAM", "DEVICES", "MODELS", "Device", "ModelSpec", "balanced_layers", "costs_from_model", "get_device",
     "get_model",
-    "peak_memory_bytes", "split_layers", "stage_parameters",
+    "layer_flops", "peak_memory_bytes", "split_layers", "stage_parameters",
     "ATTENTIONS", "SequenceParallelCosts", "longest_sequence", "sequence_parallel_costs", "stage_layers",
 ]
 __all__ += [

@@ -383,6 +383,15 @@ def sequence_parallel_costs(
                                  exposed_forward, exposed_backward, kept, transient)
 
 
+def layer_flops(model: ModelSpec | str, seq: int, microbatch_size: int, sp: int = 1) -> tuple[int, int, int]:
+    """FLOPs of one transformer layer's F, B (input gradients) and W (weight
+    gradients) on a microbatch, on one of ``sp`` sequence-parallel ranks."""
+    model = get_model(model)
+    h, k = model.hidden, model.ffn
+    bth = microbatch_size * (seq // sp) * h
+    return (bth * ((8 + 4 * k) * h + 4 * seq), bth * ((8 + 4 * k) * h + 8 * seq), (8 + 4 * k) * bth * h)
+
+
 def costs_from_model(
     model: ModelSpec | str,
     pp: int,
@@ -421,9 +430,8 @@ def costs_from_model(
     b, s, h, v, k = microbatch_size, seq, model.hidden, model.vocab, model.ffn
     t = s // sp  # a rank's tokens of each sequence
     bth = b * t * h
-    layer_f = bth * ((8 + 4 * k) * h + 4 * s)
-    layer_b = bth * ((8 + 4 * k) * h + 8 * s) + (layer_f if recompute else 0)
-    layer_w = (8 + 4 * k) * bth * h
+    layer_f, layer_b, layer_w = layer_flops(model, seq, microbatch_size, sp)
+    layer_b += layer_f if recompute else 0
     layer_mb = 2 * bth if recompute else (18 + 4 * k) * bth + ring.kept_bytes
     layer_mw = (16 + 4 * k) * bth
     exposed_b = ring.exposed_backward_ms + (ring.exposed_forward_ms if recompute else 0.0)
