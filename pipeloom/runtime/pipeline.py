@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import functools
 import math
-import time
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
@@ -22,6 +22,7 @@ from ..nn.ring_attention import sequence_layout
 from ..schedule import BW, B, F, W, Action, Schedule, build, validate
 from ..schedule.ir import VOCAB_KINDS
 from ..schedule.links import Message, link_messages, sent_message
+from .clock import StepClock
 from .device import pipeline_device
 from .p2p import Channel
 from .versions import WeightVersions
@@ -50,10 +51,21 @@ class TimedAction:
 
 @dataclass
 class _Step:
+    rank: int
+    clock: StepClock
     slots: dict = field(default_factory=dict)
-    timeline: list[TimedAction] = field(default_factory=list)
+    marks: list = field(default_factory=list)  # (action, start mark, end mark) of each action run
     loss: torch.Tensor | None = None  # the sum of each step's microbatch losses / microbatches
-    wall_start: float = field(default_factory=time.time)  # aligns the ranks' timelines (one clock per host)
+
+    @property
+    def wall_start(self) -> float:
+        return self.clock.wall_start
+
+    @functools.cached_property
+    def timeline(self) -> list[TimedAction]:
+        """The actions run, in seconds from the start of the step (read once the step is over)."""
+        seconds = self.clock.seconds
+        return [TimedAction(self.rank, action, seconds(start), seconds(end)) for action, start, end in self.marks]
 
 
 class Pipeline:
@@ -221,16 +233,16 @@ class Pipeline:
     def _execute(self, tokens, targets, optimizer) -> list[float]:
         """Run this rank's actions on the batches; the mean loss of each step."""
         micro_tokens, micro_targets = self._microbatches(tokens, targets)
-        step = _Step(loss=torch.zeros(self.schedule.steps, device=self.device))
+        clock = StepClock(self.device)
+        step = _Step(self.pp_rank, clock, loss=torch.zeros(self.schedule.steps, device=self.device))
         reductions = []
-        t0 = time.perf_counter()
         for k, action in enumerate(self.actions):
             for src, message in self._posts.get(k, ()):
                 self._post_receive(src, message, micro_tokens)
             self._receive_input(action, step)  # waiting for a peer is not the action's time
-            start = time.perf_counter() - t0
+            start = clock.mark()
             self._run(action, step, micro_tokens, micro_targets)
-            step.timeline.append(TimedAction(self.pp_rank, action, start, time.perf_counter() - t0))
+            step.marks.append((action, start, clock.mark()))
             for p in self._reduce_after.get(k, ()):  # this stage's gradients are final: average them now
                 if p.grad is not None:
                     reductions.append((p, dist.all_reduce(p.grad, group=self.replica_group, async_op=True)))
