@@ -1,6 +1,22 @@
 """Shared by the runtime tests: pipelines against the one-process GPT on the same batch."""
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class Products(TorchDispatchMode):
+    """Records the operand dtypes of every matrix product run under it."""
+
+    NAMES = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "mv", "dot"}
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.NAMES:
+            self.dtypes.append(tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+        return func(*args, **(kwargs or {}))
 
 
 def make_batch(config, batch, seq, seed=1):

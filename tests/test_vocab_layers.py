@@ -6,12 +6,16 @@ torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
 
+from parity import Products  # noqa: E402
+from pipeloom.nn import vocab as vocab_module  # noqa: E402
 from pipeloom.errors import PipeloomError  # noqa: E402
 from pipeloom.nn import (VOCAB_ALGORITHMS, VocabParallelEmbedding, VocabParallelLMHead,  # noqa: E402
                          vocab_shard)
 from pipeloom.runtime.local import spawn  # noqa: E402
 
 HIDDEN, TOKENS = 6, 10
+#: (loss, gradient) tolerances by the layer's dtype: bf16 against torch on the same bf16 logits
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12), torch.bfloat16: (1e-3, 2e-2)}
 
 
 def close(name, got, want, tol=1e-5):
@@ -35,10 +39,11 @@ def data(vocab, seed):
     return weight, x, tokens, targets, mix
 
 
-def shard_grad(name, layer, want_full):
+def shard_grad(name, layer, want_full, tol=1e-5):
     """``layer.weight.grad`` is the shard's rows of ``want_full``, and zero on padding rows."""
     shard, grad = layer.shard, layer.weight.grad
-    close(name, grad[: shard.real_rows], want_full[shard.start:shard.end])
+    assert grad.dtype == layer.weight.dtype, f"{name}: gradient in {grad.dtype}"
+    close(name, grad[: shard.real_rows], want_full[shard.start:shard.end], tol)
     assert not grad[shard.real_rows:].any(), f"{name}: padding rows have a gradient"
 
 
@@ -50,40 +55,50 @@ def run_passes(head, states, dst):
             steps[name](state)
 
 
-def check_head(algorithm, vocab, rank, world, smoothing, ignore_index, microbatches):
-    """Loss, ∇X and ∇W of the pass API against F.cross_entropy; then the forward-only loss."""
+def check_head(algorithm, vocab, rank, world, smoothing, ignore_index, microbatches, dtype=torch.float32):
+    """Loss, ∇X and ∇W of the pass API with a layer and inputs in ``dtype`` against F.cross_entropy
+    (in fp64, or for bf16 on the same bf16 logits upcast); then the forward-only loss."""
     weight, x, _, targets, _ = data(vocab, 1)
     if ignore_index is not None:
         targets[::3] = ignore_index
     kwargs = {} if ignore_index is None else {"ignore_index": ignore_index}
+    low = dtype == torch.bfloat16
+    weight, x = (weight.bfloat16(), x.bfloat16()) if low else (weight, x)
     ref_w, ref_x = weight.clone().requires_grad_(), x.clone().requires_grad_()
     count = (targets != kwargs.get("ignore_index", -100)).sum()
-    want = F.cross_entropy(ref_x @ ref_w.T, targets, label_smoothing=smoothing, reduction="sum", **kwargs) / count
+    logits = (ref_x @ ref_w.T).float() if low else ref_x @ ref_w.T
+    want = F.cross_entropy(logits, targets, label_smoothing=smoothing, reduction="sum", **kwargs) / count
     want.backward()
 
-    name = f"{algorithm} V={vocab} eps={smoothing} ignore={ignore_index} mb={microbatches}"
-    head = VocabParallelLMHead(vocab, HIDDEN, algorithm=algorithm, label_smoothing=smoothing, **kwargs)
-    head.load_full(weight.float())
+    name = f"{algorithm} {dtype} V={vocab} eps={smoothing} ignore={ignore_index} mb={microbatches}"
+    loss_tol, grad_tol = TOLERANCES[dtype]
+    head = VocabParallelLMHead(vocab, HIDDEN, algorithm=algorithm, label_smoothing=smoothing, **kwargs).to(dtype)
+    head.load_full(weight)
+    x = x.to(dtype)
     if microbatches == 1:  # one [batch, time, hidden] microbatch
-        xs, ts = [x.float().view(2, TOKENS // 2, HIDDEN)], [targets.view(2, TOKENS // 2)]
+        xs, ts = [x.view(2, TOKENS // 2, HIDDEN)], [targets.view(2, TOKENS // 2)]
     else:
-        xs, ts = x.float().chunk(microbatches), targets.chunk(microbatches)
+        xs, ts = x.chunk(microbatches), targets.chunk(microbatches)
     denominator = None if microbatches == 1 else count
     states = [head.s_pass(xm, tm, denominator) for xm, tm in zip(xs, ts)]
+    assert all(state.probs.dtype == dtype for state in states), f"{name}: the kept buffer is not in {dtype}"
     dst = None if microbatches == 1 else world - 1
     run_passes(head, states, dst)
-    close(f"{name}: loss", sum(state.loss for state in states), want)
-    shard_grad(f"{name}: grad W", head, ref_w.grad)
+    assert {state.loss.dtype for state in states} == {torch.promote_types(dtype, torch.float32)}, f"{name}: loss"
+    close(f"{name}: loss", sum(state.loss for state in states), want, loss_tol)
+    shard_grad(f"{name}: grad W", head, ref_w.grad, grad_tol)
     if dst is None or dst == rank or algorithm == "vocab-2":
-        close(f"{name}: grad x", torch.cat([state.grad_input.reshape(-1, HIDDEN) for state in states]), ref_x.grad)
+        grad_x = torch.cat([state.grad_input.reshape(-1, HIDDEN) for state in states])
+        assert grad_x.dtype == dtype, f"{name}: grad x in {grad_x.dtype}"
+        close(f"{name}: grad x", grad_x, ref_x.grad, grad_tol)
     else:
         assert all(state.grad_input is None for state in states), f"{name}: grad x off rank {dst}"
 
     before = head.weight.grad.clone()
-    evaluated = head.loss(x.float().requires_grad_(), targets)
+    evaluated = head.loss(x.requires_grad_(), targets)
     assert evaluated.grad_fn is None and not evaluated.requires_grad, f"{name}: loss() built a graph"
     assert torch.equal(head.weight.grad, before), f"{name}: loss() touched the gradients"
-    close(f"{name}: loss()", evaluated, want)
+    close(f"{name}: loss()", evaluated, want, loss_tol)
 
 
 def tied_reference(vocab, smoothing):
@@ -130,10 +145,10 @@ def check_tied(algorithm, vocab, rank, world):
     embedding.weight.grad = None
     my_mix.grad = None
     loss = head(torch.tanh(embedding(tokens) @ my_mix), targets)
-    loss.backward()
+    (0.5 * loss).backward()  # an incoming gradient other than 1
     close(f"{name}: forward loss", loss, want)
-    close(f"{name}: forward grad mix", my_mix.grad, mix.grad)
-    shard_grad(f"{name}: forward grad W", embedding, weight.grad)
+    close(f"{name}: forward grad mix", my_mix.grad, 0.5 * mix.grad)
+    shard_grad(f"{name}: forward grad W", embedding, 0.5 * weight.grad)
 
 
 def worker(rank, world, vocab_sizes):
@@ -142,10 +157,12 @@ def worker(rank, world, vocab_sizes):
     checks = 0
     for vocab in vocab_sizes:
         for algorithm in VOCAB_ALGORITHMS:
-            check_head(algorithm, vocab, rank, world, smoothing=0.0, ignore_index=None, microbatches=1)
-            check_head(algorithm, vocab, rank, world, smoothing=0.1, ignore_index=-1, microbatches=2)
+            for dtype in (torch.float32, torch.bfloat16):
+                check_head(algorithm, vocab, rank, world, 0.0, None, microbatches=1, dtype=dtype)
+                check_head(algorithm, vocab, rank, world, 0.1, -1, microbatches=2, dtype=dtype)
+            check_head(algorithm, vocab, rank, world, 0.1, -1, microbatches=2, dtype=torch.float64)
             check_tied(algorithm, vocab, rank, world)
-            checks += 3
+            checks += 6
     return checks
 
 
@@ -153,11 +170,50 @@ def worker(rank, world, vocab_sizes):
 @pytest.mark.parametrize("world, vocab_sizes", [(2, [7]), (3, [10]), (4, [37, 5])])
 def test_layers_match_torch_on_ranks(world, vocab_sizes):
     # V=37 on 4 ranks pads 3 rows; V=10 on 3 pads 2; V=5 on 4 leaves rank 3 with padding alone
-    assert spawn(world, worker, world, vocab_sizes, timeout=50, group_timeout=30) == [9 * len(vocab_sizes)] * world
+    assert spawn(world, worker, world, vocab_sizes, timeout=50, group_timeout=30) == [18 * len(vocab_sizes)] * world
 
 
 def test_layers_match_torch_without_distributed():
-    assert worker(0, 1, [7, 1]) == 18
+    assert worker(0, 1, [7, 1]) == 36
+
+
+@pytest.mark.parametrize("algorithm", VOCAB_ALGORITHMS)
+def test_autocast_runs_the_products_in_bf16_and_the_statistics_in_fp32(algorithm):
+    weight, x, _, targets, _ = data(37, 3)
+    weight, x = weight.float(), x.float()
+    targets[::4] = -100
+    ref_w, ref_x = weight.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = ref_x @ ref_w.T
+    want = F.cross_entropy(logits.float(), targets, label_smoothing=0.1)
+    want.backward()
+
+    head = VocabParallelLMHead(37, HIDDEN, algorithm=algorithm, label_smoothing=0.1)
+    head.load_full(weight)
+    x.requires_grad_()
+    with Products() as products:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = head(x, targets)
+        loss.backward()  # T, outside autocast as usual: in S's dtype all the same
+    # x·Wᵀ and vocab-2's softmax·W in S (C with vocab-2), ∇Zᵀ·x and (naive, vocab-1) ∇Z·W in T
+    assert products.dtypes == [(torch.bfloat16, torch.bfloat16)] * 3, products.dtypes
+    assert (loss.dtype, x.grad.dtype, head.weight.grad.dtype) == (torch.float32,) * 3
+    close("loss", loss, want, 1e-3)
+    close("grad x", x.grad, ref_x.grad, 2e-2)
+    close("grad W", head.weight.grad, ref_w.grad, 2e-2)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        state = head.s_pass(x, targets)
+    assert state.probs.dtype == torch.bfloat16 and head.row_stats(state).dtype == torch.float32
+
+
+def test_row_chunks_change_nothing(monkeypatch):
+    """Buffers worked through a few rows at a time, as large ones are, give the same results."""
+    monkeypatch.setattr(vocab_module, "_CHUNK_BYTES", (80, 80))  # V = 7: two rows a chunk, the last one short
+    for algorithm in VOCAB_ALGORITHMS:
+        for dtype in (torch.float32, torch.bfloat16):
+            check_head(algorithm, 7, 0, 1, 0.0, None, microbatches=1, dtype=dtype)
+            check_head(algorithm, 7, 0, 1, 0.1, -1, microbatches=2, dtype=dtype)
 
 
 def test_vocab_shard_splits_padded_rows():

@@ -211,9 +211,11 @@ class LMHeadState:
     ``reduce_grad_input``. After ``collective``, ``loss`` is the microbatch's
     loss (the same on every rank); ``grad_input`` (∇X, shaped like the input)
     comes from ``collective`` with vocab-2, else from ``reduce_grad_input``.
-    ``probs`` is the [N, real rows] buffer kept from S to T: the logits
-    (naive, until C), otherwise exp(logits − ``shift``), the local softmax
-    times its sum. What a pass no longer needs is dropped.
+    ``probs`` is the [N, real rows] buffer kept from S to T, in the compute
+    dtype: the logits (naive, until C), otherwise exp(logits − ``shift``),
+    the local softmax times its sum. The per-row numbers are in the
+    statistics dtype (fp32, or fp64 with fp64 products). What a pass no
+    longer needs is dropped.
     """
 
     algorithm: str
@@ -225,14 +227,46 @@ class LMHeadState:
     row_weight: torch.Tensor  # [N] 1 / denominator, 0 on ignored rows
     probs: torch.Tensor | None
     target_term: torch.Tensor | None  # [N] sum of G·logits over this shard, G the target distribution
-    shift: torch.Tensor | None = None  # [N] the local max m'
-    local_sum: torch.Tensor | None = None  # [N] the local sum z'
-    softmax_w: torch.Tensor | None = None  # [N, n_embd] vocab-2: probs·W_shard
-    target_w: torch.Tensor | None = None  # [N, n_embd] vocab-2: G·W_shard
+    shift: torch.Tensor | None = None  # [N] the local max m' (naive: the global max, after C)
+    local_sum: torch.Tensor | None = None  # [N] the local sum z' (naive: from C)
+    softmax_w: torch.Tensor | None = None  # [N, n_embd] vocab-2: probs·W_shard, compute dtype
+    target_w: torch.Tensor | None = None  # [N, n_embd] vocab-2: G·W_shard, compute dtype
     scale: torch.Tensor | None = None  # [N] softmax = probs * scale, after C
     grad_input_partial: torch.Tensor | None = None  # naive, vocab-1: this shard's part of ∇X, from T to R
     loss: torch.Tensor | None = None
     grad_input: torch.Tensor | None = None
+
+
+#: The bytes of an fp32 temporary as large as a row chunk of the [N, rows] buffer: a quarter of
+#: the buffer's, within these bounds (least, most).
+_CHUNK_BYTES = (1 << 24, 1 << 28)
+
+
+def _row_chunks(buffer: torch.Tensor):
+    """Row slices of ``buffer`` [N, cols], one row at least, each such that an fp32 temporary of
+    its size takes a quarter of the buffer's bytes, within ``_CHUNK_BYTES``."""
+    least, most = _CHUNK_BYTES
+    size = min(max(buffer.numel() * buffer.element_size() // 4, least), most) // 4  # fp32 elements
+    step = max(1, size // max(buffer.shape[1], 1))
+    return (slice(start, start + step) for start in range(0, buffer.shape[0], step))
+
+
+def _exp_shifted(buffer: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """exp(buffer − shift[:, None]) into ``buffer``, computed in ``shift``'s dtype; returns its row
+    sums in that dtype. A narrower buffer goes through one temporary per row chunk."""
+    sums = shift.new_empty(buffer.shape[0])
+    for rows in _row_chunks(buffer):
+        chunk = buffer[rows]
+        exps = (chunk.sub_(shift[rows, None]) if chunk.dtype == shift.dtype else chunk - shift[rows, None]).exp_()
+        sums[rows] = exps.sum(1)
+        if exps is not chunk:
+            chunk.copy_(exps)
+    return sums
+
+
+def _row_sums(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The row sums of ``buffer`` accumulated in ``dtype``, by row chunks."""
+    return torch.cat([buffer[rows].sum(1, dtype=dtype) for rows in _row_chunks(buffer)])
 
 
 def _global_softmax(stats: torch.Tensor):
@@ -258,11 +292,14 @@ class _LMHeadLoss(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_loss):
         head, state = ctx.head, ctx.state
-        grad_real = head._t(state)
+        state.row_weight = state.row_weight * grad_loss  # T's products carry the incoming gradient
+        grad, x = head._t(state)
         grad_input = head.reduce_grad_input(state)
-        grad_weight = torch.zeros_like(head.weight, dtype=grad_real.dtype)
-        grad_weight[: grad_real.shape[0]] = grad_real * grad_loss
-        return grad_input * grad_loss, grad_weight.to(head.weight.dtype), None, None, None
+        if state.algorithm == "vocab-2":  # from C, before the incoming gradient was known
+            grad_input = grad_input * grad_loss
+        grad_weight = (grad.T @ x).to(head.weight.dtype)
+        padding = head.weight.shape[0] - grad_weight.shape[0]
+        return grad_input, F.pad(grad_weight, (0, 0, 0, padding)) if padding else grad_weight, None, None, None
 
 
 class VocabParallelLMHead(_VocabSharded):
@@ -274,11 +311,17 @@ class VocabParallelLMHead(_VocabSharded):
     runs the passes :attr:`passes` names, each a method taking its
     :class:`LMHeadState`: ``s_pass`` (S, makes the state), ``collective``
     (C), ``t_pass`` (T) and, except with vocab-2, ``reduce_grad_input`` (R).
-    Every rank runs every pass with the same ``x`` and targets. Logits are
-    computed in fp32 (or the inputs' wider dtype). The loss is that of
-    ``F.cross_entropy(x @ W_full.T, targets, label_smoothing=...,
-    ignore_index=..., reduction="sum") / denominator``, and the gradients
-    are of it. Targets must be in ``[0, vocab_size)`` or ``ignore_index``.
+    Every rank runs every pass with the same ``x`` and targets. The products
+    (x·Wᵀ, ∇Z·W, ∇Zᵀ·x, vocab-2's softmax·W) run in the compute dtype: the
+    autocast dtype where S runs under autocast, else the wider of ``x``'s
+    and the weight's; so does the [N, rows] buffer kept from S to T. The
+    softmax statistics (maxima, sums, log-sum-exp, target terms, the loss)
+    are fp32 (fp64 with fp64 products). ∇X comes back in ``x``'s dtype, ∇W
+    in the weight's. The loss is that of ``F.cross_entropy((x @
+    W_full.T).float(), targets, label_smoothing=..., ignore_index=...,
+    reduction="sum") / denominator``, the logits rounded to the compute
+    dtype, and the gradients are of it. Targets must be in ``[0,
+    vocab_size)`` or ``ignore_index``.
     """
 
     def __init__(self, vocab_size: int, n_embd: int, group=None, algorithm: str = "vocab-2",
@@ -322,39 +365,51 @@ class VocabParallelLMHead(_VocabSharded):
         if targets.shape != x.shape[:-1]:
             raise PipeloomError(f"targets must have shape {list(x.shape[:-1])} (x without its last "
                                 f"dimension), got {list(targets.shape)}")
-        dtype = torch.promote_types(torch.promote_types(x.dtype, self.weight.dtype), torch.float32)
+        dtype = self._compute_dtype(x)
+        stat = torch.promote_types(dtype, torch.float32)
         flat = x.detach().reshape(-1, self.n_embd).to(dtype)
         targets = targets.reshape(-1).to(device=flat.device, dtype=torch.long)
         valid = targets != self.ignore_index
         if denominator is None:
             denominator = valid.sum().clamp(min=1)
-        row_weight = valid.to(dtype) / torch.as_tensor(denominator, dtype=dtype, device=flat.device)
+        row_weight = valid.to(stat) / torch.as_tensor(denominator, dtype=stat, device=flat.device)
         shard, eps = self.shard, self.label_smoothing
         inside = valid & (targets >= shard.start) & (targets < shard.end)
         target_col = torch.where(inside, targets - shard.start, 0)
-        hit = inside.to(dtype)
+        hit = inside.to(stat)
         weight = self._real_weight(dtype)
         logits = flat @ weight.T
-        target_term = logits.sum(1) * (eps / shard.vocab_size)
+        target_term = torch.zeros_like(row_weight)
         if shard.real_rows:
             target_term += logits.gather(1, target_col[:, None]).squeeze(1) * hit * (1.0 - eps)
+        if eps:
+            target_term += _row_sums(logits, stat) * (eps / shard.vocab_size)
         state = LMHeadState(algorithm, flat, x.shape, x.dtype, target_col, hit, row_weight, logits, target_term)
         if algorithm == "naive":
             return state
-        state.shift = self._row_max(logits)
-        state.probs = logits.sub_(state.shift[:, None]).exp_()
-        state.local_sum = state.probs.sum(1)
+        state.shift = self._row_max(logits, stat)
+        state.local_sum = _exp_shifted(logits, state.shift)
         if algorithm == "vocab-2":
-            state.softmax_w = state.probs @ weight
-            state.target_w = (weight.sum(0) * (eps / shard.vocab_size)).expand_as(state.softmax_w)
-            if shard.real_rows:
-                state.target_w = state.target_w + weight[target_col] * (hit * (1.0 - eps))[:, None]
+            state.softmax_w = logits @ weight
+            target_w = weight[target_col] * (hit * (1.0 - eps))[:, None] if shard.real_rows \
+                else row_weight.new_zeros(state.softmax_w.shape)
+            if eps:
+                target_w += weight.sum(0, dtype=stat) * (eps / shard.vocab_size)
+            state.target_w = target_w.to(dtype)
         return state
 
-    def _row_max(self, logits: torch.Tensor) -> torch.Tensor:
+    def _compute_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The products' dtype: autocast's where it is on for ``x``'s device, else the wider of
+        ``x``'s and the weight's."""
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            return torch.get_autocast_dtype(device)
+        return torch.promote_types(x.dtype, self.weight.dtype)
+
+    def _row_max(self, logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.shard.real_rows:
-            return logits.amax(1)
-        return logits.new_full(logits.shape[:1], float("-inf"))
+            return logits.amax(1).to(dtype)
+        return logits.new_full(logits.shape[:1], float("-inf"), dtype=dtype)
 
     @torch.no_grad()
     def collective(self, state: LMHeadState) -> torch.Tensor:
@@ -379,7 +434,8 @@ class VocabParallelLMHead(_VocabSharded):
         """This shard's numbers per row [N, 3] that C gathers from every rank: the local max
         (naive: of the logits), the local sum (naive: unused) and the target term."""
         if state.algorithm == "naive":
-            return torch.stack([self._row_max(state.probs), torch.zeros_like(state.target_term), state.target_term], 1)
+            top = self._row_max(state.probs, state.target_term.dtype)
+            return torch.stack([top, torch.zeros_like(top), state.target_term], 1)
         return torch.stack([state.shift, state.local_sum, state.target_term], 1)
 
     def _gather(self, stats: torch.Tensor) -> torch.Tensor:
@@ -395,16 +451,16 @@ class VocabParallelLMHead(_VocabSharded):
         naive, whose sums need a second round) the global sum, the scale and the loss."""
         state.target_term = gathered[:, :, 2].sum(0)
         if state.algorithm == "naive":
-            top = gathered[:, :, 0].amax(0)
-            state.probs.sub_(top[:, None]).exp_()
-            state.shift = top
+            state.shift = gathered[:, :, 0].amax(0)
+            state.local_sum = _exp_shifted(state.probs, state.shift)
             return
         top, total, _ = _global_softmax(gathered)
         self._finish(state, top, total, (state.shift - top).exp())
 
     def row_sums(self, state: LMHeadState) -> torch.Tensor:
-        """naive's second round: this shard's sum of exp(logits − global max) per row [N]."""
-        return state.probs.sum(1)
+        """naive's second round: this shard's sum of exp(logits − global max) per row [N]
+        (after :meth:`combine`)."""
+        return state.local_sum
 
     @torch.no_grad()
     def combine_sums(self, state: LMHeadState, total: torch.Tensor) -> None:
@@ -429,35 +485,48 @@ class VocabParallelLMHead(_VocabSharded):
         and :meth:`grad_input_parts` [parts, 2, N, n_embd] (after :meth:`combine`)."""
         _, total, rescales = _global_softmax(stats)
         scales = rescales / total  # [parts, N]: each shard's softmax correction
-        grad = (parts[:, 0] * scales[..., None]).sum(0) - parts[:, 1].sum(0)
+        grad = (parts[:, 0] * scales[..., None]).sum(0) - parts[:, 1].sum(0, dtype=scales.dtype)
         return (grad * state.row_weight[:, None]).to(state.input_dtype).reshape(state.input_shape)
 
     @torch.no_grad()
     def t_pass(self, state: LMHeadState) -> None:
         """T: the corrected softmax, ∇W_shard accumulated into ``weight.grad`` and (naive,
         vocab-1) this shard's part of ∇X for R."""
-        grad_real = self._t(state)
+        grad, x = self._t(state)
         if self.weight.grad is None:
             self.weight.grad = torch.zeros_like(self.weight)
-        self.weight.grad[: grad_real.shape[0]] += grad_real.to(self.weight.grad.dtype)
+        into = self.weight.grad[: grad.shape[1]]
+        if into.dtype == grad.dtype:  # one GEMM adding into the gradient: no temporary
+            into.addmm_(grad.T, x)
+        else:
+            into.add_(grad.T @ x)
 
     @torch.no_grad()
-    def _t(self, state: LMHeadState) -> torch.Tensor:
-        """T's work; returns ∇W of the shard's real rows."""
+    def _t(self, state: LMHeadState) -> tuple[torch.Tensor, torch.Tensor]:
+        """T's work but ∇W: returns the logits' gradient [N, real rows] and ``x``, whose
+        product is ∇W of the shard's real rows."""
         if state.scale is None:
             raise PipeloomError("run collective on this microbatch's state before t_pass")
         if state.probs is None:
             raise PipeloomError("t_pass already ran on this microbatch's state")
-        eps = self.label_smoothing
-        grad = state.probs.mul_(state.scale[:, None]).sub_(eps / self.shard.vocab_size)  # softmax − G (smoothing)
-        if self.shard.real_rows:
-            grad.scatter_add_(1, state.target_col[:, None], (state.hit * (eps - 1.0))[:, None])
-        grad.mul_(state.row_weight[:, None])
-        grad_real = grad.T @ state.x
+        eps, real_rows = self.label_smoothing, self.shard.real_rows
+        grad, col, row_weight = state.probs, state.target_col, state.row_weight
+        factor = state.scale * row_weight  # the softmax times the row weight: probs · factor
+        spread = row_weight * (eps / self.shard.vocab_size)  # G off the target, times the row weight
+        if real_rows:  # the target's column, in the statistics' dtype
+            g = eps / self.shard.vocab_size + state.hit * (1.0 - eps)
+            target = (grad.gather(1, col[:, None]).squeeze(1) * state.scale - g) * row_weight
+        for rows in _row_chunks(grad):  # (softmax − G) · row weight, G's target term aside
+            torch.mul(grad[rows], factor[rows, None], out=grad[rows])
+            if eps:
+                grad[rows].sub_(spread[rows, None])
+        if real_rows:  # (an index_put, not a scatter: that is slow on CPU in bf16)
+            grad.index_put_((torch.arange(len(grad), device=grad.device), col), target.to(grad.dtype))
         if state.algorithm != "vocab-2":
             state.grad_input_partial = grad @ self._real_weight(grad.dtype)
+        x = state.x
         state.probs = state.x = state.target_col = state.hit = None
-        return grad_real
+        return grad, x
 
     @torch.no_grad()
     def reduce_grad_input(self, state: LMHeadState, dst: int | None = None) -> torch.Tensor | None:

@@ -302,6 +302,11 @@ class Pipeline:
         self.zero_grad()
         return norm
 
+    def autocasting(self) -> torch.autocast:
+        """The mixed-precision region of the stages' forwards and the LM head's S passes
+        (disabled without ``autocast``)."""
+        return torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None)
+
     # -- one action -----------------------------------------------------------
     def _run(self, action: Action, step: _Step, tokens, targets) -> None:
         kind, s, i = action.kind, action.stage, action.microbatch
@@ -328,7 +333,7 @@ class Pipeline:
         x = slot.input
         stage = self.versions.module(s, self.steps_done + i // self.schedule.microbatches) if self.versions \
             else self.stages[s]
-        with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
+        with self.autocasting():
             y = checkpoint(stage, x, use_reentrant=False) if s in self.recompute else stage(x)
         if s == self.schedule.stages - 1 and self.vocab:
             slot.output = y.to(self.dtype)

@@ -6,7 +6,8 @@ places on it (their dependencies are in :mod:`pipeloom.schedule.deps`):
 
 - ``IF``: this shard's lookups, summed (reduce) into stage 0's input;
 - ``S``: the head's S pass on the last stage's output (broadcast from its rank
-  as soon as that stage's forward ends);
+  as soon as that stage's forward ends), under the pipeline's autocast: it
+  sets the dtype of the head's products, in S and in T;
 - ``C``: the global max and sum from every rank's S (gathered as soon as each
   S ends), so the loss; with vocab-2 the parts of ∇X, also ready at the end of
   S, are gathered into the last stage's rank, which finishes ∇X there;
@@ -136,7 +137,8 @@ class VocabPasses:
             buffer = torch.empty((*tokens[i].shape, self.head.n_embd), dtype=self.pipe.dtype, device=self.pipe.device)
             x = self._receive("share-output", i, buffer, self.last, action, "the last stage's output")
         denominator = targets[i].numel() * self.pipe.schedule.microbatches  # the mean over the replica's batch
-        self.states[i] = state = self.head.s_pass(x, targets[i], denominator)
+        with self.pipe.autocasting():  # the head's products in the autocast dtype, T's as well
+            self.states[i] = state = self.head.s_pass(x, targets[i], denominator)
         if self.head.algorithm == "vocab-2":  # ∇X's parts: to the last stage's rank
             parts = self.head.grad_input_parts(state)
             into = [torch.empty_like(parts) for _ in range(self.pipe.pp)] if self.pipe.rank == self.last else None
