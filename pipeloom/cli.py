@@ -374,7 +374,8 @@ def _add_train(sub) -> None:
                         "transformer layers moved off those stages instead)")
     g.add_argument("--precision", choices=("fp32", "bf16"), help="bf16 autocast (default on cuda) or fp32 (default on cpu)")
     g.add_argument("--timeout", type=float, default=60.0,
-                   help="seconds a rank waits for a peer before it stops, naming what it waited for (default 60)")
+                   help="seconds a rank waits for a peer before it checks the peer's heartbeat: it stops, naming "
+                        "what it waited for, if the peer died or stalls, and waits on if it is busy (default 60)")
     g = p.add_argument_group("model and optimisation")
     g.add_argument("--model", default="tiny", metavar="PRESET", help="GPT preset: tiny, gpt-125m, gpt-350m, gpt-1.3b (default tiny)")
     g.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")

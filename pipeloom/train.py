@@ -6,10 +6,12 @@ one of those workers) it is a worker: it trains, rank 0 prints a progress
 bar and writes the metrics, and every rank takes part in checkpoints, the
 trace and the report.
 
-A dead or stalled peer stops every other rank within ``--timeout`` seconds
-(a dead one at once: its connections close) with a message naming the rank,
-the action and what it waited for; a non-finite loss stops the run at that
-step (before the update, but with 2bw, whose stages update as they go).
+A rank that waits ``--timeout`` seconds for a peer looks at the peer's
+heartbeat: a peer that died, hangs or stalls stops it (a dead one at once: its
+connections close) with a message naming the rank, the action and what it
+waited for; one that is alive and busy is waited for (on gloo; a line on
+stderr each ``--timeout``). A non-finite loss stops the run at that step
+(before the update, but with 2bw, whose stages update as they go).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import math
 import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from statistics import median
 
@@ -134,7 +135,8 @@ def _worker(args) -> int:
             print(f"pipeloom train: error: {err}", file=sys.stderr)
         return 2
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    # torch's own timeout (30 min on gloo) bounds a wait for a busy peer; --timeout is when a rank looks at it
+    dist.init_process_group(backend)
     code = 0
     try:
         Trainer(args, device).train()

@@ -5,12 +5,19 @@ own, so its messages are matched in the order they are sent, on every backend
 (NCCL matches in posting order; gloo does for one tag). Sends are
 non-blocking (``isend``). A receive is posted ahead (``post``, non-blocking)
 in its link's send order and collected when needed (``recv``), which blocks
-until its data arrives or the timeout passes.
+until its data arrives.
+
+A wait that lasts ``timeout`` seconds on gloo is watched through the peers'
+heartbeats (:mod:`.heartbeat`): one that died, hangs or stalls ends it with a
+:class:`PeerTimeout`; while one is alive and busy it goes on (a line on stderr each
+``timeout``), up to the process group's own timeout. On NCCL, which aborts the
+communicator of a wait that times out, the step stops at ``timeout`` as before.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from datetime import timedelta
 
 import torch
@@ -18,6 +25,7 @@ import torch.distributed as dist
 
 from ..errors import PipeloomError
 from ..schedule.links import Message
+from . import heartbeat
 
 class PeerTimeout(PipeloomError):
     """A peer did not deliver in time: it died, stalled, or runs another schedule."""
@@ -29,8 +37,10 @@ class Channel:
 
     def __init__(self, rank: int, groups: dict[tuple[int, int], dist.ProcessGroup], timeout: float):
         self.rank, self.groups, self.timeout = rank, groups, timeout
-        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self.pending: list[tuple[dist.Work, torch.Tensor, dist.ProcessGroup]] = []
         self.posted: dict[Message, tuple[torch.Tensor, int, dist.Work]] = {}
+        self.heartbeat = heartbeat.start(rank, _close)
+        self.watched = self.heartbeat.store is not None and dist.get_backend() == "gloo"
 
     def open(self, device: torch.device) -> None:
         """Pass a first message over each of this rank's links, in the order of ``groups``
@@ -39,16 +49,17 @@ class Channel:
         for (src, dst), group in self.groups.items():
             hello = torch.zeros(1, device=device)
             work = dist.isend(hello, dst, group=group) if self.rank == src else dist.irecv(hello, src, group=group)
-            self.wait(work, f"opening the link from rank {src} to rank {dst}")
+            self.wait(work, f"opening the link from rank {src} to rank {dst}", group)
 
     def send(self, tensor: torch.Tensor, peer: int) -> None:
         tensor = tensor.contiguous()
-        self.send_work(dist.isend(tensor, dst=peer, group=self.groups[(self.rank, peer)]), tensor)
+        group = self.groups[(self.rank, peer)]
+        self.send_work(dist.isend(tensor, dst=peer, group=group), tensor, group)
 
-    def send_work(self, work: dist.Work, tensor: torch.Tensor) -> None:
-        """Count ``work`` (a send of ``tensor``, or a collective this rank only gives to)
-        among the sends :meth:`flush` waits for, keeping ``tensor`` alive until then."""
-        self.pending.append((work, tensor))
+    def send_work(self, work: dist.Work, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """Count ``work`` (a send of ``tensor`` over ``group``, or a collective this rank only
+        gives to) among the sends :meth:`flush` waits for, keeping ``tensor`` alive until then."""
+        self.pending.append((work, tensor, group))
 
     def post(self, buffer: torch.Tensor, peer: int, message: Message) -> None:
         """Start receiving ``message`` from ``peer`` into ``buffer``; post in the link's send order."""
@@ -59,24 +70,41 @@ class Channel:
         """Wait for the receive :meth:`post` started; return its buffer."""
         buffer, peer, work = self.posted.pop(message)
         self.wait(work, f"action {action} waited for the {message.kind} of stage {message.stage} "
-                        f"microbatch {message.microbatch} from rank {peer}")
+                        f"microbatch {message.microbatch} from rank {peer}", self.groups[(peer, self.rank)])
         return buffer
 
     def flush(self) -> None:
         """Wait for every send posted so far to complete."""
-        for work, _ in self.pending:
-            self.wait(work, "the end of the step waited for its sends to be received")
+        for work, _, group in self.pending:
+            self.wait(work, "the end of the step waited for its sends to be received", group)
         self.pending.clear()
 
-    def wait(self, work: dist.Work, what: str) -> None:
-        """Wait for ``work``; a timeout or a failed peer raises :class:`PeerTimeout` saying ``what`` waited."""
+    def wait(self, work: dist.Work, what: str, group: dist.ProcessGroup) -> None:
+        """Wait for ``work`` on ``group``; a failed, dead or stalled peer raises :class:`PeerTimeout`
+        saying ``what`` waited, a busy one is waited for (see the module's docstring)."""
+        previous = self.heartbeat.now
+        state = self.heartbeat.waiting(what, group, self.timeout if self.watched else None)
+        start = time.monotonic()
         try:
-            finished = work.wait(timeout=timedelta(seconds=self.timeout))
+            # gloo's own timeout would close the link: watched, the wait is bounded by the group's
+            finished = work.wait() if self.watched else work.wait(timeout=timedelta(seconds=self.timeout))
         except RuntimeError as err:
-            raise PeerTimeout(f"rank {self.rank}: {what}, and it failed after up to {self.timeout:g} s: "
-                              f"{_reason(err)}") from None
+            raise PeerTimeout(self.heartbeat.why_ended(state) or f"rank {self.rank}: {what}, and it failed after "
+                              f"{time.monotonic() - start:.0f} s: {_reason(err)}") from None
+        finally:
+            self.heartbeat.now = previous
         if finished is False:
             raise PeerTimeout(f"rank {self.rank}: {what} for {self.timeout:g} s; is that rank alive?")
+
+
+def _close(group: dist.ProcessGroup) -> None:
+    """Close this rank's gloo links of ``group`` as gloo does when a wait on it times out:
+    every wait on them ends with an error, here and at the peers."""
+    peer = next(r for r in dist.get_process_group_ranks(group) if r != dist.get_rank())
+    try:
+        dist.irecv(torch.empty(1), peer, group=group).wait(timeout=timedelta(milliseconds=1))
+    except RuntimeError:
+        pass  # the timeout that closes them
 
 
 def _reason(err: RuntimeError) -> str:

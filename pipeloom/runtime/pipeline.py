@@ -84,8 +84,12 @@ class Pipeline:
     whose activations are recomputed in their backward. ``autocast``: a dtype
     such as ``torch.bfloat16`` for mixed precision (weights, gradients and the
     hidden states sent between ranks stay in the weights' dtype). ``timeout``:
-    seconds a receive or collective may wait for a peer before the step stops
-    with a :class:`~pipeloom.runtime.PeerTimeout` naming the rank and action.
+    seconds a receive or collective waits for a peer before it looks at the
+    peer's heartbeat (:mod:`pipeloom.runtime.heartbeat`): a peer that died,
+    hangs or stalls stops the step with a :class:`~pipeloom.runtime.PeerTimeout`
+    naming the rank and action; one that is alive and busy is waited for, on
+    gloo, up to the process group's own timeout (on NCCL the step stops: NCCL
+    aborts the communicator of a wait that times out).
     ``vocab_parallel``: "naive", "vocab-1" or "vocab-2" splits the token
     embedding and the LM head by vocabulary over the pipeline ranks and runs
     the schedule's vocabulary passes (:mod:`pipeloom.runtime.vocab`); "redis"
@@ -197,6 +201,7 @@ class Pipeline:
         self._empty_w: set[int] = set()  # stages whose B deferred nothing (warned once)
         self.steps_done = 0  # steps run so far by run_steps (multi-version schedules)
         self._hidden = getattr(getattr(model, "config", None), "n_embd", None)
+        self.channel.heartbeat.idle()  # set up: a peer that waits for this rank now sees it outside a step
 
     # -- the public surface ---------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
@@ -217,7 +222,10 @@ class Pipeline:
                 f"{self.schedule.family} runs {self.schedule.steps} steps per call with "
                 f"{self.schedule.weight_versions} weight versions: use run_steps(tokens, targets, optimizer)"
             )
-        return self._execute(tokens, targets, None)[0]
+        try:
+            return self._execute(tokens, targets, None)[0]
+        finally:
+            self.channel.heartbeat.idle()
 
     def run_steps(self, tokens: torch.Tensor, targets: torch.Tensor, optimizer: torch.optim.Optimizer) -> list[float]:
         """The schedule's ``steps`` training steps without a flush between them
@@ -228,7 +236,10 @@ class Pipeline:
         Returns each step's mean loss."""
         if not self.versions:
             raise PipeloomError(f"{self.schedule.family} is synchronous: use step() and optimizer_step()")
-        return self._execute(tokens, targets, optimizer)
+        try:
+            return self._execute(tokens, targets, optimizer)
+        finally:
+            self.channel.heartbeat.idle()
 
     def _execute(self, tokens, targets, optimizer) -> list[float]:
         """Run this rank's actions on the batches; the mean loss of each step."""
@@ -240,6 +251,7 @@ class Pipeline:
             for src, message in self._posts.get(k, ()):
                 self._post_receive(src, message, micro_tokens)
             self._receive_input(action, step)  # waiting for a peer is not the action's time
+            self.channel.heartbeat.running(action)  # for peers that wait for this rank meanwhile
             start = clock.mark()
             self._run(action, step, micro_tokens, micro_targets)
             step.marks.append((action, start, clock.mark()))
@@ -554,7 +566,7 @@ class Pipeline:
         if self.replicas == 1:
             return
         for p, work in reductions:
-            self.channel.wait(work, "averaging gradients over the data-parallel replicas")
+            self.channel.wait(work, "averaging gradients over the data-parallel replicas", self.replica_group)
             p.grad /= self.dp
         for p in self.tied + (self.vocab.parameters() if self.vocab else []):
             if p.grad is not None:
@@ -565,7 +577,7 @@ class Pipeline:
         """Sum ``tensor`` over ``group``; a dead or stalled peer raises a PeerTimeout saying ``what`` waited."""
         if dist.get_world_size(group) == 1:
             return
-        self.channel.wait(dist.all_reduce(tensor, group=group, async_op=True), what)
+        self.channel.wait(dist.all_reduce(tensor, group=group, async_op=True), what, group)
 
 
 def _free_other_stages(stages: list[nn.Module], kept: dict[int, nn.Module]) -> None:

@@ -144,7 +144,7 @@ class VocabPasses:
             into = [torch.empty_like(parts) for _ in range(self.pipe.pp)] if self.pipe.rank == self.last else None
             work = dist.gather(parts, into, dst=self.last, group=self.groups["gather-grad-input"], async_op=True)
             if into is None:
-                self.pipe.channel.send_work(work, parts)
+                self.pipe.channel.send_work(work, parts, self.groups["gather-grad-input"])
             else:
                 self.incoming["gather-grad-input", i] = (work, into)
                 self.states["last", i] = state  # its row weights and shape, for the backward
@@ -207,7 +207,7 @@ class VocabPasses:
         if collective is dist.reduce and self.pipe.rank == root:
             self.incoming[group, i] = (work, tensor)
         else:
-            self.pipe.channel.send_work(work, tensor)
+            self.pipe.channel.send_work(work, tensor, self.groups[group])
 
     def _receive(self, group: str, i: int, buffer: torch.Tensor, src: int, action: Action, what: str) -> torch.Tensor:
         """Receive a broadcast from global rank ``src`` into ``buffer``."""
@@ -216,7 +216,7 @@ class VocabPasses:
 
     def _wait(self, group: str, i: int, action: Action, what: str):
         work, result = self.incoming.pop((group, i))
-        self.pipe.channel.wait(work, f"action {action} waited for {what} over the pipeline ranks")
+        self.pipe.channel.wait(work, f"action {action} waited for {what} over the pipeline ranks", self.groups[group])
         return result
 
     # -- whole tensors by the unsplit model's names ---------------------------------
