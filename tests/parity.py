@@ -37,6 +37,18 @@ def reference(config, tokens, targets):
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
+def autocast_reference(config, tokens, targets, dtype=torch.bfloat16):
+    """The one-process GPT's loss and gradients under CPU autocast to ``dtype`` (seed 0)."""
+    from pipeloom.nn import GPT
+
+    torch.manual_seed(0)
+    model = GPT(config)
+    with torch.autocast("cpu", dtype=dtype):
+        loss = model(tokens, targets)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
 def max_rel_error(grads, ref):
     assert set(grads) == set(ref), sorted(set(grads) ^ set(ref))
     return max(((grads[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-12)).item() for n in ref)

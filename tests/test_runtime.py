@@ -4,7 +4,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from parity import check, make_batch, max_rel_error, parity_worker, reference  # noqa: E402
+from parity import autocast_reference, check, make_batch, max_rel_error, parity_worker, reference  # noqa: E402
 from pipeloom.runtime.local import spawn  # noqa: E402
 
 SYNCHRONOUS = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "v-min", "v-half", "v-zb", "zb-auto"]
@@ -270,17 +270,13 @@ def _autocast_worker(rank):
 
     config = GPTConfig.preset("tiny")
     tokens, targets = make_batch(config, 8, 16)
-    torch.manual_seed(0)
-    ref = GPT(config)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        ref_loss = ref(tokens, targets)
-    ref_loss.backward()
+    ref_loss, ref_grads = autocast_reference(config, tokens, targets)
     torch.manual_seed(0)
     pipe = pipeloom.Pipeline(GPT(config), schedule="zb-v", pp=2, microbatches=4, autocast=torch.bfloat16)
     loss = pipe.step(tokens, targets)
     grads = pipe.gather_grads()
     fp32 = reference(config, tokens, targets)[0]
-    return loss, ref_loss.item(), fp32, max_rel_error(grads, {n: p.grad for n, p in ref.named_parameters()})
+    return loss, ref_loss, fp32, max_rel_error(grads, ref_grads)
 
 
 @pytest.mark.timeout(120)

@@ -4,7 +4,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from parity import Products, check, make_batch, max_rel_error, parity_worker  # noqa: E402
+from parity import Products, autocast_reference, check, make_batch, max_rel_error, parity_worker  # noqa: E402
 from pipeloom.runtime.local import spawn  # noqa: E402
 
 ALGORITHMS = ["naive", "vocab-1", "vocab-2"]
@@ -43,12 +43,7 @@ def _autocast_worker(rank):
 
     config = GPTConfig.preset("tiny", vocab_size=203)
     tokens, targets = make_batch(config, 8, 16)
-    torch.manual_seed(0)
-    ref = GPT(config)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        ref_loss = ref(tokens, targets)
-    ref_loss.backward()
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    ref_loss, ref_grads = autocast_reference(config, tokens, targets)
     out = {}
     for algorithm in ALGORITHMS:
         torch.manual_seed(0)
@@ -56,7 +51,7 @@ def _autocast_worker(rank):
                                  vocab_parallel=algorithm, timeout=30)
         with Products() as products:
             loss = pipe.step(tokens, targets)
-        out[algorithm] = (set(products.dtypes), abs(loss - ref_loss.item()) / ref_loss.item(),
+        out[algorithm] = (set(products.dtypes), abs(loss - ref_loss) / ref_loss,
                           max_rel_error(pipe.gather_grads(), ref_grads))
     return out
 
