@@ -49,6 +49,21 @@ def autocast_reference(config, tokens, targets, dtype=torch.bfloat16):
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
+def step_failure(pipe, config):
+    """Run a step expected to stop with a PeerTimeout: (its message, seconds until then),
+    or ("no error", 0.0)."""
+    import time
+
+    from pipeloom.runtime import PeerTimeout
+
+    start = time.monotonic()
+    try:
+        pipe.step(*make_batch(config, 8, 16))
+    except PeerTimeout as err:
+        return str(err), time.monotonic() - start
+    return "no error", 0.0
+
+
 def max_rel_error(grads, ref):
     assert set(grads) == set(ref), sorted(set(grads) ^ set(ref))
     return max(((grads[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-12)).item() for n in ref)

@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from parity import make_batch, reference  # noqa: E402
+from parity import make_batch, reference, step_failure  # noqa: E402
 from pipeloom.runtime import heartbeat  # noqa: E402
 from pipeloom.runtime.local import spawn  # noqa: E402
 
@@ -64,19 +64,12 @@ def test_a_busy_peer_is_waited_for():
 def _deadlock_worker(rank):
     import torch.distributed as dist
 
-    from pipeloom.runtime import PeerTimeout
-
     side = dist.new_group([0, 1])  # rank 1 never sends on it
     pipe, config = _pipeline()
     if rank == 0:  # action 0F0 waits for a message that never comes
         work = dist.irecv(torch.zeros(1), 1, group=side)
         _on_first_call(pipe.stages[0], lambda: pipe.channel.wait(work, "a test waited for rank 1", side))
-    start = time.monotonic()
-    try:
-        pipe.step(*make_batch(config, 8, 16))
-    except PeerTimeout as err:
-        return str(err), time.monotonic() - start
-    return "no error", 0.0
+    return step_failure(pipe, config)
 
 
 @pytest.mark.timeout(60)

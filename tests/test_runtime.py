@@ -4,7 +4,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from parity import autocast_reference, check, make_batch, max_rel_error, parity_worker, reference  # noqa: E402
+from parity import (  # noqa: E402
+    autocast_reference, check, make_batch, max_rel_error, parity_worker, reference, step_failure,
+)
 from pipeloom.runtime.local import spawn  # noqa: E402
 
 SYNCHRONOUS = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "v-min", "v-half", "v-zb", "zb-auto"]
@@ -242,19 +244,13 @@ def _dead_peer_worker(rank):
 
     import pipeloom
     from pipeloom.nn import GPT, GPTConfig
-    from pipeloom.runtime import PeerTimeout
 
     config = GPTConfig.preset("tiny")
     pipe = pipeloom.Pipeline(GPT(config), schedule="1f1b", pp=2, microbatches=4, timeout=3)
     if rank == 1:
         time.sleep(8)  # stalls: never sends its gradients
         return None
-    start = time.monotonic()
-    try:
-        pipe.step(*make_batch(config, 8, 16))
-    except PeerTimeout as err:
-        return str(err), time.monotonic() - start
-    return "no error", 0.0
+    return step_failure(pipe, config)
 
 
 @pytest.mark.timeout(120)
