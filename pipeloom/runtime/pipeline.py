@@ -345,15 +345,20 @@ class Pipeline:
         x = slot.input
         stage = self.versions.module(s, self.steps_done + i // self.schedule.microbatches) if self.versions \
             else self.stages[s]
+        last = s == self.schedule.stages - 1
         with self.autocasting():
             y = checkpoint(stage, x, use_reentrant=False) if s in self.recompute else stage(x)
-        if s == self.schedule.stages - 1 and self.vocab:
+            if last and not self.vocab:
+                # as the unsplit model: under autocast, log-softmax reads the low-precision logits
+                # and computes in fp32 (no fp32 copy of them); without it, in fp32 at least
+                logits = y.flatten(0, 1) if self.autocast else y.flatten(0, 1).float()
+                # the mean over the step's tokens: this rank holds 1/sp of each sequence
+                loss = nn.functional.cross_entropy(logits, targets[i].flatten()) / (
+                    self.schedule.microbatches * self.sp)
+        if last and self.vocab:
             slot.output = y.to(self.dtype)
             self.vocab.share_output(i, slot.output.detach())  # for every rank's S
-        elif s == self.schedule.stages - 1:
-            # the mean over the step's tokens: this rank holds 1/sp of each sequence
-            loss = nn.functional.cross_entropy(y.flatten(0, 1).float(), targets[i].flatten()) / (
-                self.schedule.microbatches * self.sp)
+        elif last:
             step.loss[i // self.schedule.microbatches] += loss.detach()
             slot.output = loss
         else:

@@ -1,0 +1,134 @@
+"""What only a CUDA device can show: the B/W split with autograd's device thread,
+a one-rank NCCL pipeline against the one-process model, event-timed actions and
+the vocabulary head in bf16. Skipped where torch sees no GPU (CI never has one).
+"""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from parity import make_batch, max_rel_error
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture
+def fp32_matmuls():
+    """Exact fp32 products (no TF32), so that parity is to float tolerance."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.fixture
+def nccl_world_of_one():
+    import torch.distributed as dist
+
+    from pipeloom.runtime.local import free_port
+
+    os.environ.update(LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _reference(config, tokens, targets, autocast=None):
+    from pipeloom.nn import GPT
+
+    torch.manual_seed(0)
+    model = GPT(config).cuda()
+    with torch.autocast("cuda", dtype=autocast, enabled=autocast is not None):
+        loss = model(tokens.cuda(), targets.cuda())
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_weight_gradients_wait_for_w_on_cuda(fp32_matmuls):
+    """CUDA backwards run on autograd's device thread: the deferral must still catch them."""
+    from pipeloom.nn import GPTConfig, WeightGradStore, defer_weight_grads
+    from pipeloom.nn.gpt import Block
+
+    config = GPTConfig.preset("tiny")
+    torch.manual_seed(0)
+    block = Block(config).cuda()
+    x = torch.randn(4, 16, config.n_embd, device="cuda", requires_grad=True)
+    block(x).square().sum().backward()
+    fused = {n: p.grad.clone() for n, p in block.named_parameters()}
+    block.zero_grad(set_to_none=True)
+    x.grad = None
+
+    store = WeightGradStore()
+    with defer_weight_grads(store):
+        block(x).square().sum().backward()
+    linear_weights = [n for n in fused if n.endswith("weight") and fused[n].dim() == 2]
+    assert linear_weights and all(dict(block.named_parameters())[n].grad is None for n in linear_weights)
+    store.run()
+    for n, p in block.named_parameters():
+        assert torch.allclose(p.grad, fused[n], rtol=1e-5, atol=1e-6), n
+
+
+@pytest.mark.parametrize("family", ["1f1b", "zb-h1", "zb-v", "gpipe"])
+def test_pipeline_on_one_gpu_matches_the_model(family, fp32_matmuls, nccl_world_of_one):
+    import pipeloom
+    from pipeloom.nn import GPT, GPTConfig
+
+    config = GPTConfig.preset("tiny")
+    tokens, targets = make_batch(config, 8, 16)
+    ref_loss, ref_grads = _reference(config, tokens, targets)
+    torch.manual_seed(0)
+    pipe = pipeloom.Pipeline(GPT(config), family, pp=1, microbatches=4)
+    assert pipe.device.type == "cuda"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a B that deferred no weight gradient warns
+        loss = pipe.step(tokens, targets)
+    assert abs(loss - ref_loss) / abs(ref_loss) < 1e-5
+    assert max_rel_error(pipe.gather_grads(), {n: g.cpu() for n, g in ref_grads.items()}) < 1e-4
+
+
+def test_bf16_pipeline_and_event_timeline(nccl_world_of_one):
+    import pipeloom
+    from pipeloom.nn import GPT, GPTConfig
+    from pipeloom.runtime.timeline import gather_timeline
+
+    config = GPTConfig.preset("tiny")
+    tokens, targets = make_batch(config, 8, 16)
+    ref_loss, ref_grads = _reference(config, tokens, targets, autocast=torch.bfloat16)
+    torch.manual_seed(0)
+    pipe = pipeloom.Pipeline(GPT(config), "zb-h1", pp=1, microbatches=4, autocast=torch.bfloat16)
+    loss = pipe.step(tokens, targets)
+    assert abs(loss - ref_loss) / abs(ref_loss) < 1e-2
+    assert max_rel_error(pipe.gather_grads(), {n: g.cpu() for n, g in ref_grads.items()}) < 5e-2
+    (events,) = gather_timeline(pipe)
+    kinds = {e.action.kind for e in events}
+    assert {"F", "B", "W"} <= kinds
+    # event times: every action takes GPU time, and W (a dozen GEMMs) is not a bare launch
+    assert all(e.end > e.start for e in events)
+    starts = [e.start for e in events]
+    assert starts == sorted(starts)
+
+
+@pytest.mark.parametrize("algorithm", ["vocab-1", "vocab-2"])
+def test_vocab_head_bf16_matches_torch_cross_entropy(algorithm):
+    import torch.nn.functional as F
+
+    from pipeloom.nn import VocabParallelLMHead
+
+    torch.manual_seed(0)
+    n, h, v = 512, 256, 4096
+    head = VocabParallelLMHead(v, h, algorithm=algorithm).cuda().to(torch.bfloat16)
+    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, v, (n,), device="cuda")
+    loss = head(x, y)
+    loss.backward()
+    gx, gw = x.grad.clone(), head.weight.grad.clone()
+
+    x.grad = None
+    w = head.weight.detach().clone().requires_grad_(True)
+    ref = F.cross_entropy((x @ w.T).float(), y, reduction="sum") / n
+    ref.backward()
+    assert abs(loss.item() - ref.item()) / ref.item() < 1e-3
+    for got, want in ((gx, x.grad), (gw, w.grad)):
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 2e-2
