@@ -1,4 +1,5 @@
-"""Closed forms of REFERENCE.md for GPipe, 1F1B, interleaved 1F1B and PipeDream-2BW."""
+"""Closed forms for GPipe, 1F1B, interleaved 1F1B (Megatron-LM: "Efficient Large-Scale Language Model
+Training on GPU Clusters") and PipeDream-2BW ("Memory-Efficient Pipeline-Parallel DNN Training")."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""The cost model: REFERENCE.md's formulas, presets, memory per rank."""
+"""The cost model (docs/design.md): the zero-bubble paper's formulas, presets, memory per rank."""
 
 import subprocess
 import sys
@@ -12,7 +12,7 @@ from pipeloom.sim import (
     split_layers, stage_parameters,
 )
 
-# REFERENCE.md: the zero-bubble paper's profiled costs (ms; A100, s = 1024): p, b, T_F.
+# "Zero Bubble Pipeline Parallelism": the paper's profiled costs (ms; A100, s = 1024): p, b, T_F.
 PROFILED = {"1.5b": (8, 6, 18.522), "6.2b": (8, 3, 29.718), "14.6b": (16, 1, 11.347), "28.3b": (32, 1, 10.419)}
 
 
@@ -24,7 +24,8 @@ def test_middle_stage_formula_ratios():
 
 
 def test_output_layer_to_transformer_layer_compute_ratio():
-    """REFERENCE: h = 4096, s = 2048, V = 128k gives V/(12h + 2s) ~ 2.4x."""
+    """The output layer against one transformer layer (the imbalance the Vocabulary Parallelism paper
+    addresses): h = 4096, s = 2048, V = 128k gives V/(12h + 2s) ~ 2.4x."""
     h, s, v = 4096, 2048, 128_000
     spec = ModelSpec("ref", 4, h, 32, v)
     c = costs_from_model(spec, 4, s, 1, "a100", layers_per_stage=[1, 1, 1, 1])

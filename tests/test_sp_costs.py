@@ -57,7 +57,7 @@ def test_ring_activation_memory_is_linear_in_s_and_rsa_quadratic():
     for n in (2, 4):
         t = SEQ // n
         ring, ring2 = middle_layer(n, "ring").m_b[1], middle_layer(n, "ring", 2 * SEQ).m_b[1]
-        assert ring == 34 * t * b * h + 4 * b * a * t  # 1/N of REFERENCE's 34sbh, plus the log-sum-exp
+        assert ring == 34 * t * b * h + 4 * b * a * t  # 1/N of the zero-bubble paper's 34sbh, plus the log-sum-exp
         assert ring2 == 2 * ring
         rsa = sequence_parallel_costs(SPEC, SEQ, 1, "a100", n, "rsa").kept_bytes
         assert rsa == 5 * a * t * SEQ * b
@@ -91,7 +91,8 @@ def test_ring_transfers_are_n_minus_1_steps_at_the_link_bandwidth(n):
     rsa = sequence_parallel_costs(SPEC, SEQ, 1, "a100", n, "rsa")
     assert (rsa.steps, rsa.step_bytes) == (2 * (n - 1), step_bytes // 2)  # K, then V
     assert rsa.forward_ms == pytest.approx(ring.forward_ms)
-    # REFERENCE: RSA moves 8(N-1)·b·(s/N)·h elements per layer, forward and backward
+    # "Sequence Parallelism: Long Sequence Training from System Perspective": RSA moves
+    # 8(N-1)·b·(s/N)·h elements per layer, forward and backward
     assert rsa.comm_ms == pytest.approx(1e3 * 8 * (n - 1) * t * SPEC.hidden * 2 / A100.link_bandwidth)
     assert rsa.exposed_forward_ms + rsa.exposed_backward_ms == rsa.comm_ms
 

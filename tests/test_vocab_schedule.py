@@ -279,7 +279,7 @@ def test_vocab_2_balances_compute_and_beats_the_baseline():
 def test_vocab_2_memory_is_balanced_but_for_1f1b_own_staircase():
     """Per-rank peak memory within 15% of the mean holds with activation
     recomputation; without it, 1F1B's own staircase (rank r holds p+1-r
-    microbatches of REFERENCE's 34sbh + 5as^2b per layer) spreads it by
+    microbatches of the zero-bubble paper's 34sbh + 5as^2b per layer) spreads it by
     about a third either way, as it does in the baseline without the
     vocabulary layers."""
     _, memory = simulate_mode("vocab-2", recompute=True)

@@ -1,4 +1,5 @@
-"""Zero-bubble families (ZB-H1, ZB-H2, ZB-V, zb-auto) against REFERENCE.md's closed forms."""
+"""Zero-bubble families (ZB-H1, ZB-H2, ZB-V, zb-auto) against the closed forms of
+"Zero Bubble Pipeline Parallelism"."""
 
 import random
 

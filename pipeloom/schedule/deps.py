@@ -1,6 +1,6 @@
 """What each action kind needs, what it does to memory, and when it can run.
 
-Dependencies are implied by the kinds (DESIGN.md): F(s,i) after F(s-1,i);
+Dependencies are implied by the kinds (docs/design.md): F(s,i) after F(s-1,i);
 B(s,i) and BW(s,i) after F(s,i) and the backward of (s+1,i); W(s,i) after
 B(s,i). The vocabulary passes of rank r (see :data:`~.ir.VOCAB_PASSES`):
 S(r,i) after the last stage's F(i); C(r,i) after S(q,i) on every rank q;

@@ -1,8 +1,9 @@
 """Costs from a model description: GPT FLOP and memory formulas on a device.
 
-The per-layer formulas are REFERENCE.md's (a GPT layer with ``ffn = 4h``),
-with the 4 generalised to :attr:`ModelSpec.ffn`: for one layer and one
-microbatch of ``b`` sequences of ``s`` tokens,
+The per-layer formulas are those of "Zero Bubble Pipeline Parallelism" (a
+GPT layer with ``ffn = 4h``; see docs/design.md), with the 4 generalised to
+:attr:`ModelSpec.ffn`: for one layer and one microbatch of ``b`` sequences
+of ``s`` tokens,
 
 - forward ``F = bsh((8 + 4·ffn)h + 4s)`` FLOPs, input-gradient backward
   ``B = bsh((8 + 4·ffn)h + 8s)``, weight-gradient backward ``W = (8 + 4·ffn)bsh²``
@@ -17,29 +18,30 @@ B and W; hV parameters plus the final norm) on the last. Times are in
 milliseconds, memory in bytes, so the simulator's peak activation comes out
 in bytes.
 
-``vocab_parallel`` picks where the vocabulary layers go (REFERENCE.md,
-"Vocabulary Parallelism"): ``none`` as above; ``redis`` also, with the
-transformer layers spread so that every stage's compute is as even as whole
-layers allow (:func:`balanced_layers`); ``naive``, ``vocab-1``, ``vocab-2``
-split both layers over the p ranks (V/p rows each, padded), whose passes
-cost, per rank and microbatch, with ``X`` the ``[bs, V/p]`` by ``[V/p, h]``
-product (2bshV/p FLOPs): S = X (vocab-2: 2X, the logits and ``softmax'·W``),
-T = 2X (vocab-2: X, the weight gradient), input forward bsh/p and backward
-2bsh/p (3bsh in all); collectives on the ring at the link bandwidth
-(all-reduce of n bytes ``2(p-1)/p·n``, reduce ``(p-1)/p·n``): C the
+``vocab_parallel`` picks where the vocabulary layers go ("Balancing Pipeline
+Parallelism with Vocabulary Parallelism"): ``none`` as above; ``redis`` also,
+with the transformer layers spread so that every stage's compute is as even as
+whole layers allow (:func:`balanced_layers`); ``naive``, ``vocab-1``,
+``vocab-2`` split both layers over the p ranks (V/p rows each, padded), whose
+passes cost, per rank and microbatch, with ``X`` the ``[bs, V/p]`` by
+``[V/p, h]`` product (2bshV/p FLOPs): S = X (vocab-2: 2X, the logits and
+``softmax'·W``), T = 2X (vocab-2: X, the weight gradient), input forward bsh/p
+and backward 2bsh/p (3bsh in all); collectives on the ring at the link
+bandwidth (all-reduce of n bytes ``2(p-1)/p·n``, reduce ``(p-1)/p·n``): C the
 all-reduces of the max and the sum (4bs bytes each; naive: the max only, and
-as much for its CZ), plus for vocab-2 the reduce of the input gradient
-(2bsh), which R is for vocab-1 and naive; the input layer's all-reduce
-(2bsh). An S keeps the fp32 softmax (4bsV/p) and its input (2bsh) until its
-T. The first stage keeps the position embeddings, the last the final norm
-(whose input stays in its M_B).
+as much for its CZ), plus for vocab-2 the reduce of the input gradient (2bsh),
+which R is for vocab-1 and naive; the input layer's all-reduce (2bsh). An S
+keeps the fp32 softmax (4bsV/p) and its input (2bsh) until its T. The first
+stage keeps the position embeddings, the last the final norm (whose input
+stays in its M_B).
 
-``sp = N`` adds sequence parallelism inside every stage (REFERENCE.md,
-"Sequence parallelism with Ring Self-Attention"): each of N ranks holds
-``t = s/N`` tokens of every sequence and all the stage's weights, so every
-per-token term above counts ``t`` tokens and attention ``t`` rows of ``s``
-columns (compute and activations 1/N), the model state is unchanged, and the
-keys and values go round a ring of N ranks, at the link bandwidth:
+``sp = N`` adds sequence parallelism inside every stage (Ring Self-Attention,
+"Sequence Parallelism: Long Sequence Training from System Perspective"): each
+of N ranks holds ``t = s/N`` tokens of every sequence and all the stage's
+weights, so every per-token term above counts ``t`` tokens and attention ``t``
+rows of ``s`` columns (compute and activations 1/N), the model state is
+unchanged, and the keys and values go round a ring of N ranks, at the link
+bandwidth:
 
 - ``ring`` (blockwise ring attention, online softmax): N-1 steps of one K
   and one V block (``4bth`` bytes) per layer forward, twice the bytes
@@ -48,10 +50,11 @@ keys and values go round a ring of N ranks, at the link bandwidth:
   only ``max(0, transfer - block)`` per step adds to F and B. Between F and B
   a layer keeps its log-sum-exp (``4bat`` bytes) instead of the scores, and
   while it computes it holds one ``[b, a, t, t]`` block (``5at²b`` bytes,
-  REFERENCE's 5 bytes a score), which :func:`peak_memory_bytes` adds once.
+  the 5 bytes a score of ``M_B``'s ``5as`` term), which
+  :func:`peak_memory_bytes` adds once.
 - ``rsa`` (Ring Self-Attention): K, then V, round the ring (2(N-1) steps of
   ``2bth`` bytes), not overlapped; the backward passes K and V again and
-  all-reduces full-length dK and dV (REFERENCE's ``8(N-1)·b·t·h`` elements
+  all-reduces full-length dK and dV (the RSA paper's ``8(N-1)·b·t·h`` elements
   per layer in all), also on the critical path. A layer keeps its
   ``[b, a, t, s]`` scores: ``5atsb`` bytes.
 
@@ -140,7 +143,7 @@ MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
         # Zero Bubble Pipeline Parallelism (Qi et al., ICLR 2024), the models of
-        # REFERENCE.md's profiled table: Megatron-LM GPT. The paper states no V;
+        # its table of profiled costs: Megatron-LM GPT. The paper states no V;
         # 50304 is Megatron's padded GPT-2 size. Tied, Megatron's default: the
         # tied parameter counts match the names (1.52B, 6.25B, 14.7B, 28.4B).
         ModelSpec("1.5b", 22, 2304, 24, _GPT2_VOCAB, tied_embeddings=True),
@@ -195,10 +198,11 @@ _GiB = 2**30
 
 #: Device presets by lowercase name. Link bandwidths are what pipeline P2P
 #: achieves, not the NVLink headline: the zero-bubble paper's profiled T_comm
-#: (REFERENCE.md) move a 2bsh activation at about 48 GB/s inside an A100 node;
+#: move a 2bsh activation at about 48 GB/s inside an A100 node;
 #: H100 and V100 scale that by their NVLink generation (450 and 150 GB/s per
-#: direction against the A100's 300). Host links: REFERENCE's ~15 GB/s for
-#: A100 (PCIe 4), doubled for PCIe 5, ~10 GB/s for PCIe 3.
+#: direction against the A100's 300). Host links: the ~15 GB/s for A100
+#: (PCIe 4) of "PipeOffload: Improving Scalability of Pipeline Parallelism with
+#: Memory Optimization", doubled for PCIe 5, ~10 GB/s for PCIe 3.
 DEVICES: dict[str, Device] = {
     d.name: d
     for d in (
