@@ -21,8 +21,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a mistake said in one line (not the whole usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipeloom", description="Plan, simulate, draw and run pipeline-parallel training.")
+    parser = _Parser(prog="pipeloom", description="Plan, simulate, draw and run pipeline-parallel training.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_simulate(sub)
     _add_train(sub)
@@ -383,7 +390,8 @@ def _add_train(sub) -> None:
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of AdamW (default 3e-3)")
     g.add_argument("--warmup", type=int, help="linear warmup steps, then cosine decay to lr/10 (default steps/10, at most 100)")
     g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay of the matrices (default 0.1)")
-    g.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm (default 1.0)")
+    g.add_argument("--clip", type=_clip, default=1.0, metavar="NORM",
+                   help="clip gradients to this global norm; 0 or none: no clipping (default 1.0)")
     g.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches (default 0)")
     g = p.add_argument_group("data")
     g.add_argument("--data", metavar="PATH",
@@ -409,7 +417,22 @@ def _add_train(sub) -> None:
     p.set_defaults(run=_run_train)
 
 
+def _clip(text: str) -> float | None:
+    """--clip: a number, or none (no clipping, as 0)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number or none") from None
+
+
 def _run_train(args) -> int:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise PipeloomError("pipeloom train needs PyTorch, which is not installed: "
+                            "pip install 'pipeloom[torch]' (or pip install torch)") from None
     from .train import run
 
     return run(args)

@@ -4,7 +4,12 @@ Each worker runs ``python -m pipeloom train`` with the same arguments under
 torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...), so a
 self-launched run and one started by hand with torchrun take the same path.
 Workers share this terminal. If one fails, the launcher stops the others and
-this returns the failing worker's exit code, after the workers' own messages.
+this returns the failing worker's exit code, after the workers' own messages
+(each worker says why it stopped; the launcher speaks only for one that died
+of a signal). SIGINT, SIGTERM and SIGHUP reach the launcher, which passes
+them on: the workers stop after the same step
+(:mod:`pipeloom.runtime.interrupt`) within :data:`SHUTDOWN_TIMEOUT` seconds,
+and this returns 128 + the signal.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import sys
 import uuid
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -22,12 +28,19 @@ from .runtime.local import free_port
 #: Seconds between the launcher's looks at its workers: the time a survivor has
 #: to say what it waited for after a peer died, before the launcher stops it.
 MONITOR_INTERVAL = 2.0
+#: Seconds the workers have, after a signal, to finish their step (and on SIGTERM save a
+#: checkpoint) before the launcher kills them.
+SHUTDOWN_TIMEOUT = 120
+#: Exit codes a worker uses after saying why itself: an error, or 128 + a signal it honoured.
+SAID = {1, 2, 129, 130, 143}
 
 
 def launch(argv: list[str], nproc: int) -> int:
     """Run ``pipeloom train argv`` on ``nproc`` local worker processes; the exit code."""
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT))  # torch < 2.10: 30 s, fixed
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # each has a level of its own: set them all
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"pipeloom-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
@@ -35,10 +48,14 @@ def launch(argv: list[str], nproc: int) -> int:
     )
     try:
         elastic_launch(config, sys.executable)("-m", "pipeloom", "train", *argv)
+    except SignalException as err:  # the workers got the signal too, and said where they stopped
+        return 128 + int(err.sigval)
     except ChildFailedError as err:
         failed = sorted(err.failures.items())
-        said = "; ".join(f"rank {rank} " + (f"died of {f.signal_name()}" if f.exitcode < 0 else f"exited with code {f.exitcode}")
-                         for rank, f in failed)
-        print(f"pipeloom train: stopped: {said}", file=sys.stderr)
-        return max(1, max(f.exitcode for _, f in failed))
+        unsaid = [(rank, f) for rank, f in failed if f.exitcode not in SAID]
+        if unsaid:
+            said = "; ".join(f"rank {rank} " + (f"died of {f.signal_name()}" if f.exitcode < 0
+                                                else f"exited with code {f.exitcode}") for rank, f in unsaid)
+            print(f"pipeloom train: stopped: {said}", file=sys.stderr)
+        return max(f.exitcode if f.exitcode > 0 else 128 - f.exitcode for _, f in failed)
     return 0

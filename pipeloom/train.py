@@ -21,6 +21,7 @@ import math
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from statistics import median
 
@@ -48,7 +49,9 @@ def run(args) -> int:
         from .runtime.device import check_gpus
 
         check_gpus(world)  # the launcher starts every rank on this machine
-    load_data(args.data, args.token_dtype, args.vocab_size, args.tokenizer)  # a bad path stops before any worker starts
+    data = load_data(args.data, args.token_dtype, args.vocab_size, args.tokenizer)  # a bad path stops here
+    if args.resume:
+        _check_resume(args, data.vocab_size)
     from .launch import launch
 
     return launch(args.argv, world)
@@ -78,6 +81,18 @@ def check(args, world: int) -> None:
         raise PipeloomError("--vocab-parallel with --sp > 1 is not supported yet")
     if args.model not in PRESETS:
         raise PipeloomError(f"unknown --model {args.model!r}; presets: {', '.join(PRESETS)}")
+    block = PRESETS[args.model]["block_size"]
+    if args.seq > block:
+        raise PipeloomError(f"--seq {args.seq} is longer than the {block} positions --model {args.model} learns; "
+                            f"use --seq {block} or less")
+    if args.clip is not None and args.clip < 0:
+        raise PipeloomError(f"--clip {args.clip:g}: a gradient norm cannot be negative; "
+                            "give a positive norm, or 0 (or none) for no clipping")
+    if args.warmup is not None and not 0 <= args.warmup <= args.steps:
+        raise PipeloomError(f"--warmup {args.warmup}: use 0 to --steps {args.steps} warm-up steps"
+                            + (" (the learning rate would never reach --lr)" if args.warmup > args.steps else ""))
+    if args.weight_decay < 0:
+        raise PipeloomError(f"--weight-decay must be at least 0, got {args.weight_decay:g}")
     for flag in ("lr", "timeout"):
         if not getattr(args, flag) > 0:
             raise PipeloomError(f"--{flag} must be positive, got {getattr(args, flag)}")
@@ -119,10 +134,14 @@ def learning_rate(step: int, args) -> float:
 
 
 def _worker(args) -> int:
+    from .runtime.interrupt import StopRequest
+
+    stop = StopRequest()  # first: from now on a signal stops the run at a step boundary
     import torch
     import torch.distributed as dist
 
     from .runtime.device import pipeline_device
+    from .runtime.heartbeat import record_failure
     from .runtime.p2p import PeerTimeout
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ["WORLD_SIZE"])
@@ -137,42 +156,92 @@ def _worker(args) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     # torch's own timeout (30 min on gloo) bounds a wait for a busy peer; --timeout is when a rank looks at it
     dist.init_process_group(backend)
-    code = 0
+    code = 1
     try:
-        Trainer(args, device).train()
+        code = Trainer(args, device, stop).train()
     except PeerTimeout as err:
-        print(f"pipeloom train: {err}", file=sys.stderr, flush=True)
-        code = 1
+        _say(_after_failure(rank) or str(err))
     except PipeloomError as err:  # the same on every rank: said once
         if rank == 0:
-            print(f"pipeloom train: error: {err}", file=sys.stderr, flush=True)
-        code = 1
+            _say(f"error: {err}")
     except dist.DistError as err:
-        print(f"pipeloom train: rank {rank}: a collective failed (is every rank alive?): "
-              f"{str(err).strip().splitlines()[0]}", file=sys.stderr, flush=True)
-        code = 1
+        _say(_after_failure(rank) or f"rank {rank}: a collective failed (is every rank alive?): {_first_line(err)}")
+    except Exception as err:  # noqa: BLE001 -- one line here, the traceback in a file
+        cause = f"{type(err).__name__}: {_first_line(err)}"
+        record_failure(rank, cause)
+        _say(f"rank {rank} failed: {cause} (traceback in {_keep_traceback(rank)})")
     finally:
-        if code == 0:
+        stop.close()
+        if code != 1:  # every rank finished or stopped at the same step: the group can be torn down
             dist.destroy_process_group()
     return code
+
+
+def _say(text: str) -> None:
+    print(f"pipeloom train: {text}", file=sys.stderr, flush=True)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _after_failure(rank: int) -> str | None:
+    """What a rank that lost its peers says when another rank failed first, if one did."""
+    from .runtime.heartbeat import first_failure
+
+    failed = first_failure()
+    if failed is None or failed[0] == rank:
+        return None
+    return f"rank {rank} stopped: rank {failed[0]} failed first ({failed[1]})"
+
+
+def _keep_traceback(rank: int) -> str:
+    """Write the exception being handled to a file; its path."""
+    import tempfile
+    import traceback
+
+    fd, path = tempfile.mkstemp(prefix=f"pipeloom-rank{rank}-", suffix=".txt")
+    with os.fdopen(fd, "w") as f:
+        f.write(traceback.format_exc())
+    return path
+
+
+def _check_resume(args, vocab_size: int) -> None:
+    """The checkpoint --resume names fits this run: metadata, weight shapes, tensor files."""
+    import torch
+
+    from .nn import GPT, GPTConfig
+    from .runtime import checkpoint
+
+    directory = checkpoint.latest(args.checkpoint_dir) if args.resume == "latest" else Path(args.resume)
+    if directory is None:
+        raise PipeloomError(f"--resume: no complete checkpoint under {args.checkpoint_dir}")
+    saved = checkpoint.read_meta(directory)
+    hint = f"with --model {saved.get('model')}, vocabulary {saved.get('vocab_size')}"
+    if (saved.get("model"), saved.get("vocab_size")) != (args.model, vocab_size):
+        raise PipeloomError(f"--resume {directory}: it was saved {hint}; this run has --model {args.model}, "
+                            f"vocabulary {vocab_size} (from its data and tokenizer); resume with those")
+    with torch.device("meta"):
+        model = GPT(GPTConfig.preset(args.model, vocab_size=vocab_size))
+    checkpoint.check_fits(directory, model, hint)
 
 
 class Trainer:
     """One rank's training run: model, pipeline, optimizer, data, and the loop."""
 
-    def __init__(self, args, device):
+    def __init__(self, args, device, stop):
         import torch
         import torch.distributed as dist
 
         from .nn import GPT, GPTConfig
         from .runtime import Pipeline
 
-        self.args, self.device = args, device
+        self.args, self.device, self.stop = args, device, stop
+        self.last_saved: Path | None = None  # the newest checkpoint this run saved or resumed from
         self.rank = dist.get_rank()
         self.data = load_data(args.data, args.token_dtype, args.vocab_size, args.tokenizer)
-        preset = GPTConfig.preset(args.model)
-        self.config = GPTConfig.preset(args.model, vocab_size=self.data.vocab_size,
-                                       block_size=max(preset.block_size, args.seq))
+        self.config = GPTConfig.preset(args.model, vocab_size=self.data.vocab_size)
         dp = args.dp or dist.get_world_size() // (args.pp * args.sp)
         torch.manual_seed(args.seed)  # the same weights on every rank
         precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
@@ -193,12 +262,15 @@ class Trainer:
         self.batch = args.microbatch_size * args.microbatches * dp
         if self.rank == 0:
             sp = f", sp={args.sp} ({self.pipe.attention})" if args.sp > 1 else ""
+            vocab_parallel = f", vocab-parallel {vocab}" if vocab else ""
+            micro = f"{args.microbatches} microbatch{'es' if args.microbatches > 1 else ''}"
             print(f"pipeloom train: {args.model} ({_count(self.n_params)} parameters), {args.schedule}, pp={args.pp}, "
-                  f"dp={dp}{sp}, {args.microbatches} microbatches of {args.microbatch_size} x {args.seq} tokens, "
-                  f"on {device.type}; data: {self.data.source}", file=sys.stderr, flush=True)
+                  f"dp={dp}{sp}{vocab_parallel}, {micro} of {args.microbatch_size} x {args.seq} tokens, "
+                  f"{precision} on {device.type}; data: {self.data.source}", file=sys.stderr, flush=True)
         self.start = self._resume() if args.resume else 0
 
-    def train(self) -> None:
+    def train(self) -> int:
+        """Run the steps; the exit code: 0, or 128 + the signal that stopped the run."""
         from .runtime.timeline import gather_timeline
 
         args, pipe = self.args, self.pipe
@@ -207,8 +279,12 @@ class Trainer:
         progress = _Progress(args.steps, self.start) if lead else None
         per_call = pipe.schedule.steps  # 2bw runs several steps per call, without a flush
         times, timelines = [], []
+        done, stopped = self.start, 0
         try:
             for first in range(self.start, args.steps, per_call):
+                stopped = self.stop.agreed(self.device)  # every rank stops after the same step
+                if stopped:
+                    break
                 started = time.perf_counter()
                 records = self._call(first)
                 elapsed = (time.perf_counter() - started) / per_call
@@ -222,19 +298,40 @@ class Trainer:
                         metrics.flush()
                     if progress:
                         progress.update(record)
-                last = first + per_call
+                done = first + per_call
                 every = args.checkpoint_every
-                if args.checkpoint_dir and (last == args.steps or (every and last // every > first // every)):
-                    self._save(last)
+                if args.checkpoint_dir and (done == args.steps or (every and done // every > first // every)):
+                    self._save(done)
         finally:
             if metrics:
                 metrics.close()
             if progress:
                 progress.close()
+        if stopped:
+            return self._stopped(stopped, done)
         if self.start < args.steps:
             self._write_timeline()
         if timelines and lead:
             print(report(pipe.schedule, timelines, times[1:] or times), flush=True)
+        return 0
+
+    def _stopped(self, code: int, done: int) -> int:
+        """After a stop request: on SIGTERM save a checkpoint (with --checkpoint-dir), then
+        say where the run stopped and what it can resume from; the exit code."""
+        import signal
+
+        from .runtime import checkpoint
+        from .runtime.interrupt import StopRequest
+
+        args = self.args
+        if code == signal.SIGTERM and args.checkpoint_dir and done > self.start:
+            self._save(done)
+        last = self.last_saved or (checkpoint.latest(args.checkpoint_dir) if args.checkpoint_dir else None)
+        if self.rank == 0:
+            resume = (f"resume from {last} (--resume {last})" if last
+                      else "no checkpoint to resume from (--checkpoint-dir saves them)")
+            _say(f"stopped by {StopRequest.describe(code)} after step {done} of {args.steps}; {resume}")
+        return StopRequest.exit_code(code)
 
     def _call(self, first: int) -> list[dict]:
         """Train the steps of one call of the schedule from step ``first`` (0-based);
@@ -259,7 +356,7 @@ class Trainer:
         if not math.isfinite(loss):
             raise PipeloomError(f"step {first + 1}: the loss is {loss}; the update was not applied. {hint}")
         try:
-            norm = pipe.optimizer_step(self.optimizer, max_norm=args.clip)
+            norm = pipe.optimizer_step(self.optimizer, max_norm=args.clip or None)  # 0: no clipping
         except PipeloomError as err:
             raise PipeloomError(f"step {first + 1}: {err}. {hint}") from None
         return [{"step": first + 1, "loss": round(loss, 6), "lr": lr,
@@ -272,14 +369,16 @@ class Trainer:
 
         args, lead = self.args, self.rank == 0
         if args.trace:
-            write_trace(self.pipe, args.trace)
-            if lead:
-                print(f"wrote the measured timeline of step {args.steps} to {args.trace}", file=sys.stderr)
+            with _output("--trace", args.trace, lead):
+                write_trace(self.pipe, args.trace)
+                if lead:
+                    print(f"wrote the measured timeline of step {args.steps} to {args.trace}", file=sys.stderr)
         if args.plot:
             result = measured_result(gather_timeline(self.pipe), self.pipe.schedule)
             if lead:
-                plot_schedule(result, args.plot)
-                print(f"drew the measured timeline of step {args.steps} in {args.plot}", file=sys.stderr)
+                with _output("--plot", args.plot, lead):
+                    plot_schedule(result, args.plot)
+                    print(f"drew the measured timeline of step {args.steps} in {args.plot}", file=sys.stderr)
 
     def _meta(self, step: int) -> dict:
         args = self.args
@@ -292,6 +391,7 @@ class Trainer:
 
         directory = Path(self.args.checkpoint_dir) / f"step_{step:07d}"
         checkpoint.save(self.pipe, self.optimizer, directory, self._meta(step))
+        self.last_saved = directory
         if self.rank == 0:
             _Progress.note(f"saved checkpoint {directory}")
 
@@ -302,16 +402,23 @@ class Trainer:
         directory = checkpoint.latest(args.checkpoint_dir) if args.resume == "latest" else Path(args.resume)
         if directory is None:
             raise PipeloomError(f"--resume: no complete checkpoint under {args.checkpoint_dir}")
-        saved = checkpoint.read_meta(directory)
-        for key in ("model", "vocab_size"):
-            if saved[key] != self._meta(0)[key]:
-                raise PipeloomError(f"--resume {directory}: it holds {key} {saved[key]!r}, "
-                                    f"this run has {self._meta(0)[key]!r}")
+        _check_resume(args, self.config.vocab_size)  # again: under torchrun no launcher checked it
         meta = checkpoint.load(self.pipe, self.optimizer, directory)
+        self.last_saved = directory
         if self.rank == 0:
             print(f"resumed from {directory} (step {meta['step']}, saved with pp={meta['pp']}, dp={meta['dp']})",
                   file=sys.stderr, flush=True)
         return meta["step"]
+
+
+@contextmanager
+def _output(flag: str, path: str, lead: bool):
+    """Writing an output at the end of a run: a failure is one line, and the run's outcome stands."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 -- matplotlib's and the filesystem's errors alike
+        if lead:
+            _say(f"could not write {flag} {path}: {type(err).__name__}: {_first_line(err)}")
 
 
 def report(schedule, timelines, step_times) -> str:

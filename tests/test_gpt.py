@@ -241,8 +241,8 @@ def test_preset_overrides():
         (lambda: tiny().split(2, [1, 2]), r"layers_per_stage \[1, 2\]: need 2 non-negative .* summing to n_layer 4"),
         (lambda: tiny().split(2, [5, -1]), r"layers_per_stage \[5, -1\]"),
         (lambda: tiny().split(3, [2, 2]), r"layers_per_stage \[2, 2\]: need 3"),
-        (lambda: tiny()(torch.zeros(2, 65, dtype=torch.long)), r"65 tokens exceeds block_size 64"),
-        (lambda: tiny().split(2)[0](torch.zeros(2, 65, dtype=torch.long)), r"65 tokens exceeds block_size 64"),
+        (lambda: tiny()(torch.zeros(2, 257, dtype=torch.long)), r"257 tokens exceeds block_size 256"),
+        (lambda: tiny().split(2)[0](torch.zeros(2, 257, dtype=torch.long)), r"257 tokens exceeds block_size 256"),
         (lambda: tiny()(torch.zeros(65, dtype=torch.long)), r"shape \[batch, time\], got \[65\]"),
     ],
 )

@@ -81,14 +81,33 @@ def test_text_file_and_token_file(tmp_path):
     (["--pp", "3", "--microbatches", "2", "--schedule", "2bw"], "2bw needs microbatches >= pp"),
     (["--model", "huge"], "unknown --model 'huge'"),
     (["--device", "cuda", "--dp", "64"], "device cuda: "),  # no GPU here, or fewer than 128
+    (["--clip", "-1"], "--clip -1: a gradient norm cannot be negative"),
+    (["--clip", "lots"], "argument --clip: 'lots' is not a number or none"),
+    (["--pp", "two"], "argument --pp: invalid int value: 'two'"),
+    (["--model", "gpt-125m", "--seq", "2048"], "--seq 2048 is longer than the 1024 positions --model gpt-125m learns"),
+    (["--warmup", "500", "--steps", "2"], "--warmup 500: use 0 to --steps 2 warm-up steps"),
+    (["--warmup", "-1"], "--warmup -1: use 0 to --steps 200"),
+    (["--weight-decay", "-0.1"], "--weight-decay must be at least 0"),
+    (["--resume", "nowhere"], "nowhere is not a complete pipeloom checkpoint"),
 ])
 @pytest.mark.timeout(60)
 def test_bad_arguments_stop_before_any_worker_starts(tmp_path, args, message):
     (tmp_path / "empty.txt").write_text("")
-    done = train(*args, cwd=tmp_path, check=False)
+    mark = uuid.uuid4().hex
+    done = train(*args, cwd=tmp_path, check=False, env={"PIPELOOM_TEST_MARK": mark})
     assert done.returncode == 2
     assert message in done.stderr and "Traceback" not in done.stderr
-    assert done.stderr.count("error:") == 1
+    assert done.stderr.count("\n") == 1 and done.stderr.count("error:") == 1, done.stderr
+    assert not _workers(mark)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_clip_zero_or_none_turns_clipping_off(tmp_path):
+    for value in ("0", "none"):
+        train("--steps", "30", "--clip", value, "--metrics", f"{value}.jsonl", cwd=tmp_path)
+        rows = metrics(tmp_path / f"{value}.jsonl")
+        assert all("grad_norm" not in r for r in rows)  # no norm computed: nothing to clip with
+        assert np.mean([r["loss"] for r in rows[-5:]]) < rows[0]["loss"] - 1.0
 
 
 @pytest.mark.timeout(TIMEOUT)
@@ -119,7 +138,8 @@ def test_resume_of_another_model_is_refused(tmp_path):
     train("--steps", "2", "--seq", "16", "--data", "a.txt", "--checkpoint-dir", "ck", cwd=tmp_path)
     done = train("--steps", "4", "--seq", "16", "--data", "t.bin", "--checkpoint-dir", "ck", "--resume",
                  cwd=tmp_path, check=False)
-    assert done.returncode != 0 and "it holds vocab_size 256, this run has 600" in done.stderr
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "vocabulary 256; this run has" in done.stderr
+    assert "vocabulary 600 (from its data and tokenizer)" in done.stderr
 
 
 @pytest.mark.timeout(TIMEOUT)
@@ -217,3 +237,130 @@ def test_sequence_parallel_training_matches_the_plain_run(tmp_path):
     assert np.allclose(sp, plain, rtol=1e-4, atol=0)
     bad = train("--sp", "3", "--seq", "32", cwd=tmp_path, check=False)
     assert bad.returncode == 2 and "use a multiple of 6" in bad.stderr
+
+
+def _start(tmp_path, *args, mark):
+    """A long self-launched run; returns (launcher process, its workers by rank) once 3 steps are done."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeloom", "train", "--steps", "100000", "--metrics", "m.jsonl", *args],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PIPELOOM_TEST_MARK": mark})
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (
+            (tmp_path / "m.jsonl").exists() and len((tmp_path / "m.jsonl").read_text().splitlines()) >= 3):
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.2)
+    return proc, _workers(mark)
+
+
+def _gone(mark, within: float) -> bool:
+    """Whether every process carrying ``mark`` has exited within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while _workers(mark) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not _workers(mark)
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the workers through /proc")
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+@pytest.mark.timeout(TIMEOUT)
+def test_a_signal_stops_every_rank_after_the_same_step(tmp_path, sig, code):
+    mark = uuid.uuid4().hex
+    proc, workers = _start(tmp_path, "--checkpoint-dir", "ck", mark=mark)
+    try:
+        assert sorted(workers) == [0, 1]
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == code, err[-2000:]
+    assert "Traceback" not in err and "Exception" not in err, err[-2000:]
+    stopped = [line for line in err.splitlines() if "stopped by" in line]
+    assert len(stopped) == 1 and f"stopped by {sig.name} after step " in stopped[0], err[-2000:]
+    step = int(stopped[0].split("after step ")[1].split()[0])
+    assert [r["step"] for r in metrics(tmp_path / "m.jsonl")] == list(range(1, step + 1))  # nothing half-done
+    saved = sorted(p.name for p in (tmp_path / "ck").iterdir()) if (tmp_path / "ck").exists() else []
+    if sig == signal.SIGTERM:  # as preemptible clusters expect: a checkpoint of the step it stopped at
+        assert saved == [f"step_{step:07d}"] and f"--resume ck/step_{step:07d}" in stopped[0]
+    else:
+        assert saved == [] and "no checkpoint to resume from" in stopped[0]
+    assert _gone(mark, 5)
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the workers through /proc")
+@pytest.mark.timeout(TIMEOUT)
+def test_workers_of_a_killed_launcher_exit_within_seconds(tmp_path):
+    mark = uuid.uuid4().hex
+    proc, workers = _start(tmp_path, mark=mark)
+    assert sorted(workers) == [0, 1]
+    proc.kill()  # as the OOM killer does: no chance to stop the workers
+    proc.communicate(timeout=30)
+    assert _gone(mark, 15), "the workers outlived their launcher"
+
+
+INJECT = """
+import sys
+import pipeloom.train
+from pipeloom.cli import main
+
+real = pipeloom.train.Trainer._call
+
+def failing(self, first):
+    if self.rank == 1 and first == 2:
+        raise RuntimeError("injected fault on purpose")
+    return real(self, first)
+
+pipeloom.train.Trainer._call = failing
+sys.exit(main(["train", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_failing_rank_says_why_and_the_others_name_it(tmp_path):
+    (tmp_path / "inject.py").write_text(INJECT)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "inject.py", "--steps", "10",
+         "--timeout", "10"], cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.startswith("pipeloom train: rank")]
+    failed = [line for line in lines if "rank 1 failed: RuntimeError: injected fault on purpose" in line]
+    assert len(failed) == 1 and "traceback in " in failed[0], done.stderr[-3000:]
+    trace = Path(failed[0].split("traceback in ")[1].rstrip(")"))
+    assert "injected fault on purpose" in trace.read_text() and "Traceback" in trace.read_text()
+    trace.unlink()
+    assert any("rank 0 stopped: rank 1 failed first (RuntimeError: injected fault on purpose)" in line
+               for line in lines), done.stderr[-3000:]
+    assert "[rank0]" not in done.stderr and "[rank1]" not in done.stderr  # no worker's traceback (torchrun has its own)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_checkpoint_that_does_not_fit_is_refused_in_one_line(tmp_path):
+    train("--steps", "2", "--checkpoint-dir", "ck", cwd=tmp_path)
+    good = tmp_path / "ck" / "step_0000002"
+    files = sorted(good.glob("*.distcp"))
+
+    def damaged(name, damage):
+        copy = tmp_path / name
+        subprocess.run(["cp", "-r", str(good), str(copy)], check=True)
+        damage(copy / files[0].name)
+        return name
+
+    def flip(path):
+        data = bytearray(path.read_bytes())
+        data[::7] = bytes(b ^ 0xFF for b in data[::7])
+        path.write_bytes(data)
+
+    cases = [
+        (damaged("cut", lambda p: os.truncate(p, 100)), (), "has 100 bytes of the"),
+        (damaged("flipped", flip), (), "rank 0 could not load it"),
+        (damaged("noindex", lambda p: (p.parent / ".metadata").write_text("junk")), (), "tensor index (.metadata) cannot be read"),
+        ("ck/step_0000002", ("--model", "gpt-125m"), "it was saved with --model tiny"),
+    ]
+    for checkpoint, extra, message in cases:
+        done = train("--steps", "4", "--resume", checkpoint, *extra, "--metrics", "m.jsonl", cwd=tmp_path, check=False)
+        assert done.returncode in (1, 2) and "Traceback" not in done.stderr, done.stderr[-2000:]
+        errors = [line for line in done.stderr.splitlines() if "error:" in line]
+        assert len(errors) == 1 and message in errors[0] and checkpoint in errors[0], done.stderr[-2000:]
+        assert not (tmp_path / "m.jsonl").exists() or not (tmp_path / "m.jsonl").read_text()

@@ -35,7 +35,7 @@ _GPT2_VOCAB = 50304
 #: (XL with 16 heads, d_head = 128), tied like GPT-2/3 and like the
 #: simulator's model presets of the same names.
 PRESETS: dict[str, dict] = {
-    "tiny": dict(n_layer=4, n_embd=32, n_head=4, vocab_size=256, block_size=64),
+    "tiny": dict(n_layer=4, n_embd=32, n_head=4, vocab_size=256, block_size=256),
     "gpt-125m": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=_GPT2_VOCAB, block_size=1024, tie_embeddings=True),
     "gpt-350m": dict(n_layer=24, n_embd=1024, n_head=16, vocab_size=_GPT2_VOCAB, block_size=1024, tie_embeddings=True),
     "gpt-1.3b": dict(n_layer=24, n_embd=2048, n_head=16, vocab_size=_GPT2_VOCAB, block_size=1024, tie_embeddings=True),

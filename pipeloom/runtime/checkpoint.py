@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import PipeloomError
 
@@ -49,13 +50,18 @@ def load(pipe, optimizer: torch.optim.Optimizer, directory: str | Path) -> dict:
     if pipe.versions:
         pipe.steps_done = meta["step"]
         pipe.versions.restart(pipe.steps_done)  # versions the checkpoint lacks stay the newest weights
-    saved = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    saved = _tensor_index(directory).state_dict_metadata
     state, shards = _state(pipe, optimizer)
     state = {k: v for k, v in state.items() if k in saved or not k.startswith("version")}
     try:
         dcp.load(state, checkpoint_id=Path(directory))
-    except Exception as err:  # DCP wraps each rank's failure; say which checkpoint did not fit
-        raise PipeloomError(f"checkpoint {directory} does not fit this model and optimizer: {_first_line(err)}") from None
+    except CheckpointException as err:  # each rank's failure, gathered by DCP (a BaseException)
+        rank, (cause, _) = min(err.failures.items())
+        raise PipeloomError(f"--resume {directory}: rank {rank} could not load it ({type(cause).__name__}: "
+                            f"{_first_line(cause).split('. ')[0]}); a tensor file is damaged or does not fit this model "
+                            "and optimizer; resume from another checkpoint") from None
+    except Exception as err:
+        raise PipeloomError(f"--resume {directory} does not fit this model and optimizer: {_first_line(err)}") from None
     for shard, full in shards:
         pipe.vocab.load_rows(shard, full)
     by_name: dict[str, list[torch.nn.Parameter]] = {}
@@ -75,7 +81,45 @@ def read_meta(directory: str | Path) -> dict:
     path = Path(directory) / META
     if not path.is_file():
         raise PipeloomError(f"{directory} is not a complete pipeloom checkpoint (no {META})")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise PipeloomError(f"{directory}: its {META} cannot be read ({err}); resume from another checkpoint") from None
+
+
+def check_fits(directory: str | Path, model: torch.nn.Module, hint: str = "") -> None:
+    """Refuse, in one line, a checkpoint whose weights do not fit ``model`` (an unsplit
+    model; a ``meta``-device one is enough) or whose tensor files are missing or cut
+    short. ``hint`` says what the saving run used, for the message."""
+    index = _tensor_index(directory)
+    saved = index.state_dict_metadata
+    fits = f" (it was saved {hint})" if hint else ""
+    for name, p in model.named_parameters():
+        entry = saved.get(f"model/{name}")
+        if entry is None:
+            raise PipeloomError(f"--resume {directory}: it holds no weight {name}, which this model has{fits}")
+        if tuple(entry.size) != tuple(p.shape):
+            raise PipeloomError(f"--resume {directory}: {name} is {list(entry.size)} there but {list(p.shape)} "
+                                f"in this model{fits}")
+    ends: dict[str, int] = {}
+    for info in (index.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for file, end in sorted(ends.items()):
+        path = Path(directory) / file
+        size = path.stat().st_size if path.is_file() else None
+        if size is None or size < end:
+            state = "is missing" if size is None else f"has {size} bytes of the {end} its index names"
+            raise PipeloomError(f"--resume {directory}: its tensor file {file} {state} (cut short or corrupted); "
+                                "resume from another checkpoint")
+
+
+def _tensor_index(directory: str | Path):
+    """DCP's index of the checkpoint's tensors, or one line saying why it cannot be read."""
+    try:
+        return dcp.FileSystemReader(directory).read_metadata()
+    except Exception as err:  # a missing or damaged .metadata: pickle's or the filesystem's error
+        raise PipeloomError(f"--resume {directory}: its tensor index (.metadata) cannot be read "
+                            f"({type(err).__name__}: {_first_line(err)}); resume from another checkpoint") from None
 
 
 def latest(root: str | Path) -> Path | None:

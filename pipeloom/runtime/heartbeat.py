@@ -205,3 +205,38 @@ def start(rank: int, close) -> Heartbeat:
         _current, _current_store = Heartbeat(own, rank, close), store
     _current.now = ("busy", "setting up the pipeline", time.monotonic(), None, None)
     return _current
+
+
+FAILED = "pipeloom/failed"  # the store key naming the first rank that failed, and why
+
+
+def _store() -> dist.Store | None:
+    """A connection of this thread's own to the default group's store, or None."""
+    try:
+        store = dist.distributed_c10d._get_default_store().clone()
+        store.set_timeout(timedelta(seconds=5))
+        return store
+    except (RuntimeError, ValueError, NotImplementedError, dist.DistError):
+        return None
+
+
+def record_failure(rank: int, cause: str) -> None:
+    """Say in the store that ``rank`` failed with ``cause``, unless another rank failed first."""
+    store = _store()
+    try:
+        if store is not None:
+            store.compare_set(FAILED, "", f"{rank} {cause}")
+    except (RuntimeError, dist.DistError):
+        pass  # the store is gone: the peers learn of the failure from their links
+
+
+def first_failure() -> tuple[int, str] | None:
+    """(rank, cause) of the first rank that recorded a failure, or None."""
+    store = _store()
+    try:
+        if store is None or not store.check([FAILED]):
+            return None
+        rank, cause = store.get(FAILED).decode().split(" ", 1)
+        return int(rank), cause
+    except (RuntimeError, dist.DistError, ValueError):
+        return None
