@@ -176,6 +176,7 @@ def _report(result, model, args) -> dict:
         "vocab_parallel": schedule.options.get("vocab_parallel"),
         "makespan": result.makespan,
         "bubble_rate": result.bubble_rate,
+        "step_bubble_rate": result.step_bubble_rate,
         "peak_activation": result.peak_activation,
         "ranks": [
             {
@@ -184,6 +185,7 @@ def _report(result, model, args) -> dict:
                 "busy": stats.busy,
                 "idle": stats.idle,
                 "bubble_rate": stats.bubble_rate,
+                "step_bubble_rate": stats.step_bubble_rate,
                 "peak_activation": stats.peak_activation,
             }
             for r, stats in enumerate(result.ranks)
@@ -236,15 +238,17 @@ def _rank_table(report: dict) -> str:
     unit = f" ({report['time_unit']})" if "time_unit" in report else ""
     lines = [
         f"{report['schedule']}: pp={report['pp']} microbatches={report['microbatches']} "
-        f"stages={report['stages']}  makespan={report['makespan']:.4g}{unit}  bubble rate={report['bubble_rate']:.1%}",
+        f"stages={report['stages']}  makespan={report['makespan']:.4g}{unit}  "
+        f"span bubble={report['bubble_rate']:.1%} (worst rank)  step bubble={report['step_bubble_rate']:.1%}",
         "",
     ]
     memory = report.get("peak_memory_bytes")
-    header = f"{'rank':>4}  {'stages':<10} {'busy':>10} {'idle':>10} {'bubble':>7} {'peak act (M_B)':>15}"
+    header = (f"{'rank':>4}  {'stages':<10} {'busy':>10} {'idle':>10}  {'span bubble':>11}  {'step bubble':>11} "
+              f"{'peak act (M_B)':>15}")
     lines.append(header + ("  peak memory (GiB)" if memory else ""))
     for row in report["ranks"]:
-        line = (f"{row['rank']:>4}  {','.join(map(str, row['stages'])):<10} {row['busy']:>10.4g} {row['idle']:>10.4g} "
-                f"{row['bubble_rate']:>7.1%} {row['peak_activation']:>15.4g}")
+        line = (f"{row['rank']:>4}  {','.join(map(str, row['stages'])):<10} {row['busy']:>10.4g} {row['idle']:>10.4g}  "
+                f"{row['bubble_rate']:>11.1%}  {row['step_bubble_rate']:>11.1%} {row['peak_activation']:>15.4g}")
         if memory:
             line += f"  {memory[row['rank']] / 2**30:>17.2f}"
         lines.append(line)
@@ -334,10 +338,11 @@ def _vocab_table(reports: list[dict]) -> str:
 
 
 def _compare_table(reports: list[dict]) -> str:
-    lines = [f"{'schedule':<18} {'stages':>6} {'makespan':>10} {'bubble':>7} {'max peak act':>13}"]
+    lines = [f"{'schedule':<18} {'stages':>6} {'makespan':>10}  {'span bubble':>11}  {'step bubble':>11} "
+             f"{'max peak act':>13}"]
     for r in reports:
-        lines.append(f"{r['schedule']:<18} {r['stages']:>6} {r['makespan']:>10.4g} {r['bubble_rate']:>7.1%} "
-                     f"{max(r['peak_activation']):>13.4g}")
+        lines.append(f"{r['schedule']:<18} {r['stages']:>6} {r['makespan']:>10.4g}  {r['bubble_rate']:>11.1%}  "
+                     f"{r['step_bubble_rate']:>11.1%} {max(r['peak_activation']):>13.4g}")
     return "\n".join(lines)
 
 

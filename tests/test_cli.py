@@ -19,8 +19,10 @@ def test_json_has_the_promised_fields(capsys):
     out = run_json(capsys, "--schedule", "1f1b", "--pp", "4", "--microbatches", "8")
     assert out["schedule"] == "1f1b" and out["pp"] == 4 and out["microbatches"] == 8
     assert out["makespan"] == 33 and out["bubble_rate"] == pytest.approx(3 / 11)
+    assert out["step_bubble_rate"] == pytest.approx(3 / 11)
     assert out["peak_activation"] == [4, 3, 2, 1]
-    assert [set(r) >= {"busy", "idle", "peak_activation"} for r in out["ranks"]] == [True] * 4
+    keys = {"busy", "idle", "bubble_rate", "step_bubble_rate", "peak_activation"}
+    assert [set(r) >= keys for r in out["ranks"]] == [True] * 4
     assert sum(r["busy"] for r in out["ranks"]) == 4 * 8 * 3
 
 
@@ -32,7 +34,7 @@ def test_costs_flag_changes_times(capsys):
 def test_table_and_grid(capsys):
     assert main(["simulate", "--schedule", "1f1b", "--pp", "2", "--microbatches", "3"]) == 0
     out = capsys.readouterr().out
-    assert "bubble rate=" in out and "peak act" in out
+    assert "span bubble=25.0% (worst rank)  step bubble=25.0%" in out and "peak act" in out
     assert len([line for line in out.splitlines() if line.strip().startswith("0 ")]) >= 1
 
 
@@ -143,3 +145,14 @@ def test_sequence_parallel_bad_input_one_clear_line(capsys, args, message):
     assert main(["simulate", *args]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0]
+
+
+def test_both_bubble_rates_named(capsys):
+    out = run_json(capsys, "--compare", "zb-v,zb-h2", "--pp", "4", "--microbatches", "8")["compare"]
+    zbv, h2 = out
+    assert zbv["bubble_rate"] == 0 and zbv["step_bubble_rate"] == pytest.approx(1.5 / 25.5)  # idle ends of the step
+    assert [r["step_bubble_rate"] for r in zbv["ranks"]] == pytest.approx([1.5 / 25.5] * 4)
+    assert h2["bubble_rate"] == 0 and h2["step_bubble_rate"] == pytest.approx(3 / 27)
+    assert main(["simulate", "--compare", "zb-v,zb-h2", "--pp", "4", "--microbatches", "8"]) == 0
+    assert "span bubble  step bubble" in capsys.readouterr().out
+

@@ -107,7 +107,7 @@ def _draw_timeline(ax, result: Result, rows_in: float) -> None:
     schedule = result.schedule
     ax.set_title(
         f"{schedule.family}   p={p}   m={schedule.microbatches}   stages={schedule.stages}   "
-        f"makespan={result.makespan:g}   bubble={result.bubble_rate:.1%}"
+        f"makespan={result.makespan:g}   span bubble={result.bubble_rate:.1%}   step bubble={result.step_bubble_rate:.1%}"
     )
 
 
