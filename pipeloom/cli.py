@@ -4,15 +4,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .errors import PipeloomError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
+    try:
+        try:
+            return _main(sys.argv[1:] if argv is None else list(argv))
+        finally:
+            sys.stdout.flush()  # a reader that went away (`| head`) shows here, not at exit
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left for the exit to flush
+        return 141  # 128 + SIGPIPE, as for any command whose reader stopped
+    except KeyboardInterrupt:
+        return 130  # 128 + SIGINT
+
+
+def _main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
     args.argv = argv[argv.index(args.command) + 1:]  # what a subcommand was given, to pass on
     try:
         return args.run(args)
@@ -21,8 +33,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line, as pipeloom's own (the usage is in --help)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipeloom", description="Plan, simulate, draw and run pipeline-parallel training.")
+    parser = _Parser(prog="pipeloom", description="Plan, simulate, draw and run pipeline-parallel training.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_simulate(sub)
     _add_train(sub)

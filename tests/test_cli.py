@@ -156,3 +156,11 @@ def test_both_bubble_rates_named(capsys):
     assert main(["simulate", "--compare", "zb-v,zb-h2", "--pp", "4", "--microbatches", "8"]) == 0
     assert "span bubble  step bubble" in capsys.readouterr().out
 
+
+def test_a_closed_pipe_ends_quietly():
+    proc = subprocess.Popen([sys.executable, "-m", "pipeloom", "simulate", "--pp", "512", "--microbatches", "1",
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"{"
+    proc.stdout.close()  # as `| head -1` does, with 100 kB still to come
+    assert proc.wait(timeout=120) == 141
+    assert proc.stderr.read() == b""
