@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
+from ..errors import PipeloomError
 from ..schedule.costs import Costs, StageCosts
 from ..schedule.deps import asap, peak_activation
 from ..schedule.ir import Action, Schedule
@@ -111,4 +113,7 @@ def simulate(schedule: Schedule, costs: Costs | StageCosts | None = None) -> Res
     if not isinstance(costs, StageCosts):
         costs = (costs or Costs()).per_stage(schedule.stages, schedule.chunks)
     starts, ends = asap(schedule, costs.duration, costs.transfer)
-    return Result.from_times(schedule, costs, starts, ends)
+    result = Result.from_times(schedule, costs, starts, ends)
+    if not math.isfinite(result.makespan):
+        raise PipeloomError(f"the costs are too large: the makespan overflows to {result.makespan}")
+    return result
