@@ -4,15 +4,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 
 from .errors import PipeloomError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
+    try:
+        try:
+            return _main(sys.argv[1:] if argv is None else list(argv))
+        finally:
+            sys.stdout.flush()  # a reader that went away (`| head`) shows here, not at exit
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left for the exit to flush
+        return 141  # 128 + SIGPIPE, as for any command whose reader stopped
+    except KeyboardInterrupt:
+        return 130  # 128 + SIGINT
+
+
+def _main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
     args.argv = argv[argv.index(args.command) + 1:]  # what a subcommand was given, to pass on
     try:
         return args.run(args)
@@ -47,7 +60,9 @@ def _add_simulate(sub) -> None:
         description="Build a schedule, validate it, simulate it and print a table and a text picture.",
     )
     p.add_argument("--schedule", default="1f1b", metavar="NAME", help=f"one of: {', '.join(FAMILIES)} (default 1f1b)")
-    p.add_argument("--compare", metavar="A,B,...", help="simulate several schedules on the same costs, side by side")
+    p.add_argument("--compare", metavar="A,B,...",
+                   help="simulate several schedules on the same costs, side by side; --plot draws them in one "
+                        "picture, --trace and --torch-csv FILE write one file per schedule, STEM-NAME.SUFFIX")
     p.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
     p.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
     p.add_argument("--chunks", type=int, help="stages per rank (interleaved-1f1b: >= 2, default 2)")
@@ -59,9 +74,9 @@ def _add_simulate(sub) -> None:
                    help="activation memory limit per rank in units of a full stage's M_B (zb-auto searches under it; "
                         "other schedules are checked against it)")
     p.add_argument("--model", metavar="PRESET", help="derive costs from a model preset instead of --costs")
-    p.add_argument("--seq", type=int, default=2048, help="sequence length with --model (default 2048)")
-    p.add_argument("--microbatch-size", type=int, default=1, help="sequences per microbatch with --model (default 1)")
-    p.add_argument("--device", default="a100", help="device preset with --model (default a100)")
+    p.add_argument("--seq", type=int, help="sequence length, with --model only (default 2048)")
+    p.add_argument("--microbatch-size", type=int, help="sequences per microbatch, with --model only (default 1)")
+    p.add_argument("--device", help="device preset, with --model only: a100, h100, v100, cpu (default a100)")
     p.add_argument("--vocab", type=int, metavar="V", help="vocabulary size with --model (default: the preset's)")
     p.add_argument("--sp", type=int, metavar="N",
                    help="sequence parallelism with --model: each stage on N ranks holding seq/N tokens each "
@@ -80,49 +95,132 @@ def _add_simulate(sub) -> None:
     p.set_defaults(run=_run_simulate)
 
 
+#: The flags that only mean something with --model, and what they set.
+MODEL_FLAGS = {"--seq": "the sequence length", "--microbatch-size": "the sequences per microbatch",
+               "--device": "the device", "--vocab": "the vocabulary", "--sp": "the sequence parallelism",
+               "--attention": "the sequence-parallel attention"}
+MODEL_DEFAULTS = {"seq": 2048, "microbatch_size": 1, "device": "a100"}
+
+
 def _run_simulate(args) -> int:
+    """Check the inputs and output paths, then simulate, write the files and print."""
+    from .paths import prepare_output
+    from .sim.plot import SUFFIXES
+
     modes = _vocab_modes(args)
+    names = _schedules(args)
+    _model_flags(args)
+    if args.memory_limit is not None and not 0 < args.memory_limit < math.inf:
+        raise PipeloomError(f"--memory-limit {args.memory_limit:g}: must be a positive number of M_B")
+    plot = None if args.plot is None else prepare_output("--plot", args.plot, SUFFIXES)
+    files = _output_files(args, names)
     if len(modes) > 1:
-        return _compare_vocab(args, modes)
+        return _compare_vocab(args, modes, plot)
     args.vocab_parallel = modes[0] if modes else None
-    if args.compare:
-        reports = [_simulate_one(args, name.strip(), compare=True) for name in args.compare.split(",") if name.strip()]
-        if args.json:
-            print(json.dumps({"compare": [r for r, _ in reports]}, indent=2))
-        else:
-            print(_compare_table([r for r, _ in reports]))
-        return 0
-    report, result = _simulate_one(args, args.schedule, compare=False)
-    if args.trace:
-        from .sim.trace import write_chrome_trace
-        write_chrome_trace(result, args.trace)
-    if args.plot:
-        from .sim.plot import plot_schedule
-        plot_schedule(result, args.plot)
-    if args.torch_csv:
-        from .schedule.torch_csv import write_torch_csv
-        write_torch_csv(result.schedule, args.torch_csv)
-    if args.json:
-        print(json.dumps(report, indent=2))
+    runs = [_simulate_one(args, name, compare=args.compare is not None) for name in names]
+    reports, results = [report for report, _ in runs], [result for _, result in runs]
+    _write(results, files, plot, compare=args.compare is not None)
+    if args.compare is not None:
+        print(json.dumps({"compare": reports}, indent=2) if args.json else _compare_table(reports))
+    elif args.json:
+        print(json.dumps(reports[0], indent=2))
     else:
         from .sim.grid import text_grid
-        print(_rank_table(report))
+        print(_rank_table(reports[0]))
         print()
-        print(text_grid(result))
+        print(text_grid(results[0]))
     return 0
+
+
+def _schedules(args) -> list[str]:
+    """The schedules to simulate, checked: --schedule, or the names of --compare."""
+    from .schedule import FAMILIES, get_family
+
+    names = [args.schedule] if args.compare is None else _names("--compare", args.compare)
+    families = [get_family(name) for name in names]
+    if args.compare is not None and args.chunks is not None and all(_chunks(f, args.chunks) is None for f in families):
+        takes = ", ".join(f"{f.name} {'>= 2' if f.chunks is None else ' or '.join(map(str, f.chunks))}" for f in families)
+        raise PipeloomError(f"--chunks {args.chunks} fits none of the schedules compared; they take chunks {takes}")
+    steppers = [name for name, family in FAMILIES.items() if "steps" in family.options]
+    if args.steps is not None and not set(names) & set(steppers):
+        raise PipeloomError(f"--steps sets how many steps {', '.join(steppers)} builds; {', '.join(names)} "
+                            f"{'builds' if len(names) == 1 else 'build'} one step")
+    return names
+
+
+def _names(flag: str, text: str) -> list[str]:
+    """The names of a comma list: at least one, none twice."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise PipeloomError(f"{flag} {text!r}: give at least one name")
+    twice = next((name for name in names if names.count(name) > 1), None)
+    if twice:
+        raise PipeloomError(f"{flag} {text!r}: {twice} is named twice")
+    return names
+
+
+def _model_flags(args) -> None:
+    """Refuse the flags that need --model when it is not given; give the rest their defaults when it is."""
+    if not args.model:
+        for flag, what in MODEL_FLAGS.items():
+            if getattr(args, flag[2:].replace("-", "_")) is not None:
+                raise PipeloomError(f"{flag} sets {what} that --model derives costs for; give --model too")
+        return
+    if args.costs:
+        raise PipeloomError("give either --costs or --model, not both")
+    for name, value in MODEL_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
+def _output_files(args, names: list[str]) -> dict:
+    """--torch-csv and --trace, checked and ready: a file per schedule, with --compare
+    STEM-NAME.SUFFIX beside the FILE given."""
+    from pathlib import Path
+
+    from .paths import prepare_output
+
+    files = {}
+    for flag, given in (("--torch-csv", args.torch_csv), ("--trace", args.trace)):
+        if given is not None:
+            path = Path(given)
+            each = [given] if args.compare is None else [str(path.parent / f"{path.stem}-{n}{path.suffix}") for n in names]
+            files[flag] = [prepare_output(flag, p) for p in each]
+    return files
+
+
+def _write(results, files, plot, compare: bool) -> None:
+    """Write the files asked for, each followed by ``wrote FILE`` on stderr: the torch CSVs
+    first, since a schedule with vocabulary passes has none and stops the run."""
+    from .schedule.torch_csv import write_torch_csv
+    from .sim.plot import plot_schedule, plot_schedules
+    from .sim.trace import write_chrome_trace
+
+    for result, path in zip(results, files.get("--torch-csv", ())):
+        write_torch_csv(result.schedule, path)
+        _wrote(path)
+    for result, path in zip(results, files.get("--trace", ())):
+        write_chrome_trace(result, path)
+        _wrote(path)
+    if plot is not None:
+        if compare:
+            plot_schedules(results, plot)
+        else:
+            plot_schedule(results[0], plot)
+        _wrote(plot)
+
+
+def _wrote(path) -> None:
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def _simulate_one(args, name: str, compare: bool):
     """Build, validate and simulate one schedule; return (report dict, Result)."""
-    from .schedule import FAMILIES, Costs, build, validate
+    from .schedule import Costs, build, get_family, validate
     from .sim import simulate
 
-    family = FAMILIES.get(name)
-    if family is None:
-        raise PipeloomError(f"unknown schedule {name!r}; valid schedules: {', '.join(FAMILIES)}")
-    chunks = args.chunks
-    if compare and chunks is not None and family.chunks is not None and chunks not in family.chunks:
-        chunks = None  # --chunks applies to the families that can use it
+    family = get_family(name)
+    chunks = _chunks(family, args.chunks) if compare else args.chunks
     costs, model = _costs(args, family, chunks)
     options = {"costs": costs, "memory_limit": args.memory_limit, "steps": args.steps}
     options = {k: v for k, v in options.items() if v is not None and k in family.options}
@@ -133,19 +231,16 @@ def _simulate_one(args, name: str, compare: bool):
     return _report(result, model, args), result
 
 
+def _chunks(family, chunks: int | None) -> int | None:
+    """--chunks for ``family`` in a comparison: dropped (None) where the family has other fixed chunks."""
+    return None if chunks is not None and family.chunks is not None and chunks not in family.chunks else chunks
+
+
 def _costs(args, family, chunks):
     from .schedule import Costs
 
     if not args.model:
-        if args.vocab is not None:
-            raise PipeloomError("--vocab sets the vocabulary of a --model preset; give --model too")
-        for flag, value in (("--sp", args.sp), ("--attention", args.attention)):
-            if value is not None:
-                raise PipeloomError(f"{flag} needs a --model preset to derive sequence-parallel costs from; "
-                                    "give --model too")
         return Costs.parse(args.costs), None
-    if args.costs:
-        raise PipeloomError("give either --costs or --model, not both")
     from dataclasses import replace
 
     from .sim.model import costs_from_model, get_device, get_model
@@ -183,6 +278,7 @@ def _report(result, model, args) -> dict:
         "vocab_parallel": schedule.options.get("vocab_parallel"),
         "makespan": result.makespan,
         "bubble_rate": result.bubble_rate,
+        "step_bubble_rate": result.step_bubble_rate,
         "peak_activation": result.peak_activation,
         "ranks": [
             {
@@ -191,6 +287,7 @@ def _report(result, model, args) -> dict:
                 "busy": stats.busy,
                 "idle": stats.idle,
                 "bubble_rate": stats.bubble_rate,
+                "step_bubble_rate": stats.step_bubble_rate,
                 "peak_activation": stats.peak_activation,
             }
             for r, stats in enumerate(result.ranks)
@@ -243,15 +340,17 @@ def _rank_table(report: dict) -> str:
     unit = f" ({report['time_unit']})" if "time_unit" in report else ""
     lines = [
         f"{report['schedule']}: pp={report['pp']} microbatches={report['microbatches']} "
-        f"stages={report['stages']}  makespan={report['makespan']:.4g}{unit}  bubble rate={report['bubble_rate']:.1%}",
+        f"stages={report['stages']}  makespan={report['makespan']:.4g}{unit}  "
+        f"span bubble={report['bubble_rate']:.1%} (worst rank)  step bubble={report['step_bubble_rate']:.1%}",
         "",
     ]
     memory = report.get("peak_memory_bytes")
-    header = f"{'rank':>4}  {'stages':<10} {'busy':>10} {'idle':>10} {'bubble':>7} {'peak act (M_B)':>15}"
+    header = (f"{'rank':>4}  {'stages':<10} {'busy':>10} {'idle':>10}  {'span bubble':>11}  {'step bubble':>11} "
+              f"{'peak act (M_B)':>15}")
     lines.append(header + ("  peak memory (GiB)" if memory else ""))
     for row in report["ranks"]:
-        line = (f"{row['rank']:>4}  {','.join(map(str, row['stages'])):<10} {row['busy']:>10.4g} {row['idle']:>10.4g} "
-                f"{row['bubble_rate']:>7.1%} {row['peak_activation']:>15.4g}")
+        line = (f"{row['rank']:>4}  {','.join(map(str, row['stages'])):<10} {row['busy']:>10.4g} {row['idle']:>10.4g}  "
+                f"{row['bubble_rate']:>11.1%}  {row['step_bubble_rate']:>11.1%} {row['peak_activation']:>15.4g}")
         if memory:
             line += f"  {memory[row['rank']] / 2**30:>17.2f}"
         lines.append(line)
@@ -281,17 +380,17 @@ def _vocab_modes(args) -> list[str]:
     """The --vocab-parallel modes, checked; only one with --compare, --trace or --torch-csv."""
     from .schedule.vocab import check_mode
 
-    if not args.vocab_parallel:
+    if args.vocab_parallel is None:
         return []
-    modes = [check_mode(m.strip()) for m in args.vocab_parallel.split(",") if m.strip()]
+    modes = [check_mode(mode) for mode in _names("--vocab-parallel", args.vocab_parallel)]
     if len(modes) > 1:
         for flag, value in (("--compare", args.compare), ("--trace", args.trace), ("--torch-csv", args.torch_csv)):
-            if value:
+            if value is not None:
                 raise PipeloomError(f"{flag} takes one --vocab-parallel mode; got {len(modes)} ({', '.join(modes)})")
     return modes
 
 
-def _compare_vocab(args, modes: list[str]) -> int:
+def _compare_vocab(args, modes: list[str], plot) -> int:
     """One schedule under each vocabulary mode: a table (or a JSON list) and, with --plot, per-rank bars."""
     reports = []
     for mode in modes:
@@ -302,17 +401,18 @@ def _compare_vocab(args, modes: list[str]) -> int:
         busy = [row["busy"] for row in r["ranks"]]
         r.update(relative_throughput=base["makespan"] / r["makespan"], relative_to=base["vocab_parallel"],
                  busy_max=max(busy), busy_min=min(busy), busy_mean=sum(busy) / len(busy))
-    if args.plot:
+    if plot is not None:
         from .sim.plot import plot_rank_comparison
 
         memory = "peak_memory_bytes" in base
         plot_rank_comparison(
-            args.plot, [r["vocab_parallel"] for r in reports], [[row["busy"] for row in r["ranks"]] for r in reports],
+            plot, [r["vocab_parallel"] for r in reports], [[row["busy"] for row in r["ranks"]] for r in reports],
             [[x / 2**30 for x in r["peak_memory_bytes"]] if memory else r["peak_activation"] for r in reports],
             busy_label=f"busy ({base.get('time_unit', 'units')})",
             memory_label="peak memory (GiB)" if memory else "peak activation (M_B)",
             title=_vocab_title(base),
         )
+        _wrote(plot)
     print(json.dumps(reports, indent=2) if args.json else _vocab_table(reports))
     return 0
 
@@ -341,10 +441,11 @@ def _vocab_table(reports: list[dict]) -> str:
 
 
 def _compare_table(reports: list[dict]) -> str:
-    lines = [f"{'schedule':<18} {'stages':>6} {'makespan':>10} {'bubble':>7} {'max peak act':>13}"]
+    lines = [f"{'schedule':<18} {'stages':>6} {'makespan':>10}  {'span bubble':>11}  {'step bubble':>11} "
+             f"{'max peak act':>13}"]
     for r in reports:
-        lines.append(f"{r['schedule']:<18} {r['stages']:>6} {r['makespan']:>10.4g} {r['bubble_rate']:>7.1%} "
-                     f"{max(r['peak_activation']):>13.4g}")
+        lines.append(f"{r['schedule']:<18} {r['stages']:>6} {r['makespan']:>10.4g}  {r['bubble_rate']:>11.1%}  "
+                     f"{r['step_bubble_rate']:>11.1%} {max(r['peak_activation']):>13.4g}")
     return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ from statistics import median
 
 from .data import load_data
 from .errors import PipeloomError
+from .paths import prepare_output, prepare_output_dir
 from .schedule import FAMILIES, build
 from .sim.plot import SUFFIXES
 
@@ -96,8 +97,6 @@ def check(args, world: int) -> None:
     for flag in ("lr", "timeout"):
         if not getattr(args, flag) > 0:
             raise PipeloomError(f"--{flag} must be positive, got {getattr(args, flag)}")
-    if args.plot and Path(args.plot).suffix.lower() not in SUFFIXES:
-        raise PipeloomError(f"--plot {args.plot}: the file name must end in .png or .svg")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise PipeloomError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
     if args.checkpoint_every and not args.checkpoint_dir:
@@ -122,6 +121,12 @@ def check(args, world: int) -> None:
     if schedule.stages > layers:
         raise PipeloomError(f"--model {args.model} has {layers} layers, too few for the {schedule.stages} stages of "
                             f"{args.schedule} at --pp {args.pp}; use a larger model or a smaller --pp")
+    # last, when the rest is right: a missing directory is created; one that cannot be stops the run here
+    for flag, path in (("--metrics", args.metrics), ("--trace", args.trace), ("--plot", args.plot)):
+        if path:
+            prepare_output(flag, path, SUFFIXES if flag == "--plot" else ())
+    if args.checkpoint_dir:
+        prepare_output_dir("--checkpoint-dir", args.checkpoint_dir)
 
 
 def learning_rate(step: int, args) -> float:

@@ -14,6 +14,7 @@ SIZES = [(2, 1), (2, 4), (3, 3), (4, 2), (4, 8), (4, 16), (8, 8), (8, 24), (16, 
 def test_flush_schedules_bubble_and_peak(name, pp, m):
     result = simulate(build(name, pp, m))
     assert result.bubble_rate == pytest.approx((pp - 1) / (m + pp - 1))
+    assert result.step_bubble_rate == pytest.approx((pp - 1) / (m + pp - 1))  # every rank busy 3m of 3(m+p-1)
     assert result.makespan == pytest.approx(3 * (m + pp - 1))
     assert max(result.peak_activation) == (m if name == "gpipe" else min(pp, m))
 

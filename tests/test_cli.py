@@ -19,8 +19,10 @@ def test_json_has_the_promised_fields(capsys):
     out = run_json(capsys, "--schedule", "1f1b", "--pp", "4", "--microbatches", "8")
     assert out["schedule"] == "1f1b" and out["pp"] == 4 and out["microbatches"] == 8
     assert out["makespan"] == 33 and out["bubble_rate"] == pytest.approx(3 / 11)
+    assert out["step_bubble_rate"] == pytest.approx(3 / 11)
     assert out["peak_activation"] == [4, 3, 2, 1]
-    assert [set(r) >= {"busy", "idle", "peak_activation"} for r in out["ranks"]] == [True] * 4
+    keys = {"busy", "idle", "bubble_rate", "step_bubble_rate", "peak_activation"}
+    assert [set(r) >= keys for r in out["ranks"]] == [True] * 4
     assert sum(r["busy"] for r in out["ranks"]) == 4 * 8 * 3
 
 
@@ -32,7 +34,7 @@ def test_costs_flag_changes_times(capsys):
 def test_table_and_grid(capsys):
     assert main(["simulate", "--schedule", "1f1b", "--pp", "2", "--microbatches", "3"]) == 0
     out = capsys.readouterr().out
-    assert "bubble rate=" in out and "peak act" in out
+    assert "span bubble=25.0% (worst rank)  step bubble=25.0%" in out and "peak act" in out
     assert len([line for line in out.splitlines() if line.strip().startswith("0 ")]) >= 1
 
 
@@ -94,7 +96,7 @@ def test_vocab_parallel_comparison(capsys, tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--vocab-parallel", "vocab-3"], "unknown vocab_parallel mode 'vocab-3'; modes: none, redis, naive, vocab-1"),
     (["--schedule", "gpipe", "--vocab-parallel", "vocab-1"], "gpipe cannot take vocabulary passes (vocab-1)"),
-    (["--vocab", "1000"], "--vocab sets the vocabulary of a --model preset"),
+    (["--vocab", "1000"], "--vocab sets the vocabulary that --model derives costs for"),
     (["--vocab-parallel", "none,vocab-2", "--compare", "1f1b,zb-h1"], "--compare takes one --vocab-parallel mode"),
 ])
 def test_vocab_parallel_bad_input_one_clear_line(args, message):
@@ -133,8 +135,8 @@ def test_sequence_parallel_table(capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--sp", "4"], "--sp needs a --model preset"),
-    (["--attention", "rsa"], "--attention needs a --model preset"),
+    (["--sp", "4"], "--sp sets the sequence parallelism that --model derives costs for"),
+    (["--attention", "rsa"], "--attention sets the sequence-parallel attention that --model derives costs for"),
     (["--model", "gpt-1.3b", "--seq", "1000", "--sp", "3"], "sp=3 must divide seq=1000"),
     (["--model", "gpt-1.3b", "--sp", "0"], "sp must be a positive integer, got 0"),
     (["--model", "gpt-1.3b", "--sp", "2", "--attention", "flash"], "unknown attention 'flash'; algorithms: ring, rsa"),
@@ -143,3 +145,104 @@ def test_sequence_parallel_bad_input_one_clear_line(capsys, args, message):
     assert main(["simulate", *args]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0]
+
+
+def test_both_bubble_rates_named(capsys):
+    out = run_json(capsys, "--compare", "zb-v,zb-h2", "--pp", "4", "--microbatches", "8")["compare"]
+    zbv, h2 = out
+    assert zbv["bubble_rate"] == 0 and zbv["step_bubble_rate"] == pytest.approx(1.5 / 25.5)  # idle ends of the step
+    assert [r["step_bubble_rate"] for r in zbv["ranks"]] == pytest.approx([1.5 / 25.5] * 4)
+    assert h2["bubble_rate"] == 0 and h2["step_bubble_rate"] == pytest.approx(3 / 27)
+    assert main(["simulate", "--compare", "zb-v,zb-h2", "--pp", "4", "--microbatches", "8"]) == 0
+    assert "span bubble  step bubble" in capsys.readouterr().out
+
+
+def test_compare_writes_a_trace_and_a_csv_per_schedule_and_one_plot(capsys, tmp_path):
+    from pipeloom.schedule import build, to_torch_csv
+
+    out = [str(tmp_path / name) for name in ("t.json", "s.csv", "c.png")]
+    assert main(["simulate", "--compare", "1f1b,zb-h1", "--trace", out[0], "--torch-csv", out[1], "--plot", out[2]]) == 0
+    for name in ("1f1b", "zb-h1"):
+        assert json.loads((tmp_path / f"t-{name}.json").read_text())["otherData"]["family"] == name
+        assert (tmp_path / f"s-{name}.csv").read_text() == to_torch_csv(build(name, 4, 8))
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    files = ["s-1f1b.csv", "s-zb-h1.csv", "t-1f1b.json", "t-zb-h1.json", "c.png"]
+    assert capsys.readouterr().err.splitlines() == [f"wrote {tmp_path / f}" for f in files]
+
+
+def simulate_cli(*args: str, **popen) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeloom", "simulate", *args], capture_output=True, text=True,
+                          timeout=120, **popen)
+
+
+# (arguments, with {tmp} a fresh directory holding a file named "file"; exit code; the error's words, or
+# None for a run that succeeds; the files under {tmp} it writes)
+MISTAKES = {
+    "missing output dir is created": (["--plot", "{tmp}/new/dir/p.png"], 0, None, ["new/dir/p.png"]),
+    "parent is a file": (["--trace", "{tmp}/file/t.json"], 2, "--trace {tmp}/file/t.json: {tmp}/file is a file", []),
+    "output is a directory": (["--torch-csv", "{tmp}"], 2, "--torch-csv {tmp}: is a directory", []),
+    "bad plot suffix": (["--plot", "{tmp}/p.pdf"], 2, "--plot {tmp}/p.pdf: the file name must end in .png or .svg", []),
+    "seq without model": (["--seq", "4096"], 2, "--seq sets the sequence length that --model derives costs for", []),
+    "microbatch size without model": (["--microbatch-size", "2"], 2, "--microbatch-size sets the sequences", []),
+    "device without model": (["--device", "h100"], 2, "--device sets the device that --model", []),
+    "unknown schedule": (["--schedule", "nope"], 2, "unknown schedule 'nope'; valid schedules: gpipe", []),
+    "pp 0": (["--pp", "0"], 2, "pp=0: must be a whole number >= 1", []),
+    "pp not a number": (["--pp", "four"], 2, "argument --pp: invalid int value: 'four'", []),
+    "microbatches negative": (["--microbatches", "-3"], 2, "microbatches=-3", []),
+    "cost unknown": (["--costs", "f=1,x=2"], 2, "bad cost 'x=2'", []),
+    "cost not a number": (["--costs", "f=fast"], 2, "'fast' is not a number", []),
+    "cost negative": (["--costs", "b=-1"], 2, "costs must be finite numbers >= 0", []),
+    "cost nan": (["--costs", "w=nan"], 2, "costs must be finite numbers >= 0", []),
+    "cost overflows": (["--costs", "f=1e308"], 2, "the makespan overflows to inf", []),
+    "compare unknown name": (["--compare", "1f1b,nope"], 2, "unknown schedule 'nope'", []),
+    "compare no name": (["--compare", ","], 2, "--compare ',': give at least one name", []),
+    "compare a name twice": (["--compare", "1f1b,1f1b"], 2, "1f1b is named twice", []),
+    "compare writes files": (
+        ["--compare", "1f1b,zb-v", "--plot", "{tmp}/c.svg", "--trace", "{tmp}/t/t.json", "--torch-csv", "{tmp}/s.csv"],
+        0, None, ["s-1f1b.csv", "s-zb-v.csv", "t/t-1f1b.json", "t/t-zb-v.json", "c.svg"],
+    ),
+    "memory limit negative": (["--memory-limit", "-1"], 2, "--memory-limit -1: must be a positive number of M_B", []),
+    "memory limit nan": (["--memory-limit", "nan"], 2, "--memory-limit nan: must be a positive number", []),
+    "memory limit not a number": (["--memory-limit", "lots"], 2, "argument --memory-limit: invalid float", []),
+    "chunks wrong": (["--schedule", "1f1b", "--chunks", "3"], 2, "1f1b uses chunks=1 stages per rank", []),
+    "chunks fit none compared": (["--compare", "1f1b,zb-v", "--chunks", "3"], 2, "--chunks 3 fits none", []),
+    "chunks zero": (["--schedule", "interleaved-1f1b", "--chunks", "0"], 2, "needs chunks >= 2", []),
+    "steps without 2bw": (["--steps", "2"], 2, "--steps sets how many steps 2bw builds; 1f1b builds one step", []),
+    "vocab-parallel junk": (["--vocab-parallel", "vocab-9"], 2, "unknown vocab_parallel mode 'vocab-9'", []),
+    "vocab-parallel empty": (["--vocab-parallel", ""], 2, "--vocab-parallel '': give at least one name", []),
+    "vocab modes with trace": (["--vocab-parallel", "none,redis", "--trace", "{tmp}/t.json"], 2,
+                               "--trace takes one --vocab-parallel mode", []),
+    "vocab passes in torch csv": (["--vocab-parallel", "vocab-1", "--torch-csv", "{tmp}/v.csv"], 2,
+                                  "has no place in torch's compute-only CSV", []),
+    "model junk": (["--model", "gpt-9"], 2, "unknown model 'gpt-9'; presets:", []),
+    "device junk": (["--model", "4b", "--device", "tpu"], 2, "unknown device 'tpu'; presets:", []),
+    "seq zero": (["--model", "4b", "--seq", "0"], 2, "seq must be a positive integer, got 0", []),
+    "sp not dividing seq": (["--model", "gpt-1.3b", "--seq", "1000", "--sp", "3"], 2, "sp=3 must divide seq=1000", []),
+    "more stages than layers": (["--model", "4b", "--pp", "64"], 2, "32 layers cannot fill 64 stages", []),
+}
+
+
+@pytest.mark.parametrize("args,code,message,files", MISTAKES.values(), ids=MISTAKES.keys())
+def test_every_mistake_stops_in_one_line(tmp_path, args, code, message, files):
+    (tmp_path / "file").write_text("a file")
+    proc = simulate_cli("--pp", "2", "--microbatches", "2", *(a.replace("{tmp}", str(tmp_path)) for a in args))
+    assert proc.returncode == code, proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file() and p.name != "file")
+    if message is None:
+        assert proc.stderr.splitlines() == [f"wrote {tmp_path / f}" for f in files]
+        assert written == sorted(files)
+    else:
+        lines = proc.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("pipeloom simulate: error: "), proc.stderr
+        assert message.replace("{tmp}", str(tmp_path)) in lines[0]
+        assert written == []  # no probe or half-written file left behind
+
+
+def test_a_closed_pipe_ends_quietly():
+    proc = subprocess.Popen([sys.executable, "-m", "pipeloom", "simulate", "--pp", "512", "--microbatches", "1",
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"{"
+    proc.stdout.close()  # as `| head -1` does, with 100 kB still to come
+    assert proc.wait(timeout=120) == 141
+    assert proc.stderr.read() == b""

@@ -89,16 +89,32 @@ def test_text_file_and_token_file(tmp_path):
     (["--warmup", "-1"], "--warmup -1: use 0 to --steps 200"),
     (["--weight-decay", "-0.1"], "--weight-decay must be at least 0"),
     (["--resume", "nowhere"], "nowhere is not a complete pipeloom checkpoint"),
+    (["--plot", "a.txt/x.png"], "--plot a.txt/x.png: a.txt is a file, not a directory"),
+    (["--plot", "out/x.jpg"], "--plot out/x.jpg: the file name must end in .png or .svg"),
+    (["--trace", "a.txt/t.json"], "--trace a.txt/t.json: a.txt is a file, not a directory"),
+    (["--metrics", "."], "--metrics .: is a directory"),
+    (["--checkpoint-dir", "a.txt"], "--checkpoint-dir a.txt: is a file, not a directory"),
 ])
 @pytest.mark.timeout(60)
 def test_bad_arguments_stop_before_any_worker_starts(tmp_path, args, message):
     (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "a.txt").write_text("some text\n" * 100)
     mark = uuid.uuid4().hex
     done = train(*args, cwd=tmp_path, check=False, env={"PIPELOOM_TEST_MARK": mark})
     assert done.returncode == 2
     assert message in done.stderr and "Traceback" not in done.stderr
     assert done.stderr.count("\n") == 1 and done.stderr.count("error:") == 1, done.stderr
     assert not _workers(mark)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_outputs_into_missing_directories_are_created_before_training(tmp_path):
+    done = train("--steps", "2", "--metrics", "a/m.jsonl", "--trace", "b/c/t.json", "--plot", "d/p.png",
+                 "--checkpoint-dir", "e/ck", cwd=tmp_path)
+    assert len(metrics(tmp_path / "a" / "m.jsonl")) == 2
+    assert (tmp_path / "b" / "c" / "t.json").stat().st_size and (tmp_path / "d" / "p.png").stat().st_size
+    assert (tmp_path / "e" / "ck" / "step_0000002" / "pipeloom.json").is_file()
+    assert "Traceback" not in done.stderr
 
 
 @pytest.mark.timeout(TIMEOUT)

@@ -63,6 +63,9 @@ def test_v_makespan_and_memory(p, m):
     assert result.makespan == pytest.approx(3 * m + (p - 1) / 2)  # a chunk's F takes 1/2
     assert max(result.peak_activation) == p
     assert result.bubble_rate == 0
+    # no bubble within a rank's span, but the step's ends idle: (p-1)/2 of 3m + (p-1)/2 on every rank
+    assert [r.step_bubble_rate for r in result.ranks] == pytest.approx([(p - 1) / 2 / result.makespan] * p)
+    assert result.step_bubble_rate == pytest.approx((p - 1) / 2 / result.makespan)
     # up to p chunks' W may wait: at most p M_W / 2 on top of p M_B
     assert max(simulate(build("zb-v", p, m), Costs(m_w=0.5)).peak_activation) <= p + p * 0.25
 

@@ -5,7 +5,7 @@ Pure Python: nothing here imports torch.
 
 from .costs import Costs, StageCosts
 from .ir import BW, VOCAB_PASSES, B, F, W, Action, Schedule, looped_placement, v_placement
-from .registry import FAMILIES, build
+from .registry import FAMILIES, build, get_family
 from .vocab import add_vocab_passes
 from .torch_csv import to_torch_csv, write_torch_csv
 from .validate import validate
@@ -13,6 +13,6 @@ from . import families  # noqa: E402,F401  (registers the built-in families)
 
 __all__ = [
     "Action", "Schedule", "Costs", "StageCosts", "F", "B", "W", "BW",
-    "FAMILIES", "build", "validate", "looped_placement", "v_placement",
+    "FAMILIES", "build", "get_family", "validate", "looped_placement", "v_placement",
     "to_torch_csv", "write_torch_csv", "VOCAB_PASSES", "add_vocab_passes",
 ]

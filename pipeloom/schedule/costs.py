@@ -6,6 +6,7 @@ builders that search with real costs (``zb-auto``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Sequence, Union
 
@@ -66,8 +67,8 @@ class Costs:
                 values[key] = float(value)
             except ValueError:
                 raise PipeloomError(f"bad cost {item!r} in {text!r}: {value.strip()!r} is not a number") from None
-            if values[key] < 0:
-                raise PipeloomError(f"bad cost {item!r}: costs cannot be negative")
+            if not 0 <= values[key] < math.inf:
+                raise PipeloomError(f"bad cost {item!r}: costs must be finite numbers >= 0")
         return cls(**values)
 
     def per_stage(self, stages: int, chunks: int) -> StageCosts:

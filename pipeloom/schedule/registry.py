@@ -39,6 +39,13 @@ def register(name: str, summary: str, chunks: tuple[int, ...] | None = (1,), def
     return wrap
 
 
+def get_family(name: str) -> Family:
+    """The family registered as ``name``; an unknown name raises, listing the valid ones."""
+    if name not in FAMILIES:
+        raise PipeloomError(f"unknown schedule {name!r}; valid schedules: {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
 def build(
     name: str,
     pp: int,
@@ -63,9 +70,7 @@ def build(
     family with :data:`~.vocab.HEAD_DELAY` (unless ``head_delay`` is given)
     and add their passes with :func:`~.vocab.add_vocab_passes`.
     """
-    family = FAMILIES.get(name)
-    if family is None:
-        raise PipeloomError(f"unknown schedule {name!r}; valid schedules: {', '.join(FAMILIES)}")
+    family = get_family(name)
     for label, value in (("pp", pp), ("microbatches", microbatches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise PipeloomError(f"{label}={value!r}: must be a whole number >= 1")

@@ -6,7 +6,7 @@ Pure Python: nothing here imports torch.
 from ..schedule.costs import Costs, StageCosts
 from .simulate import Event, RankStats, Result, simulate
 from .grid import text_grid
-from .plot import plot_rank_comparison, plot_schedule
+from .plot import plot_rank_comparison, plot_schedule, plot_schedules
 from .trace import Transfer, chrome_trace, chrome_trace_events, transfers_of, write_chrome_trace
 from .model import (
     ATTENTIONS, BYTES_PER_PARAM, DEVICES, MODELS, Device, ModelSpec, SequenceParallelCosts, balanced_layers,
@@ -22,6 +22,6 @@ __all__ += [
     "ATTENTIONS", "SequenceParallelCosts", "longest_sequence", "sequence_parallel_costs", "stage_layers",
 ]
 __all__ += [
-    "text_grid", "plot_schedule", "plot_rank_comparison", "Transfer", "chrome_trace", "chrome_trace_events", "transfers_of",
-    "write_chrome_trace",
+    "text_grid", "plot_schedule", "plot_schedules", "plot_rank_comparison", "Transfer", "chrome_trace",
+    "chrome_trace_events", "transfers_of", "write_chrome_trace",
 ]

@@ -3,7 +3,9 @@
 Top panel: one row per rank (rank 0 on top), one box per action coloured by
 kind, later chunks of interleaved and V schedules in lighter shades,
 microbatch numbers where the boxes are big enough. Bottom panel: activation
-memory of every rank over time. :func:`plot_rank_comparison` draws per-rank
+memory of every rank over time. :func:`plot_schedules` draws several
+schedules' timelines one above the other on one time axis (``pipeloom
+simulate --compare``); :func:`plot_rank_comparison` draws per-rank
 bars of several runs side by side (the vocabulary modes of ``pipeloom
 simulate --vocab-parallel A,B,...``). matplotlib is imported only when
 drawing, and only its Figure API (Agg for PNG, its SVG writer for SVG), never
@@ -15,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import PipeloomError
+from ..paths import suffix_problem
 from ..schedule.ir import BW, IB, IF, VOCAB_KINDS, B, F, S, T, W
 from .simulate import Result
 
@@ -28,6 +31,7 @@ SUFFIXES = (".png", ".svg")
 WIDTH_IN, DPI = 14.0, 110
 MAX_LABELS = 4000  # above this many boxes, never write microbatch numbers
 RASTER_ABOVE = 5000  # boxes drawn as a bitmap inside SVGs above this many
+TIME_LABEL = "time (simulator units; ms with model costs)"
 
 
 def plot_schedule(result: Result, path: str | Path) -> None:
@@ -35,7 +39,7 @@ def plot_schedule(result: Result, path: str | Path) -> None:
     path = _checked_path(path)
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
 
-    rows_in = min(max(1.6, 0.35 * result.schedule.pp), 10.0)
+    rows_in = _rows_in(result)
     fig = Figure(figsize=(WIDTH_IN, rows_in + 2.6))
     top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [rows_in, 2.0]})
     _draw_timeline(top, result, rows_in)
@@ -44,12 +48,33 @@ def plot_schedule(result: Result, path: str | Path) -> None:
     fig.savefig(path, dpi=DPI)
 
 
+def plot_schedules(results: list[Result], path: str | Path) -> None:
+    """Draw the timelines of ``results`` one above the other on one time axis
+    to ``path``; the suffix (.png or .svg) picks the format."""
+    path = _checked_path(path)
+    from matplotlib.figure import Figure
+
+    rows = [_rows_in(result) for result in results]
+    fig = Figure(figsize=(WIDTH_IN, sum(rows) + 0.6 * len(rows) + 0.5))
+    axes = fig.subplots(len(rows), 1, sharex=True, squeeze=False, gridspec_kw={"height_ratios": rows})[:, 0]
+    span = max(result.makespan for result in results)
+    for ax, result, rows_in in zip(axes, results, rows):
+        _draw_timeline(ax, result, rows_in, span)
+    axes[-1].set_xlabel(TIME_LABEL)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
 def _checked_path(path: str | Path) -> Path:
     path = Path(path)
-    if path.suffix.lower() not in SUFFIXES:
-        got = repr(path.suffix) if path.suffix else "no suffix"
-        raise PipeloomError(f"cannot plot to {str(path)!r}: the file name must end in .png or .svg, not {got}")
+    if why := suffix_problem(path, SUFFIXES):
+        raise PipeloomError(f"cannot plot to {str(path)!r}: {why}")
     return path
+
+
+def _rows_in(result: Result) -> float:
+    """Inches for the rows of ``result``'s timeline."""
+    return min(max(1.6, 0.35 * result.schedule.pp), 10.0)
 
 
 def _shade(colour: str, chunk: int, chunks: int) -> tuple[float, float, float]:
@@ -78,11 +103,12 @@ def _box_colours(result: Result) -> list[list[tuple[float, float, float]]]:
     return [[palette[key(ev.action)] for ev in events] for events in result.events]
 
 
-def _draw_timeline(ax, result: Result, rows_in: float) -> None:
+def _draw_timeline(ax, result: Result, rows_in: float, span: float | None = None) -> None:
+    """The boxes of ``result`` on a time axis of ``span`` (default: its makespan)."""
     import numpy as np
     from matplotlib.collections import PolyCollection
 
-    p, span = result.schedule.pp, result.makespan or 1.0
+    p, span = result.schedule.pp, span or result.makespan or 1.0
     colours = _box_colours(result)
     spans = [(ev.start, ev.end, rank) for rank, events in enumerate(result.events) for ev in events]
     x0, x1, y = np.array(spans, dtype=float).reshape(-1, 3).T
@@ -107,7 +133,7 @@ def _draw_timeline(ax, result: Result, rows_in: float) -> None:
     schedule = result.schedule
     ax.set_title(
         f"{schedule.family}   p={p}   m={schedule.microbatches}   stages={schedule.stages}   "
-        f"makespan={result.makespan:g}   bubble={result.bubble_rate:.1%}"
+        f"makespan={result.makespan:g}   span bubble={result.bubble_rate:.1%}   step bubble={result.step_bubble_rate:.1%}"
     )
 
 
@@ -145,7 +171,7 @@ def _draw_memory(ax, result: Result) -> None:
     else:
         ax.text(1.01, 1.0, f"colour: rank 0 (dark)\nto rank {p - 1} (light)", transform=ax.transAxes, va="top", fontsize=8)
     ax.set_ylabel("activation memory (M_B)")
-    ax.set_xlabel("time (simulator units; ms with model costs)")
+    ax.set_xlabel(TIME_LABEL)
     ax.set_ylim(bottom=0)
 
 

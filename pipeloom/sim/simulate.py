@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
+from ..errors import PipeloomError
 from ..schedule.costs import Costs, StageCosts
 from ..schedule.deps import asap, peak_activation
 from ..schedule.ir import Action, Schedule
@@ -22,14 +24,25 @@ class Event(NamedTuple):
 
 @dataclass(frozen=True)
 class RankStats:
+    """One rank's time: ``busy`` computing, ``idle`` between its first action's
+    start and its last one's end (``span``), in a step of ``makespan``."""
+
     busy: float
     idle: float
     span: float
     peak_activation: float
+    makespan: float
 
     @property
     def bubble_rate(self) -> float:
+        """Idle share of the rank's own span (the zero-bubble paper's steady-state measure)."""
         return self.idle / self.span if self.span > 0 else 0.0
+
+    @property
+    def step_bubble_rate(self) -> float:
+        """Idle share of the whole step, (makespan - busy) / makespan: waits before
+        the rank's first action and after its last count too."""
+        return (self.makespan - self.busy) / self.makespan if self.makespan > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -37,7 +50,9 @@ class Result:
     """What the simulator predicts for one schedule under one set of costs.
 
     ``bubble_rate`` is the largest over ranks of (span - busy) / span, the span
-    running from the start of a rank's first action to the end of its last.
+    running from the start of a rank's first action to the end of its last;
+    ``step_bubble_rate`` is the idle share of the whole step, (makespan - busy)
+    / makespan, over all ranks (their mean, as every rank's step is the makespan).
     Activation memory is in the unit of ``Costs.m_b`` (M_B of a full stage)
     and includes the vocabulary passes' buffers (``Costs.m_v``, from S to T).
     """
@@ -54,13 +69,13 @@ class Result:
     def from_times(cls, schedule: Schedule, costs: StageCosts, starts, ends) -> Result:
         """The result of running every action of ``schedule`` from ``starts`` to ``ends``
         (per rank, in list order): simulated, or measured on the runtime."""
+        makespan = max((e[-1] for e in ends if e), default=0.0)
         stats = []
         for rank, actions in enumerate(schedule.ranks):
             busy = sum(e - s for s, e in zip(starts[rank], ends[rank]))
             span = ends[rank][-1] - starts[rank][0] if actions else 0.0
             peak = peak_activation(actions, costs.memory_delta)
-            stats.append(RankStats(busy=busy, idle=span - busy, span=span, peak_activation=peak))
-        makespan = max((e[-1] for e in ends if e), default=0.0)
+            stats.append(RankStats(busy=busy, idle=span - busy, span=span, peak_activation=peak, makespan=makespan))
         bubble = max((s.bubble_rate for s in stats), default=0.0)
         return cls(schedule, costs, makespan, bubble, stats, starts, ends)
 
@@ -71,6 +86,10 @@ class Result:
             [Event(rank, a, s, e) for a, s, e in zip(actions, self.starts[rank], self.ends[rank])]
             for rank, actions in enumerate(self.schedule.ranks)
         ]
+
+    @property
+    def step_bubble_rate(self) -> float:
+        return sum(r.step_bubble_rate for r in self.ranks) / len(self.ranks) if self.ranks else 0.0
 
     @property
     def peak_activation(self) -> list[float]:
@@ -94,4 +113,7 @@ def simulate(schedule: Schedule, costs: Costs | StageCosts | None = None) -> Res
     if not isinstance(costs, StageCosts):
         costs = (costs or Costs()).per_stage(schedule.stages, schedule.chunks)
     starts, ends = asap(schedule, costs.duration, costs.transfer)
-    return Result.from_times(schedule, costs, starts, ends)
+    result = Result.from_times(schedule, costs, starts, ends)
+    if not math.isfinite(result.makespan):
+        raise PipeloomError(f"the costs are too large: the makespan overflows to {result.makespan}")
+    return result

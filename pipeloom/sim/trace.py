@@ -102,6 +102,7 @@ def chrome_trace(result: Result, name: str | None = None) -> dict:
         "microbatches": schedule.microbatches,
         "makespan": result.makespan,
         "bubble_rate": result.bubble_rate,
+        "step_bubble_rate": result.step_bubble_rate,
     }
     return chrome_trace_events(
         result.events,
