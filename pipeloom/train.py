@@ -160,7 +160,7 @@ def _worker(args) -> int:
         return 2
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     # torch's own timeout (30 min on gloo) bounds a wait for a busy peer; --timeout is when a rank looks at it
-    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(backend)
     code = 1
     try:
         code = Trainer(args, device, stop).train()
