@@ -246,3 +246,10 @@ def test_a_closed_pipe_ends_quietly():
     proc.stdout.close()  # as `| head -1` does, with 100 kB still to come
     assert proc.wait(timeout=120) == 141
     assert proc.stderr.read() == b""
+
+
+def test_train_without_torch_names_the_extra():
+    code = "import sys; sys.modules['torch'] = None; from pipeloom.cli import main; sys.exit(main(['train']))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.count("\n") == 1 and "pip install 'pipeloom[torch]'" in done.stderr
