@@ -449,10 +449,6 @@ def _compare_table(reports: list[dict]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 # -- train -------------------------------------------------------------------
 
 def _add_train(sub) -> None:
@@ -538,3 +534,6 @@ def _run_train(args) -> int:
 
     return run(args)
 
+
+if __name__ == "__main__":
+    sys.exit(main())
