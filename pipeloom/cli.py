@@ -514,10 +514,10 @@ def _add_train(sub) -> None:
     p.set_defaults(run=_run_train)
 
 
-def _clip(text: str) -> float | None:
-    """--clip: a number, or none (no clipping, as 0)."""
+def _clip(text: str) -> float:
+    """--clip: a number; none is 0 (no clipping)."""
     if text.strip().lower() == "none":
-        return None
+        return 0.0
     try:
         return float(text)
     except ValueError:

@@ -11,3 +11,9 @@ class PipeloomError(ValueError):
 
 class ScheduleError(PipeloomError):
     """A schedule that breaks the rules of the schedule language."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message (its type's name if it has none): for one-line reports."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

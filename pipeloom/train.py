@@ -26,7 +26,7 @@ from pathlib import Path
 from statistics import median
 
 from .data import load_data
-from .errors import PipeloomError
+from .errors import PipeloomError, first_line
 from .paths import prepare_output, prepare_output_dir
 from .schedule import FAMILIES, build
 from .sim.plot import SUFFIXES
@@ -86,8 +86,8 @@ def check(args, world: int) -> None:
     if args.seq > block:
         raise PipeloomError(f"--seq {args.seq} is longer than the {block} positions --model {args.model} learns; "
                             f"use --seq {block} or less")
-    if args.clip is not None and args.clip < 0:
-        raise PipeloomError(f"--clip {args.clip:g}: a gradient norm cannot be negative; "
+    if not args.clip >= 0:  # nan too
+        raise PipeloomError(f"--clip {args.clip:g}: a gradient norm cannot be negative or nan; "
                             "give a positive norm, or 0 (or none) for no clipping")
     if args.warmup is not None and not 0 <= args.warmup <= args.steps:
         raise PipeloomError(f"--warmup {args.warmup}: use 0 to --steps {args.steps} warm-up steps"
@@ -170,9 +170,9 @@ def _worker(args) -> int:
         if rank == 0:
             _say(f"error: {err}")
     except dist.DistError as err:
-        _say(_after_failure(rank) or f"rank {rank}: a collective failed (is every rank alive?): {_first_line(err)}")
+        _say(_after_failure(rank) or f"rank {rank}: a collective failed (is every rank alive?): {first_line(err)}")
     except Exception as err:  # noqa: BLE001 -- one line here, the traceback in a file
-        cause = f"{type(err).__name__}: {_first_line(err)}"
+        cause = f"{type(err).__name__}: {first_line(err)}"
         record_failure(rank, cause)
         _say(f"rank {rank} failed: {cause} (traceback in {_keep_traceback(rank)})")
     finally:
@@ -184,11 +184,6 @@ def _worker(args) -> int:
 
 def _say(text: str) -> None:
     print(f"pipeloom train: {text}", file=sys.stderr, flush=True)
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _after_failure(rank: int) -> str | None:
@@ -212,8 +207,9 @@ def _keep_traceback(rank: int) -> str:
     return path
 
 
-def _check_resume(args, vocab_size: int) -> None:
-    """The checkpoint --resume names fits this run: metadata, weight shapes, tensor files."""
+def _check_resume(args, vocab_size: int) -> Path:
+    """The checkpoint --resume names, checked to fit this run (metadata, weight shapes,
+    tensor files)."""
     import torch
 
     from .nn import GPT, GPTConfig
@@ -230,6 +226,7 @@ def _check_resume(args, vocab_size: int) -> None:
     with torch.device("meta"):
         model = GPT(GPTConfig.preset(args.model, vocab_size=vocab_size))
     checkpoint.check_fits(directory, model, hint)
+    return directory
 
 
 class Trainer:
@@ -403,11 +400,7 @@ class Trainer:
     def _resume(self) -> int:
         from .runtime import checkpoint
 
-        args = self.args
-        directory = checkpoint.latest(args.checkpoint_dir) if args.resume == "latest" else Path(args.resume)
-        if directory is None:
-            raise PipeloomError(f"--resume: no complete checkpoint under {args.checkpoint_dir}")
-        _check_resume(args, self.config.vocab_size)  # again: under torchrun no launcher checked it
+        directory = _check_resume(self.args, self.config.vocab_size)  # again: under torchrun no launcher did
         meta = checkpoint.load(self.pipe, self.optimizer, directory)
         self.last_saved = directory
         if self.rank == 0:
@@ -423,7 +416,7 @@ def _output(flag: str, path: str, lead: bool):
         yield
     except Exception as err:  # noqa: BLE001 -- matplotlib's and the filesystem's errors alike
         if lead:
-            _say(f"could not write {flag} {path}: {type(err).__name__}: {_first_line(err)}")
+            _say(f"could not write {flag} {path}: {type(err).__name__}: {first_line(err)}")
 
 
 def report(schedule, timelines, step_times) -> str:

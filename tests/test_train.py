@@ -82,6 +82,7 @@ def test_text_file_and_token_file(tmp_path):
     (["--model", "huge"], "unknown --model 'huge'"),
     (["--device", "cuda", "--dp", "64"], "device cuda: "),  # no GPU here, or fewer than 128
     (["--clip", "-1"], "--clip -1: a gradient norm cannot be negative"),
+    (["--clip", "nan"], "--clip nan: a gradient norm cannot be negative or nan"),
     (["--clip", "lots"], "argument --clip: 'lots' is not a number or none"),
     (["--pp", "two"], "argument --pp: invalid int value: 'two'"),
     (["--model", "gpt-125m", "--seq", "2048"], "--seq 2048 is longer than the 1024 positions --model gpt-125m learns"),

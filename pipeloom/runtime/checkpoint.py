@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..errors import PipeloomError
+from ..errors import PipeloomError, first_line
 
 META = "pipeloom.json"
 
@@ -58,10 +58,10 @@ def load(pipe, optimizer: torch.optim.Optimizer, directory: str | Path) -> dict:
     except CheckpointException as err:  # each rank's failure, gathered by DCP (a BaseException)
         rank, (cause, _) = min(err.failures.items())
         raise PipeloomError(f"--resume {directory}: rank {rank} could not load it ({type(cause).__name__}: "
-                            f"{_first_line(cause).split('. ')[0]}); a tensor file is damaged or does not fit this model "
+                            f"{first_line(cause).split('. ')[0]}); a tensor file is damaged or does not fit this model "
                             "and optimizer; resume from another checkpoint") from None
     except Exception as err:
-        raise PipeloomError(f"--resume {directory} does not fit this model and optimizer: {_first_line(err)}") from None
+        raise PipeloomError(f"--resume {directory} does not fit this model and optimizer: {first_line(err)}") from None
     for shard, full in shards:
         pipe.vocab.load_rows(shard, full)
     by_name: dict[str, list[torch.nn.Parameter]] = {}
@@ -119,7 +119,7 @@ def _tensor_index(directory: str | Path):
         return dcp.FileSystemReader(directory).read_metadata()
     except Exception as err:  # a missing or damaged .metadata: pickle's or the filesystem's error
         raise PipeloomError(f"--resume {directory}: its tensor index (.metadata) cannot be read "
-                            f"({type(err).__name__}: {_first_line(err)}); resume from another checkpoint") from None
+                            f"({type(err).__name__}: {first_line(err)}); resume from another checkpoint") from None
 
 
 def latest(root: str | Path) -> Path | None:
@@ -169,8 +169,3 @@ def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = lr
     for p in fresh:
         p.grad = None
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
