@@ -6,6 +6,7 @@ Pure Python: nothing here imports torch.
 from .costs import Costs, StageCosts
 from .ir import BW, VOCAB_PASSES, B, F, W, Action, Schedule, looped_placement, v_placement
 from .registry import FAMILIES, build, get_family
+from .lower import RECV_B, RECV_F, SEND_B, SEND_F, lower
 from .vocab import add_vocab_passes
 from .torch_csv import to_torch_csv, write_torch_csv
 from .validate import validate
@@ -15,4 +16,5 @@ __all__ = [
     "Action", "Schedule", "Costs", "StageCosts", "F", "B", "W", "BW",
     "FAMILIES", "build", "get_family", "validate", "looped_placement", "v_placement",
     "to_torch_csv", "write_torch_csv", "VOCAB_PASSES", "add_vocab_passes",
+    "lower", "SEND_F", "RECV_F", "SEND_B", "RECV_B",
 ]

@@ -1,0 +1,117 @@
+"""Communication as a lowering pass: :func:`lower` adds every rank's sends and receives.
+
+As torch.distributed.pipelining's ``_add_send_recv``, the pass turns the
+compute-only lists into lists that say which messages each rank sends and
+receives, and when each receive is posted. Kinds are torch's, numbered by the
+stage that acts:
+
+- ``SEND_F(s, i)``: stage ``s``'s rank sends its output of microbatch ``i``
+  to the rank of stage ``s + 1``; ``RECV_F(s, i)``: stage ``s``'s rank posts
+  the receive of its input from the rank of stage ``s - 1``;
+- ``SEND_B(s, i)``: stage ``s``'s rank sends its input gradient to the rank of
+  stage ``s - 1``; ``RECV_B(s, i)``: stage ``s``'s rank posts the receive of its
+  output gradient from the rank of stage ``s + 1``.
+
+Only hand-offs between different ranks become messages. A send follows the
+action that produced its data. A backend that matches a link's messages in
+posting order (NCCL; gloo with one tag) needs each receiver to post a link's
+receives in the order they are sent, even where it needs a later message
+first (V schedules cross so): the receive an action needs is posted when the
+action needing the previous received input starts (the first before the
+list), together with the messages its link sends before it. Posting does
+not block; the action that consumes a message waits for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .ir import BW, B, F, Action, Schedule
+
+SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
+#: The kinds this pass adds.
+COMM_KINDS = (SEND_F, RECV_F, SEND_B, RECV_B)
+#: Each kind's neighbouring stage: the stage at the other end of the message.
+_OTHER_END = {SEND_F: 1, RECV_F: -1, SEND_B: -1, RECV_B: 1}
+
+
+def peer(schedule: Schedule, action: Action) -> int:
+    """The pipeline rank at the other end of a send or receive."""
+    return schedule.placement[action.stage + _OTHER_END[action.kind]]
+
+
+def _send(schedule: Schedule, action: Action) -> Action | None:
+    """The send that follows ``action``, if its data goes to another rank."""
+    s, last = action.stage, schedule.stages - 1
+    if action.kind == F and s < last:
+        send = Action(SEND_F, s, action.microbatch)
+    elif action.kind in (B, BW) and s > 0:
+        send = Action(SEND_B, s, action.microbatch)
+    else:
+        return None
+    return send if peer(schedule, send) != schedule.placement[s] else None
+
+
+def _receive(schedule: Schedule, action: Action) -> Action | None:
+    """The receive whose message ``action`` consumes, if its input comes from another rank."""
+    s, last = action.stage, schedule.stages - 1
+    if action.kind == F and s > 0:
+        recv = Action(RECV_F, s, action.microbatch)
+    elif action.kind in (B, BW) and s < last:
+        recv = Action(RECV_B, s, action.microbatch)
+    else:
+        return None
+    return recv if peer(schedule, recv) != schedule.placement[s] else None
+
+
+def matching(action: Action) -> Action:
+    """The send a receive matches (or the receive a send matches)."""
+    kind, s, i = action.kind, action.stage, action.microbatch
+    return {
+        SEND_F: Action(RECV_F, s + 1, i), RECV_F: Action(SEND_F, s - 1, i),
+        SEND_B: Action(RECV_B, s - 1, i), RECV_B: Action(SEND_B, s + 1, i),
+    }[kind]
+
+
+def links(schedule: Schedule) -> dict[tuple[int, int], list[Action]]:
+    """For each link ``(src, dst)`` of pipeline ranks, its sends in the order ``src`` makes them."""
+    out: dict[tuple[int, int], list[Action]] = {}
+    for src, actions in enumerate(schedule.ranks):
+        for action in actions:
+            send = _send(schedule, action)
+            if send:
+                out.setdefault((src, peer(schedule, send)), []).append(send)
+    return dict(sorted(out.items()))
+
+
+def lower(schedule: Schedule) -> Schedule:
+    """``schedule`` with every rank's sends and receives (see the module docstring),
+    ``options["lowered"]`` set. A lowered schedule is returned unchanged."""
+    if schedule.options.get("lowered"):
+        return schedule
+    sent = links(schedule)
+    lists = []
+    for rank, actions in enumerate(schedule.ranks):
+        incoming = {src: [matching(m) for m in messages] for (src, dst), messages in sent.items() if dst == rank}
+        position = {recv: k for receives in incoming.values() for k, recv in enumerate(receives)}
+        posted = dict.fromkeys(incoming, 0)  # per link: how many receives are posted
+        posts: dict[int, list[Action]] = {}
+        point = 0
+        for k, action in enumerate(actions):
+            need = _receive(schedule, action)
+            if need is None:
+                continue
+            src, upto = peer(schedule, need), position[need] + 1
+            if upto > posted[src]:
+                posts.setdefault(point, []).extend(incoming[src][posted[src]:upto])
+                posted[src] = upto
+            point = k
+        lowered: list[Action] = []
+        for k, action in enumerate(actions):
+            lowered += posts.get(k, ())
+            lowered.append(action)
+            send = _send(schedule, action)
+            if send:
+                lowered.append(send)
+        lists.append(tuple(lowered))
+    return replace(schedule, ranks=tuple(lists), options={**schedule.options, "lowered": True})
