@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
 
 from pipeloom.schedule import build  # noqa: E402
-from pipeloom.schedule.vocab import MODES  # noqa: E402
+from pipeloom.schedule.transforms.vocab import MODES  # noqa: E402
 from pipeloom.sim import MODELS, costs_from_model, peak_memory_bytes, simulate  # noqa: E402
 
 MODEL, SEQ, DEVICE = "4b", 2048, "a100"

@@ -378,7 +378,7 @@ def _size(nbytes: float) -> str:
 
 def _vocab_modes(args) -> list[str]:
     """The --vocab-parallel modes, checked; only one with --compare, --trace or --torch-csv."""
-    from .schedule.vocab import check_mode
+    from .schedule.transforms.vocab import check_mode
 
     if args.vocab_parallel is None:
         return []

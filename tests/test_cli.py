@@ -94,7 +94,7 @@ def test_vocab_parallel_comparison(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--vocab-parallel", "vocab-3"], "unknown vocab_parallel mode 'vocab-3'; modes: none, redis, naive, vocab-1"),
+    (["--vocab-parallel", "vocab-3"], "unknown vocab_parallel mode 'vocab-3'; choose one of none, redis, naive, vocab-1"),
     (["--schedule", "gpipe", "--vocab-parallel", "vocab-1"], "gpipe cannot take vocabulary passes (vocab-1)"),
     (["--vocab", "1000"], "--vocab sets the vocabulary that --model derives costs for"),
     (["--vocab-parallel", "none,vocab-2", "--compare", "1f1b,zb-h1"], "--compare takes one --vocab-parallel mode"),

@@ -83,7 +83,7 @@ def test_schedule_and_simulator_layers_import_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, pipeloom, pipeloom.paths, pipeloom.schedule, pipeloom.schedule.links, pipeloom.schedule.torch_csv, "
+    code = ("import sys, pipeloom, pipeloom.paths, pipeloom.schedule, pipeloom.schedule.lower, pipeloom.schedule.kinds, pipeloom.modes, pipeloom.schedule.torch_csv, "
             "pipeloom.sim, pipeloom.sim.trace, pipeloom.sim.grid, pipeloom.sim.plot, pipeloom.cli; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -6,14 +6,16 @@ import pytest
 
 from pipeloom.errors import PipeloomError, ScheduleError
 from pipeloom.schedule import Action, Costs, Schedule, build, validate
-from pipeloom.schedule.deps import Dependencies, activation_delta
-from pipeloom.schedule.ir import BW, CZ, IB, IF, VOCAB_KINDS, VOCAB_PASSES, B, C, F, R, S, T, Z
-from pipeloom.schedule.vocab import ALGORITHMS, HEAD_DELAY, add_vocab_passes
+from pipeloom.schedule.deps import Dependencies
+from pipeloom.schedule.ir import BW, B, F
+from pipeloom.schedule.transforms.vocab import (
+    ALGORITHMS, CZ, HEAD_DELAY, IB, IF, R, S, T, VOCAB_KINDS, VOCAB_PASSES, Z, C, add_vocab_passes,
+)
 from pipeloom.sim import (
     BYTES_PER_PARAM, DEVICES, MODELS, balanced_layers, costs_from_model, peak_memory_bytes, simulate, stage_parameters,
 )
 
-#: the families that take head_delay, so build(..., vocab_parallel=...) accepts them
+#: the families that make room, so build(..., vocab_parallel=...) accepts them
 DELAYABLE = ("1f1b", "2bw", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "v-min", "v-half", "v-zb")
 MODES = ("none", "redis", "naive", "vocab-1", "vocab-2")
 PAPER = {"model": "4b", "pp": 8, "seq": 2048, "device": "a100"}  # the paper's 8-GPU 1F1B setting
@@ -95,9 +97,10 @@ def test_dependencies_of_vocab_2_and_naive_on_a_v_placement():
 
 
 def test_softmax_buffer_lives_from_s_to_t():
-    assert activation_delta(Action(S, 0, 0), 1.0, 0.5, 3.0) == 3.0
-    assert activation_delta(Action(T, 0, 0), 1.0, 0.5, 3.0) == -3.0
-    assert activation_delta(Action(C, 0, 0), 1.0, 0.5, 3.0) == 0.0
+    units = Costs(m_b=1.0, m_w=0.5, m_v=3.0).per_stage(4, 1)
+    assert units.memory_delta(Action(S, 0, 0)) == 3.0
+    assert units.memory_delta(Action(T, 0, 0)) == -3.0
+    assert units.memory_delta(Action(C, 0, 0)) == 0.0
     schedule = build("1f1b", 4, 16, vocab_parallel="vocab-2")
     buffers = simulate(schedule, Costs(m_b=0.0, m_v=1.0)).peak_activation  # only the S -> T buffers
     assert all(1 <= peak <= 3 for peak in buffers)
@@ -157,7 +160,7 @@ def test_families_that_cannot_delay_are_refused_clearly(name):
 
 
 def test_bad_mode_and_redis_none_leave_the_lists():
-    with pytest.raises(PipeloomError, match="unknown vocab_parallel mode 'vocab-3'; modes: none, redis, naive"):
+    with pytest.raises(PipeloomError, match="unknown vocab_parallel mode 'vocab-3'; choose one of none, redis, naive"):
         build("1f1b", 4, 8, vocab_parallel="vocab-3")
     plain = build("1f1b", 4, 8)
     for mode in ("none", "redis"):
@@ -179,7 +182,7 @@ def _edit(schedule, rank, change):
     (lambda s: _edit(s, 1, lambda xs: xs + [Action(Z, 1, 0)]), "1Z0 is not a pass of vocab-1"),
     (lambda s: _edit(_edit(s, 1, lambda xs: [a for a in xs if a != Action(S, 1, 0)]), 0,
                      lambda xs: [Action(S, 1, 0)] + xs), "rank 0: action 1S0 belongs to rank 1, which holds shard 1"),
-    (lambda s: _edit(s, 0, lambda xs: [Action(S, 5, 0)] + xs), "vocabulary pass 5S0 names rank 5; ranks are 0..3"),
+    (lambda s: _edit(s, 0, lambda xs: [Action(S, 5, 0)] + xs), r"action 5S0 \(a pass of one rank\) names rank 5; ranks are 0..3"),
     (lambda s: replace(s, options={}), "names no algorithm"),
     (lambda s: _edit(s, 3, lambda xs: [Action(T, 3, 0)] + [a for a in xs if a != Action(T, 3, 0)]),
      r"rank 3: action 3T0 \(position 0\) runs before 3C0"),
@@ -322,7 +325,7 @@ def test_trace_grid_and_picture_show_the_passes(tmp_path):
 
     result = simulate(build("1f1b", 4, 8, vocab_parallel="vocab-1"), Costs(s=0.5, t=1.0, e_f=0.1, e_b=0.1, comm=0.1))
     compute = {e["name"]: e for e in chrome_trace(result)["traceEvents"] if e["ph"] == "X" and e["tid"] == 0}
-    assert compute["2S5"]["pid"] == 2 and compute["2S5"]["args"] == {"shard": 2, "microbatch": 5, "kind": "S"}
+    assert compute["2S5"]["pid"] == 2 and compute["2S5"]["args"] == {"rank": 2, "microbatch": 5, "kind": "S"}
     assert len(compute) == result.schedule.num_actions()
     grid = text_grid(result)
     assert "s output layer" in grid and "t output layer grad" in grid

@@ -20,7 +20,7 @@ from ..nn.gpt import SequenceParallel, set_sequence_parallel
 from ..nn.linear import WeightGradStore, defer_weight_grads
 from ..nn.ring_attention import sequence_layout
 from ..schedule import BW, B, F, W, Action, Schedule, build, validate
-from ..schedule.ir import VOCAB_KINDS
+from ..schedule.transforms.vocab import VOCAB_KINDS
 from ..schedule.links import Message, link_messages, sent_message
 from .clock import StepClock
 from .device import pipeline_device

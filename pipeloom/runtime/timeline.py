@@ -15,7 +15,7 @@ from statistics import median
 import torch.distributed as dist
 
 from ..schedule import BW, B, F, W, Costs
-from ..schedule.ir import IB, IF, C, S, T
+from ..schedule.transforms.vocab import IB, IF, C, S, T
 from ..schedule.deps import Dependencies
 from ..sim import Event, Result
 from ..sim.trace import chrome_trace_events, transfers_of

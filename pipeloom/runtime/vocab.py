@@ -32,7 +32,8 @@ from torch import nn
 
 from ..errors import PipeloomError
 from ..nn.vocab import VocabParallelEmbedding, VocabParallelLMHead
-from ..schedule.ir import BW, IB, IF, B, C, F, S, T, Z, Action
+from ..schedule.ir import BW, B, F, Action
+from ..schedule.transforms.vocab import IB, IF, C, S, T, Z
 
 #: The collectives, each on its own group: which action kind issues each (see
 #: :meth:`VocabPasses._check_order`).

@@ -4,10 +4,12 @@ Pure Python: nothing here imports torch.
 """
 
 from .costs import Costs, StageCosts
-from .ir import BW, VOCAB_PASSES, B, F, W, Action, Schedule, looped_placement, v_placement
-from .registry import FAMILIES, build, get_family
+from .ir import BW, B, F, W, Action, Schedule, looped_placement, v_placement
+from .kinds import KINDS, Kind
 from .lower import RECV_B, RECV_F, SEND_B, SEND_F, lower
-from .vocab import add_vocab_passes
+from .registry import FAMILIES, build, get_family
+from .transforms import Transform
+from .transforms.vocab import VOCAB_PASSES, VocabPasses, add_vocab_passes
 from .torch_csv import to_torch_csv, write_torch_csv
 from .validate import validate
 from . import families  # noqa: E402,F401  (registers the built-in families)
@@ -16,5 +18,6 @@ __all__ = [
     "Action", "Schedule", "Costs", "StageCosts", "F", "B", "W", "BW",
     "FAMILIES", "build", "get_family", "validate", "looped_placement", "v_placement",
     "to_torch_csv", "write_torch_csv", "VOCAB_PASSES", "add_vocab_passes",
-    "lower", "SEND_F", "RECV_F", "SEND_B", "RECV_B",
+    "lower", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "KINDS", "Kind",
+    "Transform", "VocabPasses",
 ]

@@ -7,14 +7,36 @@ builders that search with real costs (``zb-auto``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import Sequence, Union
+from dataclasses import dataclass, field, fields
+from typing import Mapping, Sequence, Union
 
 from ..errors import PipeloomError
-from .deps import activation_delta
-from .ir import IB, IF, S, T, VOCAB_KINDS, Z
+from .deps import memory_delta
+from .kinds import get
 
 Value = Union[float, Sequence[float]]
+
+
+@dataclass(frozen=True)
+class CostField:
+    """A cost field: ``per`` "stage" (one value per virtual stage; a number for a
+    full stage is split over the chunks when ``split``) or "rank" (one per rank)."""
+
+    name: str
+    per: str = "stage"
+    split: bool = True
+
+
+#: Every cost field by name: :class:`Costs`' own, and those a technique adds with :func:`register_field`.
+COST_FIELDS: dict[str, CostField] = {}
+
+
+def register_field(name: str, per: str = "stage", split: bool = True) -> CostField:
+    """Declare cost field ``name`` (a technique's: given in ``Costs(extra={name: ...})``)."""
+    if per not in ("stage", "rank"):
+        raise PipeloomError(f"cost field {name}: per={per!r}; choose 'stage' or 'rank'")
+    COST_FIELDS[name] = CostField(name, per, split and per == "stage")
+    return COST_FIELDS[name]
 
 
 @dataclass(frozen=True)
@@ -28,14 +50,15 @@ class Costs:
     data) is never split. ``m_b`` is the activation memory a microbatch keeps
     from F until its backward; ``m_w`` the part of it kept from B until W.
 
-    The vocabulary passes (:data:`~pipeloom.schedule.ir.VOCAB_PASSES`) cost a
+    The vocabulary passes (:data:`~pipeloom.schedule.transforms.vocab.VOCAB_PASSES`) cost a
     number or one value per rank: ``s`` and ``t`` the S and T passes,
     ``e_f`` and ``e_b`` the input layer's forward and backward; ``c`` the
     collective after S (and naive's all-reduce of the sums), ``r`` the reduce
     of the input gradient, ``e_comm`` the all-reduce summing the input layer
     into stage 0 (the broadcasts of the last stage's output and of stage 0's
     gradient take ``comm``); ``m_v`` the memory an S keeps until its T.
-    All default to 0.
+    All default to 0. ``extra`` holds the fields techniques add
+    (:func:`register_field`), by name.
     """
 
     f: Value = 1.0
@@ -52,11 +75,21 @@ class Costs:
     e_b: Value = 0.0
     e_comm: Value = 0.0
     m_v: Value = 0.0
+    extra: Mapping[str, Value] = field(default_factory=dict)
+
+    def __post_init__(self):
+        unknown = sorted(set(self.extra) - set(COST_FIELDS))
+        if unknown:
+            raise PipeloomError(f"costs: unknown field {unknown[0]!r}; fields: {', '.join(COST_FIELDS)}")
+
+    def value(self, name: str) -> Value:
+        """The field ``name``, one of :class:`Costs`' own or an ``extra`` one (0 when not given)."""
+        return getattr(self, name) if name in _OWN else self.extra.get(name, 0.0)
 
     @classmethod
     def parse(cls, text: str) -> Costs:
         """Read ``"f=1,b=1,w=1,comm=0"`` (any subset of the fields)."""
-        names = [f.name for f in fields(cls)]
+        names = list(COST_FIELDS)
         values: dict[str, float] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, sep, value = item.partition("=")
@@ -69,94 +102,69 @@ class Costs:
                 raise PipeloomError(f"bad cost {item!r} in {text!r}: {value.strip()!r} is not a number") from None
             if not 0 <= values[key] < math.inf:
                 raise PipeloomError(f"bad cost {item!r}: costs must be finite numbers >= 0")
-        return cls(**values)
+        extra = {k: values.pop(k) for k in list(values) if k not in _OWN}
+        return cls(**values, extra=extra)
 
     def per_stage(self, stages: int, chunks: int) -> StageCosts:
         """Expand to one value per virtual stage for ``stages`` stages of
-        ``chunks`` per rank (and one per rank for the vocabulary passes)."""
+        ``chunks`` per rank (one per rank for the fields given per rank)."""
         ranks = stages // chunks
 
-        def expand(name: str, split: bool, count: int = stages, unit: str = "stages") -> tuple[float, ...]:
-            value = getattr(self, name)
+        def expand(spec: CostField) -> tuple[float, ...]:
+            count, unit = (stages, "stages") if spec.per == "stage" else (ranks, "ranks")
+            value = self.value(spec.name)
             if isinstance(value, (int, float)):
-                return (float(value) / (chunks if split else 1),) * count
+                return (float(value) / (chunks if spec.split else 1),) * count
             value = tuple(float(v) for v in value)
             if len(value) != count:
-                raise PipeloomError(f"costs: {name} has {len(value)} values; the schedule has {count} {unit}")
+                raise PipeloomError(f"costs: {spec.name} has {len(value)} values; the schedule has {count} {unit}")
             return value
 
-        per_rank = {name: expand(name, False, ranks, "ranks") for name in VOCAB_FIELDS}
-        return StageCosts(
-            f=expand("f", True),
-            b=expand("b", True),
-            w=expand("w", True),
-            comm=expand("comm", False),
-            m_b=expand("m_b", True),
-            m_w=expand("m_w", True),
-            **per_rank,
-        )
+        return StageCosts({name: expand(spec) for name, spec in COST_FIELDS.items()})
 
 
+_OWN = frozenset(f.name for f in fields(Costs)) - {"extra"}
+for _name in ("f", "b", "w", "m_b", "m_w"):
+    register_field(_name)
+register_field("comm", split=False)
 #: The fields of :class:`Costs` given per rank: the vocabulary passes.
 VOCAB_FIELDS = ("s", "t", "c", "r", "e_f", "e_b", "e_comm", "m_v")
+for _name in VOCAB_FIELDS:
+    register_field(_name, per="rank")
 
 
-@dataclass(frozen=True)
 class StageCosts:
-    """Costs resolved to one value per virtual stage (per rank for the vocabulary passes)."""
+    """Costs resolved to one value per virtual stage (per rank for the fields
+    given per rank), read as attributes (``costs.f[stage]``); kinds' actions
+    timed by their :class:`~.kinds.Kind` fields."""
 
-    f: tuple[float, ...]
-    b: tuple[float, ...]
-    w: tuple[float, ...]
-    comm: tuple[float, ...]
-    m_b: tuple[float, ...]
-    m_w: tuple[float, ...]
-    s: tuple[float, ...]
-    t: tuple[float, ...]
-    c: tuple[float, ...]
-    r: tuple[float, ...]
-    e_f: tuple[float, ...]
-    e_b: tuple[float, ...]
-    e_comm: tuple[float, ...]
-    m_v: tuple[float, ...]
+    def __init__(self, values: dict[str, tuple[float, ...]]):
+        self.values = values
+
+    def __getattr__(self, name: str) -> tuple[float, ...]:
+        try:
+            return self.__dict__["values"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, StageCosts) and self.values == other.values
+
+    def __repr__(self) -> str:
+        return f"StageCosts({self.values!r})"
 
     def duration(self, action) -> float:
-        """Time of one action (kinds without a cost, the collectives, take no
-        time on their rank: their time is in :meth:`transfer`)."""
-        kind, s = action.kind, action.stage
-        if kind == "F":
-            return self.f[s]
-        if kind == "B":
-            return self.b[s]
-        if kind == "W":
-            return self.w[s]
-        if kind == "BW":
-            return self.b[s] + self.w[s]
-        if kind == S:
-            return self.s[s]
-        if kind == T:
-            return self.t[s]
-        if kind == IF:
-            return self.e_f[s]
-        if kind == IB:
-            return self.e_b[s]
-        return 0.0
+        """Time of one action: the sum of its kind's cost fields (the collectives
+        take no time on their rank: theirs is in :meth:`transfer`)."""
+        s, values = action.stage, self.values
+        return sum(values[name][s] for name in get(action.kind).cost)
 
     def transfer(self, producer) -> float:
         """Time from ``producer``'s end until a consumer on another rank (or
-        behind a collective) has its result."""
-        kind = producer.kind
-        if kind == S or kind == Z:
-            return self.c[producer.stage]
-        if kind == T:
-            return self.r[producer.stage]
-        if kind == IF:
-            return self.e_comm[producer.stage]
-        return self.comm[producer.stage]
+        behind a collective) has its result: its kind's ``transfer`` field."""
+        name = get(producer.kind).transfer
+        return self.values[name][producer.stage] if name else 0.0
 
     def memory_delta(self, action) -> float:
-        """The action's change of its rank's activation memory (:func:`~.deps.activation_delta`)."""
-        s = action.stage
-        if action.kind in VOCAB_KINDS:
-            return activation_delta(action, 0.0, 0.0, self.m_v[s])
-        return activation_delta(action, self.m_b[s], self.m_w[s])
+        """The action's change of its rank's activation memory (:func:`~.deps.memory_delta`)."""
+        return memory_delta(action, lambda name, a: self.values[name][a.stage])

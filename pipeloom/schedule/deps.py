@@ -1,16 +1,12 @@
-"""What each action kind needs, what it does to memory, and when it can run.
+"""When each action can run: the implied dependencies, and the timing that follows.
 
-Dependencies are implied by the kinds (docs/design.md): F(s,i) after F(s-1,i);
-B(s,i) and BW(s,i) after F(s,i) and the backward of (s+1,i); W(s,i) after
-B(s,i). The vocabulary passes of rank r (see :data:`~.ir.VOCAB_PASSES`):
-S(r,i) after the last stage's F(i); C(r,i) after S(q,i) on every rank q;
-Z(r,i) after C(r,i) and CZ(r,i) after Z(q,i) on every q (naive); T(r,i) after
-C(r,i) (CZ(r,i) for naive); R(r,i) after T(q,i) on every q; the last stage's
-backward of i also after R (vocab-1, naive) or C (vocab-2) of its own rank;
-IF(r,i) after nothing, stage 0's F(i) after IF(q,i) on every q; IB(r,i)
-after stage 0's backward of i. :func:`asap` runs every rank's list in order,
-each action as soon as its rank is free and its inputs exist; the simulator
-times schedules with it and the validator finds deadlocks with it.
+Dependencies are implied by the kinds (:mod:`~.kinds`): each kind's ``needs``
+rule says which actions an action consumes (the compute kinds' rules are in
+:mod:`~.compute`, the vocabulary passes' in :mod:`~.transforms.vocab`), and a
+technique's input rules add inputs to other kinds' actions (stage 0's F after
+the vocabulary input layer, say). :func:`asap` runs every rank's list in
+order, each action as soon as its rank is free and its inputs exist; the
+simulator times schedules with it and the validator finds deadlocks with it.
 """
 
 from __future__ import annotations
@@ -19,89 +15,58 @@ from collections import deque
 from typing import Callable, Iterable
 
 from ..errors import ScheduleError
-from .ir import (
-    BW, CZ, IB, IF, REDUCED_KINDS, VOCAB_KINDS, VOCAB_PASSES, B, C, F, R, S, T, W, Z, Action, Schedule,
-)
-
+from . import compute  # noqa: F401  (registers F, B, W, BW)
+from .ir import BW, B, Action, Schedule
+from .kinds import INPUT_RULES, KINDS, RANK, get
 
 _new = tuple.__new__  # builds an Action without NamedTuple's slower constructor (hot path)
 
 
 class Dependencies:
     """The implied dependencies of one schedule's actions: ``deps(action)``
-    lists the actions whose results ``action`` consumes."""
+    lists the actions whose results ``action`` consumes. Kinds' rules read
+    the schedule's facts from it (``last``, ``ranks``, :meth:`backward`,
+    :meth:`every`, :meth:`fact`)."""
 
     def __init__(self, schedule: Schedule):
+        self.schedule = schedule
         self.last = schedule.stages - 1
-        self.split = frozenset(a.stage for actions in schedule.ranks for a in actions if a.kind == B)
-        self.algorithm = schedule.vocab_parallel
-        passes = VOCAB_PASSES.get(self.algorithm, ())
         self.ranks = range(schedule.pp)
-        self.head_rank = schedule.placement[self.last]
-        #: what the last stage's backward waits for besides its F: the reduced input gradient
-        self.gate = (R if R in passes else C) if passes else None
-        self.inputs = IF in passes
-        self.before_t = CZ if CZ in passes else C  # the collective T waits for
+        self.split = frozenset(a.stage for actions in schedule.ranks for a in actions if a.kind == B)
+        self._facts: dict = {}
+        self._needs = {name: kind.needs for name, kind in KINDS.items()}
+        self.rules = [rule for factory in INPUT_RULES if (rule := factory(schedule)) is not None]
 
     def __call__(self, action: Action) -> tuple[Action, ...]:
-        kind, s, i, _ = action
-        if kind == F:
-            if s > 0:
-                return (_new(Action, (F, s - 1, i, ())),)
-            return self._every(IF, i) if self.inputs else ()
-        if kind == B or kind == BW:
-            if s == self.last:
-                forward = _new(Action, (F, s, i, ()))
-                if self.gate is None:
-                    return (forward,)
-                return forward, _new(Action, (self.gate, self.head_rank, i, ()))
-            return _new(Action, (F, s, i, ())), self._backward(s + 1, i)
-        if kind == W:
-            return (_new(Action, (B, s, i, ())),)
-        if kind in VOCAB_KINDS:
-            if self.algorithm is None:
-                raise ScheduleError(
-                    f"action {action} is a vocabulary pass, but the schedule's options name no vocab_parallel "
-                    f"algorithm ({', '.join(VOCAB_PASSES)})"
-                )
-            return self._vocab(kind, s, i)
-        raise ScheduleError(
-            f"action {action}: unknown kind {kind!r}; known kinds: F, B, W, BW, {', '.join(sorted(VOCAB_KINDS))}"
-        )
+        needs = self._needs.get(action[0])
+        if needs is None:
+            get(action.kind)  # raises, naming the registered kinds
+        found = needs(action, self)
+        for rule in self.rules:
+            extra = rule(action, self)
+            if extra:
+                found = found + extra
+        return found
 
-    def _backward(self, s: int, i: int) -> Action:
+    def backward(self, s: int, i: int) -> Action:
+        """The backward of stage ``s`` for microbatch ``i``: B where the stage splits it, else BW."""
         return _new(Action, (B if s in self.split else BW, s, i, ()))
 
-    def _every(self, kind: str, i: int) -> tuple[Action, ...]:
+    def every(self, kind: str, i: int) -> tuple[Action, ...]:
         """``kind`` of microbatch ``i`` on every rank: the inputs of a collective."""
         return tuple(_new(Action, (kind, q, i, ())) for q in self.ranks)
 
-    def _vocab(self, kind: str, r: int, i: int) -> tuple[Action, ...]:
-        if kind == S:
-            return (_new(Action, (F, self.last, i, ())),)
-        if kind == C:
-            return self._every(S, i)
-        if kind == Z:
-            return (_new(Action, (C, r, i, ())),)
-        if kind == CZ:
-            return self._every(Z, i)
-        if kind == T:
-            return (_new(Action, (self.before_t, r, i, ())),)
-        if kind == R:
-            return self._every(T, i)
-        if kind == IB:
-            return (self._backward(0, i),)
-        return ()  # IF
+    def fact(self, key: str, compute: Callable[[Schedule], object]):
+        """``compute(schedule)``, computed once per schedule (a technique's facts)."""
+        if key not in self._facts:
+            self._facts[key] = compute(self.schedule)
+        return self._facts[key]
 
 
-def activation_delta(action: Action, m_b: float, m_w: float, m_v: float = 0.0) -> float:
-    """Change of the rank's activation memory caused by ``action``.
-
-    F keeps ``m_b``; B frees all but ``m_w`` (kept for W); W frees ``m_w``;
-    a fused BW frees ``m_b``; a vocabulary S keeps ``m_v`` (its softmax
-    buffer) until T frees it.
-    """
-    return {F: m_b, B: m_w - m_b, W: -m_w, BW: -m_b, S: m_v, T: -m_v}.get(action.kind, 0.0)
+def memory_delta(action: Action, value: Callable[[str, Action], float]) -> float:
+    """Change of the rank's activation memory caused by ``action``: the sum of its
+    kind's ``memory`` terms, ``value(field, action)`` giving each cost field's value."""
+    return sum(coefficient * value(name, action) for coefficient, name in get(action.kind).memory)
 
 
 def asap(
@@ -111,7 +76,7 @@ def asap(
 ) -> tuple[list[list[float]], list[list[float]]]:
     """Start and end time of every action when each rank runs its list in
     order and an action waits for its inputs; an input produced on another
-    rank, or reduced over every rank (:data:`~.ir.REDUCED_KINDS`), arrives
+    rank, or reduced over every rank (a kind's ``reduced``), arrives
     ``transfer(producer)`` after its producer ends.
 
     Sends never block (the runtime posts them non-blocking); a receive blocks
@@ -120,7 +85,8 @@ def asap(
     """
     deps_of = Dependencies(schedule)
     placement = schedule.placement
-    vocab, reduced = VOCAB_KINDS, REDUCED_KINDS
+    by_rank = frozenset(name for name, kind in KINDS.items() if kind.owner == RANK)
+    reduced = frozenset(name for name, kind in KINDS.items() if kind.reduced)
     lists = schedule.ranks
     p = len(lists)
     starts = [[0.0] * len(actions) for actions in lists]
@@ -142,7 +108,7 @@ def asap(
             start = t
             for dep in deps_of(action):
                 end = get(dep)
-                owner = dep[1] if dep[0] in vocab else placement[dep[1]]
+                owner = dep[1] if dep[0] in by_rank else placement[dep[1]]
                 if end is None:
                     if owner == r:
                         _local_order_error(schedule, r, k, action, dep)
@@ -202,7 +168,7 @@ def _deadlock_message(schedule: Schedule, pos: list[int], blocked_on: dict[int, 
 
 def peak_activation(actions: Iterable[Action], delta: Callable[[Action], float]) -> float:
     """Peak activation memory of one rank's list, which depends on the order
-    only; ``delta(action)`` is the action's :func:`activation_delta`."""
+    only; ``delta(action)`` is the action's :func:`memory_delta`."""
     level = peak = 0.0
     for action in actions:
         level += delta(action)

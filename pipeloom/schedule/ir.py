@@ -3,7 +3,8 @@
 An :class:`Action` is one unit of work on one rank. A :class:`Schedule` is
 the ordered action list of every rank plus the facts needed to read it
 (pipeline size, stage count, microbatch count, placement). Dependencies are
-not stored: :mod:`pipeloom.schedule.deps` derives them from the kinds.
+not stored: :mod:`pipeloom.schedule.deps` derives them from the kinds
+(:mod:`pipeloom.schedule.kinds`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..errors import ScheduleError
+from ..modes import VocabMode
+from . import kinds
 
 #: Forward pass of a stage.
 F = "F"
@@ -24,52 +27,18 @@ W = "W"
 #: Fused backward: B then W in one pass (PyTorch's "B").
 BW = "BW"
 
-# Vocabulary Parallelism ("Balancing Pipeline Parallelism with Vocabulary
-# Parallelism"): passes on every rank over its shard of the vocabulary. Their
-# ``stage`` field holds the rank (the shard), not a pipeline stage.
-#: Output layer, first pass: the shard's logits, local max and sum (vocab-2 also
-#: the products that the input gradient needs).
-S = "S"
-#: The collective step after S: the global max and sum (vocab-2 also reduces
-#: the input gradient; naive: the all-reduce of the max only).
-C = "C"
-#: naive only: exponentials and the local sum once the global max is known.
-Z = "Z"
-#: naive only: the all-reduce of the sums.
-CZ = "CZ"
-#: Output layer, second pass: the weight gradient (vocab-1 and naive also the
-#: corrected softmax and the shard's part of the input gradient).
-T = "T"
-#: vocab-1 and naive: the reduce of the input gradient to the last stage.
-R = "R"
-#: Input layer forward: the shard's embedding rows, summed into stage 0's input.
-IF = "IF"
-#: Input layer backward: the shard's embedding gradient, from stage 0's gradient.
-IB = "IB"
-
-#: The passes of each vocabulary-parallel algorithm, per rank and microbatch.
-VOCAB_PASSES = {
-    "naive": (IF, S, C, Z, CZ, T, R, IB),
-    "vocab-1": (IF, S, C, T, R, IB),
-    "vocab-2": (IF, S, C, T, IB),
-}
-VOCAB_KINDS = frozenset(VOCAB_PASSES["naive"])
-#: Kinds whose result reaches its consumers only through a collective (an
-#: all-reduce or reduce over every rank): even a consumer on the same rank waits for it.
-REDUCED_KINDS = frozenset((S, Z, T, IF))
-
-#: Our kind -> the letter PyTorch's pipelining runtime uses in action strings.
-TORCH_CODE = {F: "F", B: "I", W: "W", BW: "B"}
-_FROM_TORCH_CODE = {code: kind for kind, code in TORCH_CODE.items()}
 _ACTION_RE = re.compile(r"^(\d+)([A-Z_]+)(\d+)$")
 
 
 class Action(NamedTuple):
     """One unit of work: ``kind`` on ``stage`` for ``microbatch``.
 
-    ``str(action)`` is PyTorch's action string (``1F3``, ``1I3``, ``1W3``,
-    ``1B3``: stage, kind, microbatch), which :meth:`parse` reads back; other
-    kinds print as themselves (``3S7``: rank 3's S pass of microbatch 7).
+    For a kind owned by a rank (:data:`~.kinds.RANK`, such as the vocabulary
+    passes) ``stage`` names the rank instead; :meth:`Schedule.rank_of` reads
+    the kind's owner. ``str(action)`` is PyTorch's action string (``1F3``,
+    ``1I3``, ``1W3``, ``1B3``, ``1SEND_F3``: stage, kind, microbatch), which
+    :meth:`parse` reads back; kinds torch lacks print as themselves (``3S7``:
+    rank 3's S pass of microbatch 7).
     """
 
     kind: str
@@ -78,7 +47,8 @@ class Action(NamedTuple):
     payload: tuple = ()
 
     def __str__(self) -> str:
-        return f"{self.stage}{TORCH_CODE.get(self.kind, self.kind)}{self.microbatch}"
+        kind = kinds.KINDS.get(self.kind)
+        return f"{self.stage}{kind.code if kind else self.kind}{self.microbatch}"
 
     @classmethod
     def parse(cls, text: str) -> Action:
@@ -88,7 +58,7 @@ class Action(NamedTuple):
                 f"cannot read action {text!r}: expected STAGE KIND MICROBATCH such as '1F3', '1I3', '1W3' or '1B3'"
             )
         stage, code, mb = match.groups()
-        return cls(_FROM_TORCH_CODE.get(code, code), int(stage), int(mb))
+        return cls(kinds.from_code(code), int(stage), int(mb))
 
 
 def looped_placement(pp: int, stages: int) -> tuple[int, ...]:
@@ -143,16 +113,16 @@ class Schedule:
         return [s for s, r in enumerate(self.placement) if r == rank]
 
     def rank_of(self, action: Action) -> int:
-        """The rank that runs ``action``: its stage's rank, or for a vocabulary
-        pass the rank its ``stage`` field names."""
-        return action.stage if action.kind in VOCAB_KINDS else self.placement[action.stage]
+        """The rank that runs ``action``: its stage's rank, or for a kind owned
+        by a rank the rank its ``stage`` field names."""
+        return kinds.rank_of(action, self.placement)
 
     @property
     def vocab_parallel(self) -> str | None:
-        """The vocabulary-parallel algorithm whose passes the lists hold (a key
-        of :data:`VOCAB_PASSES`, from ``options["vocab_parallel"]``), or None."""
+        """The vocabulary-parallel algorithm whose passes the lists hold (one of
+        :data:`~pipeloom.modes.VOCAB_ALGORITHMS`, from ``options["vocab_parallel"]``), or None."""
         algorithm = self.options.get("vocab_parallel")
-        return algorithm if algorithm in VOCAB_PASSES else None
+        return algorithm if algorithm in {m.value for m in VocabMode if m.splits} else None
 
     def weight_version(self, microbatch: int) -> int:
         """The weight version microbatch ``microbatch`` (0-based) runs with.

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..errors import ScheduleError
 from .ir import BW, B, F, Action, Schedule
+from .kinds import Kind, register, register_inputs
 
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 #: The kinds this pass adds.
@@ -115,3 +117,59 @@ def lower(schedule: Schedule) -> Schedule:
                 lowered.append(send)
         lists.append(tuple(lowered))
     return replace(schedule, ranks=tuple(lists), options={**schedule.options, "lowered": True})
+
+
+# -- the kinds and their rules ------------------------------------------------------
+def _send_needs(action: Action, deps) -> tuple:
+    s, i = action.stage, action.microbatch
+    return (Action(F, s, i),) if action.kind == SEND_F else (deps.backward(s, i),)
+
+
+@register_inputs
+def _posted_first(schedule: Schedule):
+    """In a lowered schedule, an action whose input comes from another rank
+    needs its receive posted earlier in its rank's list."""
+    if not schedule.options.get("lowered"):
+        return None
+
+    def rule(action, deps):
+        recv = _receive(schedule, action)
+        return (recv,) if recv else ()
+    return rule
+
+
+def check_messages(schedule: Schedule) -> None:
+    """A lowered schedule sends and receives exactly the messages between ranks,
+    and each receiver posts a link's receives in the order they are sent."""
+    comm = [a for actions in schedule.ranks for a in actions if a.kind in COMM_KINDS]
+    if not schedule.options.get("lowered"):
+        if comm:
+            raise ScheduleError(f"action {comm[0]}: sends and receives belong to lowered schedules "
+                                f"(options['lowered']); lower the schedule with pipeloom.schedule.lower")
+        return
+    compute = replace(schedule, ranks=tuple(tuple(a for a in actions if a.kind not in COMM_KINDS)
+                                           for actions in schedule.ranks))
+    for (src, dst), sends in links(compute).items():
+        made = [a for a in schedule.ranks[src] if a.kind in (SEND_F, SEND_B) and peer(schedule, a) == dst]
+        if made != sends:
+            missing = next((a for a in sends if a not in made), None)
+            what = f"lacks {missing}" if missing else f"sends {next(a for a in made if a not in sends)}, no message"
+            raise ScheduleError(f"rank {src}: the link to rank {dst} {what}")
+        posted = [a for a in schedule.ranks[dst] if a.kind in (RECV_F, RECV_B) and peer(schedule, a) == src]
+        expected = [matching(a) for a in sends]
+        if posted != expected:
+            k = next(k for k, (a, b) in enumerate(zip(posted + [None] * len(expected), expected)) if a != b)
+            raise ScheduleError(
+                f"rank {dst}: receive number {k} from rank {src} is {posted[k] if k < len(posted) else 'missing'}, "
+                f"but rank {src} sends {sends[k]} then; a link's receives are posted in send order ({expected[k]})")
+    for action in comm:
+        if peer(schedule, action) == schedule.rank_of(action):
+            raise ScheduleError(f"rank {schedule.rank_of(action)}: {action} sends to its own rank; "
+                                f"hand-offs on one rank need no message")
+
+
+for _kind, _label in ((SEND_F, "send activation"), (SEND_B, "send gradient")):
+    register(Kind(_kind, _label, needs=_send_needs, torch_code=_kind, torch_csv=False, drawn=False,
+                  check=check_messages))
+for _kind, _label in ((RECV_F, "receive activation"), (RECV_B, "receive gradient")):
+    register(Kind(_kind, _label, torch_code=_kind, torch_csv=False, drawn=False, check=check_messages))

@@ -7,9 +7,12 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from ..errors import PipeloomError
+from ..modes import VocabMode
 from .ir import Schedule
+from .lower import lower
+from .transforms import Transform, apply_all
+from .transforms.vocab import VocabPasses
 from .validate import validate
-from .vocab import ALGORITHMS, HEAD_DELAY, add_vocab_passes, check_mode
 
 
 @dataclass(frozen=True)
@@ -24,8 +27,14 @@ class Family:
 
     @property
     def options(self) -> list[str]:
-        """Names of the family's own options (beyond pp, microbatches, chunks)."""
-        return list(inspect.signature(self.generate).parameters)[3:]
+        """Names of the family's own options (beyond pp, microbatches, chunks, room)."""
+        return [name for name in list(inspect.signature(self.generate).parameters)[3:] if name != "room"]
+
+    @property
+    def makes_room(self) -> bool:
+        """True if the family can leave room (whole intervals) between the last
+        stage's forward and backward when a transform asks for it (``room=``)."""
+        return "room" in inspect.signature(self.generate).parameters
 
 
 FAMILIES: dict[str, Family] = {}
@@ -54,21 +63,25 @@ def build(
     *,
     check: bool = True,
     vocab_parallel: str | None = None,
+    transforms: tuple[Transform, ...] | list[Transform] = (),
+    lowered: bool = False,
     **options,
 ) -> Schedule:
     """Build the schedule of family ``name`` for ``pp`` ranks and ``microbatches``
-    microbatches per step, validated unless ``check`` is false.
+    microbatches per step: generate the family's order, apply the transforms,
+    lower communication if ``lowered`` (:func:`~.lower.lower`), validate
+    (unless ``check`` is false).
 
     ``chunks`` is the number of stages per rank (interleaved 1F1B: any >= 2,
     default 2; V families: 2). Family options (``steps`` for 2bw; ``costs``
-    and ``memory_limit`` for zb-auto; ``head_delay``, the intervals by which
-    the last stage's backward follows its forward, for the families that can
-    delay it) go in ``options``.
+    and ``memory_limit`` for zb-auto) go in ``options``; ``options["costs"]``
+    also reaches the transforms.
 
-    ``vocab_parallel`` (one of :data:`~.vocab.MODES`) is stored in
-    ``options["vocab_parallel"]``; naive, vocab-1 and vocab-2 build the
-    family with :data:`~.vocab.HEAD_DELAY` (unless ``head_delay`` is given)
-    and add their passes with :func:`~.vocab.add_vocab_passes`.
+    ``transforms`` (see :mod:`~.transforms`) are applied in order after the
+    family's order; the family leaves the largest ``room`` they ask for
+    between the last stage's forward and backward. ``vocab_parallel`` (a
+    :class:`~pipeloom.modes.VocabMode`) is stored in ``options["vocab_parallel"]``;
+    naive, vocab-1 and vocab-2 put :class:`~.transforms.vocab.VocabPasses` first.
     """
     family = get_family(name)
     for label, value in (("pp", pp), ("microbatches", microbatches)):
@@ -86,22 +99,25 @@ def build(
     if unknown:
         takes = ", ".join(family.options) or "no options"
         raise PipeloomError(f"{name} does not take option {unknown[0]!r}; it takes: {takes}")
+    transforms = list(transforms)
     if vocab_parallel is not None:
-        check_mode(vocab_parallel)
-    delay = options.get("head_delay", 0)
-    if not isinstance(delay, int) or isinstance(delay, bool) or delay < 0:
-        raise PipeloomError(f"{name}: head_delay={delay!r} must be a whole number >= 0")
-    if vocab_parallel in ALGORITHMS:
-        if "head_delay" not in family.options:
-            can = ", ".join(n for n, f in FAMILIES.items() if "head_delay" in f.options)
+        mode = VocabMode.of(vocab_parallel)
+        if mode.splits:
+            transforms.insert(0, VocabPasses(mode.value))
+    room = max((transform.room for transform in transforms), default=0)
+    if room:
+        if not family.makes_room:
+            can = ", ".join(n for n, f in FAMILIES.items() if f.makes_room)
+            asking = ", ".join(t.name for t in transforms if t.room)
             raise PipeloomError(
-                f"{name} cannot take vocabulary passes ({vocab_parallel}): it cannot delay the last stage's "
-                f"backward to make room for them; families that can: {can}"
+                f"{name} cannot take {asking}: it cannot delay the last stage's backward to make room for "
+                f"them; families that can: {can}"
             )
-        options.setdefault("head_delay", HEAD_DELAY[vocab_parallel])
+        options["room"] = room
     schedule = family.generate(pp, microbatches, chunks, **options)
-    if vocab_parallel in ALGORITHMS:
-        schedule = add_vocab_passes(schedule, vocab_parallel)
-    elif vocab_parallel is not None:
-        schedule = replace(schedule, options={**schedule.options, "vocab_parallel": vocab_parallel})
+    if vocab_parallel is not None and not VocabMode.of(vocab_parallel).splits:  # the transform sets its own
+        schedule = replace(schedule, options={**schedule.options, "vocab_parallel": VocabMode.of(vocab_parallel).value})
+    schedule = apply_all(schedule, transforms, options.get("costs"))
+    if lowered:
+        schedule = lower(schedule)
     return validate(schedule) if check else schedule

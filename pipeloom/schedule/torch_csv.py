@@ -16,23 +16,30 @@ import io
 from pathlib import Path
 
 from ..errors import PipeloomError
-from .ir import BW, B, F, W, Schedule
-
-#: The kinds torch's compute-only format can hold.
-TORCH_KINDS = (F, B, W, BW)
+from .ir import Schedule
+from .kinds import KINDS, get
 
 
 def to_torch_csv(schedule: Schedule) -> str:
-    """The schedule as torch's compute-only CSV text: one line per rank."""
+    """The schedule as torch's compute-only CSV text: one line per rank. Kinds
+    whose ``torch_csv`` is False (sends and receives, which torch adds itself)
+    are left out; a kind whose ``torch_csv`` is None has no place in it."""
+    rows = []
     for rank, actions in enumerate(schedule.ranks):
+        row = []
         for action in actions:
-            if action.kind not in TORCH_KINDS:
+            written = get(action.kind).torch_csv
+            if written is None:
+                holds = ", ".join(name for name, kind in KINDS.items() if kind.torch_csv)
                 raise PipeloomError(
                     f"rank {rank}: action {action} (kind {action.kind}) has no place in torch's compute-only CSV, "
-                    f"which holds only F, B, W and BW actions; export the schedule before adding transforms"
+                    f"which holds only {holds} actions; export the schedule before adding transforms"
                 )
+            if written:
+                row.append(str(action))
+        rows.append(row)
     out = io.StringIO()
-    csv.writer(out, lineterminator="\n").writerows([str(a) for a in actions] for actions in schedule.ranks)
+    csv.writer(out, lineterminator="\n").writerows(rows)
     return out.getvalue()
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import Counter
 
 from ..errors import ScheduleError
-from .deps import activation_delta, asap, peak_activation
-from .ir import BW, VOCAB_KINDS, VOCAB_PASSES, B, F, W, Action, Schedule
-
-_COMPUTE = (F, B, W, BW)
+from .costs import Costs
+from .deps import asap, peak_activation
+from .ir import Schedule
+from .kinds import KINDS, RANK, checks, get
 
 
 def validate(
@@ -19,29 +19,31 @@ def validate(
     """Check ``schedule`` and return it unchanged, or raise :class:`ScheduleError`
     naming the rank, the action and the reason.
 
-    Checks: every stage is placed on a real rank and every action sits on the
-    rank of its stage (a vocabulary pass on the rank it names); each (stage,
-    microbatch) has exactly one F and either one BW or one B and one W; with
-    vocabulary passes, each (rank, microbatch) has exactly one of each pass of
-    the algorithm ``options["vocab_parallel"]`` names; every action comes
-    after its dependencies produced on the same rank; the ranks' lists cannot
-    deadlock when receives block and sends do not (a collective waits for
-    every rank); and, with ``memory_limit``, no rank's activation memory
+    Checks: every stage is placed on a real rank and every action is of a
+    registered kind (:mod:`~.kinds`) and sits on the rank that owns it (its
+    stage's, or the rank a rank-owned kind names); no action appears twice;
+    each kind's completeness rule holds (each (stage, microbatch) has one F
+    and either one BW or one B and one W; the passes of a vocabulary
+    algorithm, the sends and receives of a lowered schedule); every action
+    comes after its dependencies produced on the same rank; the ranks' lists
+    cannot deadlock when receives block and sends do not (a collective waits
+    for every rank); and, with ``memory_limit``, no rank's activation memory
     exceeds it (in units of one full stage's M_B, a chunk counting its share;
-    ``m_w`` is the fraction of M_B kept from B to W; vocabulary buffers are
+    ``m_w`` is the fraction of M_B kept from B to W; other kinds' buffers are
     not counted).
 
     Order and deadlock come from one dry run of :func:`~pipeloom.schedule.deps.asap`:
     an input that is not ready must come from a later action of another rank.
     """
     _check_shape(schedule)
-    _check_complete(schedule)
-    _check_vocab_complete(schedule)
+    _check_once(schedule)
+    for check in checks():
+        check(schedule)
     asap(schedule, duration=lambda action: 0.0)
     if memory_limit is not None:
-        share = 1.0 / schedule.chunks
+        units = Costs(m_b=1.0, m_w=m_w).per_stage(schedule.stages, schedule.chunks)
         for rank, actions in enumerate(schedule.ranks):
-            peak = peak_activation(actions, lambda action: activation_delta(action, share, share * m_w))
+            peak = peak_activation(actions, units.memory_delta)
             if peak > memory_limit + 1e-9:
                 raise ScheduleError(
                     f"rank {rank}: peak activation memory {peak:g} M_B exceeds the limit {memory_limit:g} M_B"
@@ -62,10 +64,15 @@ def _check_shape(schedule: Schedule) -> None:
             raise ScheduleError(f"stage {stage} is placed on rank {rank}, outside 0..{p - 1}")
     for rank, actions in enumerate(schedule.ranks):
         for action in actions:
-            if action.kind in VOCAB_KINDS:
+            if action.kind not in KINDS:
+                raise ScheduleError(f"rank {rank}: action {action}: unknown kind {action.kind!r}; "
+                                    f"registered kinds: {', '.join(KINDS)}")
+            by_rank = get(action.kind).owner == RANK
+            if by_rank:
                 if not 0 <= action.stage < p:
                     raise ScheduleError(
-                        f"rank {rank}: vocabulary pass {action} names rank {action.stage}; ranks are 0..{p - 1}"
+                        f"rank {rank}: action {action} (a pass of one rank) names rank {action.stage}; "
+                        f"ranks are 0..{p - 1}"
                     )
             elif not 0 <= action.stage < schedule.stages:
                 raise ScheduleError(
@@ -78,59 +85,14 @@ def _check_shape(schedule: Schedule) -> None:
                 )
             owner = schedule.rank_of(action)
             if owner != rank:
-                holds = f"shard {owner}" if action.kind in VOCAB_KINDS else f"stage {action.stage}"
+                holds = f"shard {owner}" if by_rank else f"stage {action.stage}"
                 raise ScheduleError(f"rank {rank}: action {action} belongs to rank {owner}, which holds {holds}")
 
 
-def _check_complete(schedule: Schedule) -> None:
-    counts = Counter(a for actions in schedule.ranks for a in actions if a.kind in _COMPUTE)
+def _check_once(schedule: Schedule) -> None:
+    """No action appears twice."""
+    counts = Counter(a for actions in schedule.ranks for a in actions)
     for action, n in counts.items():
         if n > 1:
-            rank = schedule.placement[action.stage]
-            raise ScheduleError(f"rank {rank}: action {action} appears {n} times; each must run exactly once")
-    for stage in range(schedule.stages):
-        rank = schedule.placement[stage]
-        for mb in range(schedule.total_microbatches):
-            def has(kind):
-                return counts.get((kind, stage, mb, ()), 0) > 0
-            if not has(F):
-                raise ScheduleError(f"rank {rank}: the forward {stage}F{mb} is missing")
-            split = has(B), has(W)
-            if has(BW):
-                if any(split):
-                    raise ScheduleError(
-                        f"rank {rank}: stage {stage} microbatch {mb} has both a fused backward {stage}B{mb} "
-                        f"and a split one; use BW or B and W, not both"
-                    )
-            elif split == (False, False):
-                raise ScheduleError(f"rank {rank}: the backward of stage {stage} microbatch {mb} is missing")
-            elif not all(split):
-                missing = f"{stage}W{mb}" if split[0] else f"{stage}I{mb}"
-                raise ScheduleError(f"rank {rank}: {missing} is missing (a split backward needs both B and W)")
-
-
-def _check_vocab_complete(schedule: Schedule) -> None:
-    """Each (rank, microbatch) runs each pass of the vocabulary algorithm exactly once, and no other."""
-    counts = Counter(a for actions in schedule.ranks for a in actions if a.kind in VOCAB_KINDS)
-    algorithm = schedule.vocab_parallel
-    if algorithm is None:
-        if counts:
-            action = next(iter(counts))
             raise ScheduleError(
-                f"rank {action.stage}: vocabulary pass {action}, but options['vocab_parallel'] names no algorithm "
-                f"({', '.join(VOCAB_PASSES)})"
-            )
-        return
-    passes = VOCAB_PASSES[algorithm]
-    for action, n in counts.items():
-        if action.kind not in passes:
-            raise ScheduleError(
-                f"rank {action.stage}: action {action} is not a pass of {algorithm} (its passes: {', '.join(passes)})"
-            )
-        if n > 1:
-            raise ScheduleError(f"rank {action.stage}: action {action} appears {n} times; each must run exactly once")
-    for rank in range(schedule.pp):
-        for mb in range(schedule.total_microbatches):
-            for kind in passes:
-                if Action(kind, rank, mb) not in counts:
-                    raise ScheduleError(f"rank {rank}: the {algorithm} pass {Action(kind, rank, mb)} is missing")
+                f"rank {schedule.rank_of(action)}: action {action} appears {n} times; each must run exactly once")

@@ -1,10 +1,10 @@
 """A compact text picture of a simulated schedule, for the terminal.
 
 One line per rank; time is cut into columns and each column shows the kind
-of action that fills most of it, by its PyTorch letter (F forward, I input
-grad, W weight grad, B fused backward; the vocabulary passes s, t, e (input
-layer forward), g (input layer grad); other kinds by their lower-case
-initial), or ``.`` when the rank is idle most of it. A box wide enough shows
+of action that fills most of it, by its kind's letter (:attr:`~pipeloom.schedule.kinds.Kind.grid_letter`:
+PyTorch's F forward, I input grad, W weight grad, B fused backward; the
+vocabulary passes s, t, e (input layer forward), g (input layer grad)), or
+``.`` when the rank is idle most of it. A box wide enough shows
 its microbatch after the letter (``F12``). Long schedules are compressed to
 fit ``width``; a legend line follows.
 """
@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import math
 
-from ..schedule.ir import BW, IB, IF, B, F, S, T, TORCH_CODE, W
+from ..schedule.kinds import get
 from .simulate import Result
 
 IDLE = "."
 EPS = 1e-9
-LETTERS = {**TORCH_CODE, S: "s", T: "t", IF: "e", IB: "g"}
-LETTER_NAMES = {F: "forward", B: "input grad", W: "weight grad", BW: "fused backward", S: "output layer",
-                T: "output layer grad", IF: "input layer", IB: "input layer grad"}
 
 
 def text_grid(result: Result, width: int = 100) -> str:
@@ -65,12 +62,10 @@ def _row(events, scale: float, length: int) -> str:
 
 
 def _letter(kind: str) -> str:
-    """PyTorch's letter for compute kinds, :data:`LETTERS` for the vocabulary
-    passes; other kinds by their lower-case initial."""
-    return LETTERS.get(kind, kind[0].lower())
+    return get(kind).grid_letter
 
 
 def _legend(result: Result, scale: float) -> str:
     kinds = dict.fromkeys(ev.action.kind for evs in result.events for ev in evs if ev.end > ev.start)
-    names = "  ".join(f"{_letter(k)} {LETTER_NAMES.get(k, k)}" for k in kinds)
+    names = "  ".join(f"{_letter(k)} {get(k).label}" for k in kinds)
     return f"{names}  {IDLE} idle   (time per column: {1 / scale:.3g})"

@@ -71,7 +71,7 @@ from dataclasses import dataclass, replace
 from ..errors import PipeloomError
 from ..schedule import build
 from ..schedule.costs import Costs
-from ..schedule.vocab import ALGORITHMS, check_mode
+from ..schedule.transforms.vocab import ALGORITHMS, check_mode
 from .simulate import Result, simulate
 
 #: Bytes of model state per parameter, Megatron-style mixed precision: bf16

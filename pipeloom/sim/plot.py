@@ -18,15 +18,9 @@ from pathlib import Path
 
 from ..errors import PipeloomError
 from ..paths import suffix_problem
-from ..schedule.ir import BW, IB, IF, VOCAB_KINDS, B, F, S, T, W
+from ..schedule.kinds import RANK, get
 from .simulate import Result
 
-KIND_COLOURS = {F: "#4c72b0", B: "#dd8452", W: "#55a868", BW: "#c44e52", S: "#8172b3", T: "#937860",
-                IF: "#da8bc3", IB: "#da8bc3"}
-KIND_NAMES = {F: "F forward", B: "B input grad", W: "W weight grad", BW: "BW fused backward",
-              S: "S output layer (vocab)", T: "T output layer grad (vocab)", IF: "IF input layer (vocab)",
-              IB: "IB input layer grad (vocab)"}
-OTHER_COLOUR = "#8c8c8c"
 SUFFIXES = (".png", ".svg")
 WIDTH_IN, DPI = 14.0, 110
 MAX_LABELS = 4000  # above this many boxes, never write microbatch numbers
@@ -91,15 +85,15 @@ def _box_colours(result: Result) -> list[list[tuple[float, float, float]]]:
     chunk_of = {s: k for r in range(schedule.pp) for k, s in enumerate(schedule.stages_of(r))}
 
     def key(action) -> tuple[str, int]:
-        """Kind and chunk; a vocabulary pass (whose stage field is a rank) counts as chunk 0."""
-        return action.kind, 0 if action.kind in VOCAB_KINDS else chunk_of[action.stage]
+        """Kind and chunk; a rank-owned kind (whose stage field is a rank) counts as chunk 0."""
+        return action.kind, 0 if get(action.kind).owner == RANK else chunk_of[action.stage]
 
     palette = {}
     for events in result.events:
         for ev in events:
             k = key(ev.action)
             if k not in palette:
-                palette[k] = _shade(KIND_COLOURS.get(k[0], OTHER_COLOUR), k[1], schedule.chunks)
+                palette[k] = _shade(get(k[0]).colour, k[1], schedule.chunks)
     return [[palette[key(ev.action)] for ev in events] for events in result.events]
 
 
@@ -141,9 +135,9 @@ def _legend(ax, result: Result) -> None:
     from matplotlib.patches import Patch
 
     kinds = dict.fromkeys(ev.action.kind for evs in result.events for ev in evs if ev.end > ev.start)
-    handles = [Patch(color=KIND_COLOURS.get(k, OTHER_COLOUR), label=KIND_NAMES.get(k, k)) for k in kinds]
+    handles = [Patch(color=get(k).colour, label=f"{k} {get(k).label}") for k in kinds]
     if result.schedule.chunks > 1:
-        handles.append(Patch(color=_shade(OTHER_COLOUR, 1, 2), label="lighter: later chunk"))
+        handles.append(Patch(color=_shade("#8c8c8c", 1, 2), label="lighter: later chunk"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
 
 

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
 from ..schedule.deps import Dependencies
-from ..schedule.ir import BW, VOCAB_KINDS, B, F, Action, Schedule
+from ..schedule.ir import BW, B, F, Action, Schedule
+from ..schedule.kinds import RANK, get
 from .simulate import Event, Result
 
 #: Microseconds per simulator time unit (1 unit = 1 ms).
@@ -82,7 +83,7 @@ def chrome_trace_events(
     for rank, stages in enumerate(stages_per_rank):
         trace += _rank_metadata(rank, stages, lane_count[rank])
     for events in events_per_rank:
-        trace += [_compute_event(ev) for ev in events]
+        trace += [_compute_event(ev) for ev in events if get(ev.action.kind).drawn]
     for flow_id, (transfer, lane) in enumerate(zip(transfers, lanes)):
         trace += _transfer_events(transfer, flow_id, COMM_TID + lane)
     for rank, points in enumerate(memory or ()):
@@ -156,7 +157,7 @@ def _rank_metadata(rank: int, stages: Sequence[int], comm_lanes: int) -> list[di
 
 def _compute_event(ev: Event) -> dict:
     a = ev.action
-    place = "shard" if a.kind in VOCAB_KINDS else "stage"  # a vocabulary pass's stage field is its rank
+    place = "rank" if get(a.kind).owner == RANK else "stage"  # a rank-owned kind's stage field is its rank
     return {
         "ph": "X", "name": str(a), "cat": a.kind, "pid": ev.rank, "tid": COMPUTE_TID,
         "ts": _us(ev.start), "dur": _us(ev.end - ev.start),

@@ -34,14 +34,14 @@ def gpipe(pp: int, microbatches: int, chunks: int) -> Schedule:
 
 
 @register("1f1b", "one forward, one backward (PipeDream-Flush)")
-def one_f_one_b_flush(pp: int, microbatches: int, chunks: int, head_delay: int = 0) -> Schedule:
-    """``head_delay`` more warm-up forwards on every rank delay the last
+def one_f_one_b_flush(pp: int, microbatches: int, chunks: int, room: int = 0) -> Schedule:
+    """``room`` more warm-up forwards on every rank delay the last
     stage's backward by as many intervals (room for vocabulary passes)."""
-    return _single_chunk("1f1b", pp, microbatches, warmup=lambda r: pp - r - 1 + head_delay)
+    return _single_chunk("1f1b", pp, microbatches, warmup=lambda r: pp - r - 1 + room)
 
 
 @register("2bw", "PipeDream-2BW: 1F1B with no flush, two weight versions, update every step")
-def pipedream_2bw(pp: int, microbatches: int, chunks: int, steps: int = 4, head_delay: int = 0) -> Schedule:
+def pipedream_2bw(pp: int, microbatches: int, chunks: int, steps: int = 4, room: int = 0) -> Schedule:
     if microbatches < pp:
         raise PipeloomError(
             f"2bw needs microbatches >= pp so that at most two weight versions are in flight; "
@@ -49,7 +49,7 @@ def pipedream_2bw(pp: int, microbatches: int, chunks: int, steps: int = 4, head_
         )
     if not isinstance(steps, int) or steps < 1:
         raise PipeloomError(f"2bw: steps={steps!r} must be a whole number >= 1")
-    return _single_chunk("2bw", pp, microbatches, warmup=lambda r: pp - r - 1 + head_delay, steps=steps, versions=2)
+    return _single_chunk("2bw", pp, microbatches, warmup=lambda r: pp - r - 1 + room, steps=steps, versions=2)
 
 
 def _rounds(pp: int, microbatches: int) -> int:
@@ -69,7 +69,7 @@ def _rounds(pp: int, microbatches: int) -> int:
 
 
 @register("interleaved-1f1b", "1F1B over v looped chunks per rank (Megatron-LM)", chunks=None, default_chunks=2)
-def interleaved_1f1b(pp: int, microbatches: int, chunks: int, head_delay: int = 0) -> Schedule:
+def interleaved_1f1b(pp: int, microbatches: int, chunks: int, room: int = 0) -> Schedule:
     per_round = _rounds(pp, microbatches)
     ranks = []
     for r in range(pp):
@@ -78,6 +78,6 @@ def interleaved_1f1b(pp: int, microbatches: int, chunks: int, head_delay: int = 
             group = range(first, first + per_round)
             fwd += [Action(F, c * pp + r, i) for c in range(chunks) for i in group]
             bwd += [Action(BW, c * pp + r, i) for c in reversed(range(chunks)) for i in group]
-        warmup = min((chunks - 1) * per_round + 2 * (pp - 1 - r) + head_delay, len(fwd))
+        warmup = min((chunks - 1) * per_round + 2 * (pp - 1 - r) + room, len(fwd))
         ranks.append(tuple(one_f_one_b(fwd, bwd, warmup)))
     return Schedule("interleaved-1f1b", pp, microbatches, looped_placement(pp, pp * chunks), tuple(ranks))

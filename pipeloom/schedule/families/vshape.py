@@ -26,7 +26,7 @@ resulting order with the real costs.
 Squeezing out the idle slots is left to the simulator: each rank runs its
 list in order, every pass as soon as its inputs exist.
 
-``head_delay`` inserts that many intervals between the last stage's F and B
+``room`` inserts that many intervals between the last stage's F and B
 in the block (and keeps them in the warm-up and cool-down), the room the
 Vocabulary Parallelism paper makes for its output-layer passes.
 """
@@ -77,14 +77,14 @@ def _path(pp: int) -> list[tuple[int, int]]:
     return [(r, 0) for r in down] + [(r, 1) for r in up] + [(r, 2) for r in down] + [(r, 3) for r in up]
 
 
-def block_slots(pp: int, block: Block, head_delay: int = 0) -> list[list[int]]:
+def block_slots(pp: int, block: Block, room: int = 0) -> list[list[int]]:
     """``slots[rank][lane]`` of microbatch 0's F and B passes (lanes 0-3), with
     the smallest gap after the last F that leaves every rank's four passes
-    in distinct slots modulo :data:`INTERVAL`, plus ``head_delay`` intervals
+    in distinct slots modulo :data:`INTERVAL`, plus ``room`` intervals
     (room for vocabulary passes between the last stage's F and B)."""
     for gap in range(1, INTERVAL + 1):
         slots = [[0] * 4 for _ in range(pp)]
-        hops = block.hops(pp, gap + INTERVAL * head_delay)
+        hops = block.hops(pp, gap + INTERVAL * room)
         for (rank, lane), t in zip(_path(pp), accumulate([0] + hops)):
             slots[rank][lane] = t
         if all(len({t % INTERVAL for t in lanes}) == 4 for lanes in slots):
@@ -122,14 +122,14 @@ class _Timeline:
     activations held after slot ``t``; ``cap`` is the largest of them in the
     repeated blocks."""
 
-    def __init__(self, pp: int, microbatches: int, block: Block, head_delay: int = 0):
+    def __init__(self, pp: int, microbatches: int, block: Block, room: int = 0):
         self.pp, self.m = pp, microbatches
         self.pred = _predecessors(pp)
         # slots a pass comes at least after its input: 1, and for the last
         # stage's B (rank 0, lane 2) the head delay too
         self.lag = [[1] * 6 for _ in range(pp)]
-        self.lag[0][2] += INTERVAL * head_delay
-        base = block_slots(pp, block, head_delay)
+        self.lag[0][2] += INTERVAL * room
+        base = block_slots(pp, block, room)
         self.first_done = base[0][3]  # the last pass of microbatch 0's block
         self.last_start = INTERVAL * (microbatches - 1)  # the first of the last block
         length = INTERVAL * (microbatches - 1) + max(map(max, base)) + 1
@@ -287,10 +287,10 @@ class _Timeline:
         )
 
 
-def v_schedule(family: str, pp: int, microbatches: int, head_delay: int = 0) -> Schedule:
+def v_schedule(family: str, pp: int, microbatches: int, room: int = 0) -> Schedule:
     """The schedule of ``family``'s building block (see :data:`BLOCKS`), the
-    last stage's B ``head_delay`` more intervals after its F."""
-    timeline = _Timeline(pp, microbatches, BLOCKS[family], head_delay)
+    last stage's B ``room`` more intervals after its F."""
+    timeline = _Timeline(pp, microbatches, BLOCKS[family], room)
     timeline.warm_up()
     timeline.cool_down()
     ranks = tuple(timeline.actions(rank) for rank in range(pp))
@@ -298,15 +298,15 @@ def v_schedule(family: str, pp: int, microbatches: int, head_delay: int = 0) -> 
 
 
 @register("v-min", "V-shape blocks, about 1/3 of 1F1B's activation memory", chunks=(2,), default_chunks=2)
-def v_min(pp: int, microbatches: int, chunks: int, head_delay: int = 0) -> Schedule:
-    return v_schedule("v-min", pp, microbatches, head_delay)
+def v_min(pp: int, microbatches: int, chunks: int, room: int = 0) -> Schedule:
+    return v_schedule("v-min", pp, microbatches, room)
 
 
 @register("v-half", "V-shape blocks, about 1/2 of 1F1B's activation memory", chunks=(2,), default_chunks=2)
-def v_half(pp: int, microbatches: int, chunks: int, head_delay: int = 0) -> Schedule:
-    return v_schedule("v-half", pp, microbatches, head_delay)
+def v_half(pp: int, microbatches: int, chunks: int, room: int = 0) -> Schedule:
+    return v_schedule("v-half", pp, microbatches, room)
 
 
 @register("v-zb", "V-shape blocks, 1F1B's activation memory and almost no bubble", chunks=(2,), default_chunks=2)
-def v_zb(pp: int, microbatches: int, chunks: int, head_delay: int = 0) -> Schedule:
-    return v_schedule("v-zb", pp, microbatches, head_delay)
+def v_zb(pp: int, microbatches: int, chunks: int, room: int = 0) -> Schedule:
+    return v_schedule("v-zb", pp, microbatches, room)

@@ -41,7 +41,7 @@ class Policy:
     by deferred W passes keeps a ready forward out, runs a W to make room.
     ``fit_w``: false lets a W fill any idle moment; true runs it only in a
     gap it fits (no B or admitted forward due before it would end).
-    ``head_delay``: time the last stage's B waits after its F (room for
+    ``room``: time the last stage's B waits after its F (room for
     vocabulary passes).
     """
 
@@ -50,7 +50,7 @@ class Policy:
     memory: float = math.inf
     forward_first: bool = False
     fit_w: bool = False
-    head_delay: float = 0.0
+    room: float = 0.0
 
     def delayed(self, intervals: int, per_interval: int) -> Policy:
         """This policy with the last stage's B delayed by ``intervals`` unit-cost
@@ -61,7 +61,7 @@ class Policy:
             self,
             warmup=tuple(x + more for x in self.warmup),
             alive=tuple(x + more for x in self.alive),
-            head_delay=3.0 * intervals,
+            room=3.0 * intervals,
         )
 
 
@@ -188,8 +188,8 @@ def list_schedule(placement: tuple[int, ...], microbatches: int, costs: StageCos
                 arrival[s + 1][i] = at = hand_over(s, s + 1, end)
                 notify(placement[s + 1], at)
             else:
-                rank.queues[s].append((end + policy.head_delay, i))
-                notify(r, end + policy.head_delay)
+                rank.queues[s].append((end + policy.room, i))
+                notify(r, end + policy.room)
         elif kind == B:
             rank.queues[s].popleft()
             rank.deferred.append((W, s, i))
@@ -238,23 +238,23 @@ def _single_chunk(family: str, pp: int, microbatches: int, policy: Policy) -> Sc
 
 
 @register("zb-h1", "zero bubble H1: 1F1B's memory, W passes deferred into the bubbles")
-def zb_h1(pp: int, microbatches: int, chunks: int, head_delay: int = 0) -> Schedule:
-    """``head_delay``: intervals by which the last stage's B follows its F."""
-    return _single_chunk("zb-h1", pp, microbatches, h1_policy(pp).delayed(head_delay, 1))
+def zb_h1(pp: int, microbatches: int, chunks: int, room: int = 0) -> Schedule:
+    """``room``: intervals by which the last stage's B follows its F."""
+    return _single_chunk("zb-h1", pp, microbatches, h1_policy(pp).delayed(room, 1))
 
 
 @register("zb-h2", "zero bubble H2: 2p-1 microbatches of warm-up, no bubble when F=B=W")
-def zb_h2(pp: int, microbatches: int, chunks: int, head_delay: int = 0) -> Schedule:
-    """``head_delay``: intervals by which the last stage's B follows its F."""
-    return _single_chunk("zb-h2", pp, microbatches, h2_policy(pp).delayed(head_delay, 1))
+def zb_h2(pp: int, microbatches: int, chunks: int, room: int = 0) -> Schedule:
+    """``room``: intervals by which the last stage's B follows its F."""
+    return _single_chunk("zb-h2", pp, microbatches, h2_policy(pp).delayed(room, 1))
 
 
 @register("zb-v", "zero bubble V: 2 chunks per rank in a V, 1F1B's memory, about no bubble when F=B=W",
           chunks=(2,), default_chunks=2)
-def zb_v(pp: int, microbatches: int, chunks: int, head_delay: int = 0) -> Schedule:
-    """``head_delay``: intervals by which the last stage's B follows its F
+def zb_v(pp: int, microbatches: int, chunks: int, room: int = 0) -> Schedule:
+    """``room``: intervals by which the last stage's B follows its F
     (each rank holds two more chunk activations per interval)."""
     placement = v_placement(pp)
-    policy = v_policy(pp).delayed(head_delay, 2)
+    policy = v_policy(pp).delayed(room, 2)
     ranks = list_schedule(placement, microbatches, Costs().per_stage(2 * pp, 2), policy).ranks
     return Schedule("zb-v", pp, microbatches, placement, ranks)

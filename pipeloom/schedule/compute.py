@@ -1,0 +1,66 @@
+"""The compute kinds F, B, W and BW: their rules, registered like any other kind.
+
+F(s,i) after F(s-1,i); B(s,i) and BW(s,i) after F(s,i) and the backward of
+(s+1,i); W(s,i) after B(s,i). A forward keeps ``m_b`` of activation memory
+until its backward; B frees all but ``m_w``, which W frees; BW frees all.
+Each (stage, microbatch) runs one F and either one BW or one B and one W.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from ..errors import ScheduleError
+from .ir import BW, B, F, W, Action, Schedule
+from .kinds import Kind, register
+
+_new = tuple.__new__  # builds an Action without NamedTuple's slower constructor (hot path)
+
+
+def _forward_needs(action: Action, deps) -> tuple:
+    s = action[1]
+    return (_new(Action, (F, s - 1, action[2], ())),) if s > 0 else ()
+
+
+def _backward_needs(action: Action, deps) -> tuple:
+    s, i = action[1], action[2]
+    forward = _new(Action, (F, s, i, ()))
+    return (forward,) if s == deps.last else (forward, deps.backward(s + 1, i))
+
+
+def _weight_needs(action: Action, deps) -> tuple:
+    return (_new(Action, (B, action[1], action[2], ())),)
+
+
+def check_compute(schedule: Schedule) -> None:
+    """Each (stage, microbatch) has one F and either one BW or one B and one W."""
+    counts = Counter(a for actions in schedule.ranks for a in actions if a.kind in (F, B, W, BW))
+    for stage in range(schedule.stages):
+        rank = schedule.placement[stage]
+        for mb in range(schedule.total_microbatches):
+            def has(kind):
+                return (kind, stage, mb, ()) in counts
+            if not has(F):
+                raise ScheduleError(f"rank {rank}: the forward {stage}F{mb} is missing")
+            split = has(B), has(W)
+            if has(BW):
+                if any(split):
+                    raise ScheduleError(
+                        f"rank {rank}: stage {stage} microbatch {mb} has both a fused backward {stage}B{mb} "
+                        f"and a split one; use BW or B and W, not both"
+                    )
+            elif split == (False, False):
+                raise ScheduleError(f"rank {rank}: the backward of stage {stage} microbatch {mb} is missing")
+            elif not all(split):
+                missing = f"{stage}W{mb}" if split[0] else f"{stage}I{mb}"
+                raise ScheduleError(f"rank {rank}: {missing} is missing (a split backward needs both B and W)")
+
+
+register(Kind(F, "forward", needs=_forward_needs, memory=((1.0, "m_b"),), cost=("f",), transfer="comm",
+              colour="#4c72b0", torch_code="F", torch_csv=True, check=check_compute))
+register(Kind(B, "input grad", needs=_backward_needs, memory=((1.0, "m_w"), (-1.0, "m_b")), cost=("b",),
+              transfer="comm", colour="#dd8452", torch_code="I", torch_csv=True, check=check_compute))
+register(Kind(W, "weight grad", needs=_weight_needs, memory=((-1.0, "m_w"),), cost=("w",),
+              colour="#55a868", torch_code="W", torch_csv=True, check=check_compute))
+register(Kind(BW, "fused backward", needs=_backward_needs, memory=((-1.0, "m_b"),), cost=("b", "w"),
+              transfer="comm", colour="#c44e52", torch_code="B", torch_csv=True, check=check_compute))

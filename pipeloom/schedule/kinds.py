@@ -1,0 +1,133 @@
+"""Action kinds as data: the registry every layer reads instead of naming kinds.
+
+A :class:`Kind` declares what an action of that kind is: whether its
+``stage`` field names a pipeline stage or a rank (its owner), which actions
+it consumes (its dependency rule), what it does to activation memory, which
+cost fields time it, and how renderers and torch's CSV show it. Dependencies,
+the validator, costs, the simulator and the renderers look kinds up here; a
+technique adds its kinds with :func:`register` and its inputs to other kinds'
+actions with :func:`register_inputs`, and nothing else changes.
+
+The built-in kinds F, B, W and BW are registered below like any other; the
+vocabulary passes register in :mod:`.transforms.vocab`, the sends and
+receives in :mod:`.lower`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from ..errors import ScheduleError
+
+if TYPE_CHECKING:
+    from .deps import Dependencies
+    from .ir import Action, Schedule
+
+#: ``Kind.owner``: the action's ``stage`` field is a pipeline stage, run by the rank it is placed on.
+STAGE = "stage"
+#: ``Kind.owner``: the action's ``stage`` field is the rank that runs it (a pass every rank makes).
+RANK = "rank"
+
+Rule = Callable[["Action", "Dependencies"], tuple]
+
+
+def _nothing(action: Action, deps: Dependencies) -> tuple:
+    return ()
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One action kind.
+
+    ``needs(action, deps)``: the actions whose results ``action`` consumes
+    (``deps`` is the schedule's :class:`~.deps.Dependencies`, with its facts).
+    ``memory``: (coefficient, cost field) pairs; the action changes its rank's
+    activation memory by the sum of coefficient times the field's value.
+    ``cost``: the cost fields whose sum is its time; ``transfer``: the cost
+    field that times the delivery of its result to a consumer on another rank
+    (none: no delay); ``reduced``: its result reaches even a consumer on its
+    own rank through a collective over every rank, so always after ``transfer``.
+    ``torch_code``: its letter in torch's action strings; ``torch_csv``: True
+    if torch's compute-only CSV holds it, False if an export leaves it out
+    (torch adds it or does not need it), None if an export must refuse a
+    schedule holding it. ``drawn``: renderers show it (the sends and receives
+    take no time and are not drawn). ``check(schedule)``: the kind's
+    completeness rule, run by the validator on every schedule.
+    """
+
+    name: str
+    label: str
+    owner: str = STAGE
+    needs: Rule = _nothing
+    memory: tuple[tuple[float, str], ...] = ()
+    cost: tuple[str, ...] = ()
+    transfer: str | None = None
+    reduced: bool = False
+    colour: str = "#8c8c8c"
+    letter: str | None = None
+    torch_code: str | None = None
+    torch_csv: bool | None = None
+    drawn: bool = True
+    check: Callable[[Schedule], None] | None = None
+
+    def __post_init__(self):
+        if self.owner not in (STAGE, RANK):
+            raise ScheduleError(f"kind {self.name}: owner {self.owner!r}; choose {STAGE!r} or {RANK!r}")
+
+    @property
+    def code(self) -> str:
+        """How action strings spell the kind: torch's letter, else its name."""
+        return self.torch_code or self.name
+
+    @property
+    def grid_letter(self) -> str:
+        """Its letter in text pictures: given, else the torch letter, else the lower-case initial."""
+        return self.letter or self.torch_code or self.name[0].lower()
+
+
+#: Every registered kind by name.
+KINDS: dict[str, Kind] = {}
+#: Factories of extra input rules: ``factory(schedule)`` gives a rule adding
+#: inputs to other kinds' actions in that schedule, or None where it does not apply.
+INPUT_RULES: list[Callable[[Schedule], Rule | None]] = []
+_BY_CODE: dict[str, str] = {}
+
+
+def register(kind: Kind) -> Kind:
+    """Add ``kind`` (re-registering the same name replaces it); returns it."""
+    taken = _BY_CODE.get(kind.code)
+    if taken not in (None, kind.name):
+        raise ScheduleError(f"kind {kind.name}: its code {kind.code!r} is kind {taken}'s already")
+    KINDS[kind.name] = kind
+    _BY_CODE[kind.code] = kind.name
+    return kind
+
+
+def register_inputs(factory: Callable[[Schedule], Rule | None]) -> Callable:
+    """Add a factory of input rules (see :data:`INPUT_RULES`); usable as a decorator."""
+    INPUT_RULES.append(factory)
+    return factory
+
+
+def get(name: str) -> Kind:
+    """The kind ``name``; an unknown one raises, listing the registered kinds."""
+    kind = KINDS.get(name)
+    if kind is None:
+        raise ScheduleError(f"unknown action kind {name!r}; registered kinds: {', '.join(KINDS)}")
+    return kind
+
+
+def from_code(code: str) -> str:
+    """The kind an action string's code spells (torch's ``I`` is B, its ``B`` is BW)."""
+    return _BY_CODE.get(code, code)
+
+
+def rank_of(action: Action, placement: tuple[int, ...]) -> int:
+    """The rank that runs ``action``: its stage's, or for a rank-owned kind the one it names."""
+    return action.stage if get(action.kind).owner == RANK else placement[action.stage]
+
+
+def checks() -> list[Callable[[Schedule], None]]:
+    """The distinct completeness rules of the registered kinds, in registration order."""
+    return list(dict.fromkeys(k.check for k in KINDS.values() if k.check))
