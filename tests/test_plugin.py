@@ -1,0 +1,86 @@
+"""A technique from outside the package: one transform, its kind, one handler; no pipeloom file changes.
+
+The toy technique inserts a no-op action ``NOOP`` after every forward. Its kind
+and cost field are registered here; the simulator, validator, renderers, torch
+CSV export and lowering accept it as they are.
+"""
+
+from dataclasses import replace
+
+import pytest
+
+from pipeloom.errors import ScheduleError
+from pipeloom.schedule import F, Action, Costs, Schedule, build, lower, to_torch_csv, validate
+from pipeloom.schedule.costs import register_field
+from pipeloom.schedule.kinds import Kind, register
+from pipeloom.sim import chrome_trace, plot_schedule, simulate, text_grid
+
+NOOP = "NOOP"
+
+
+def _after_forward(action, deps):
+    return (Action(F, action.stage, action.microbatch),)
+
+
+register_field("noop")
+register(Kind(NOOP, "no-op", needs=_after_forward, cost=("noop",), colour="#17becf", letter="n", torch_csv=False))
+
+
+class NoopAfterForward:
+    name = "no-op after every forward"
+    kinds = (NOOP,)
+    cost_fields = ("noop",)
+    room = 0
+
+    def apply(self, schedule: Schedule, costs) -> Schedule:
+        ranks = tuple(tuple(b for a in actions for b in ((a, Action(NOOP, a.stage, a.microbatch)) if a.kind == F
+                                                          else (a,)))
+                      for actions in schedule.ranks)
+        return replace(schedule, ranks=ranks)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-v", "interleaved-1f1b"])
+def test_the_toy_transform_builds_validates_and_lowers(name):
+    plain = build(name, 4, 8)
+    schedule = build(name, 4, 8, transforms=[NoopAfterForward()])
+    assert sum(a.kind == NOOP for actions in schedule.ranks for a in actions) == plain.stages * 8
+    lowered = build(name, 4, 8, transforms=[NoopAfterForward()], lowered=True)
+    assert Schedule.from_json(lowered.to_json()) == lowered
+    assert to_torch_csv(schedule) == to_torch_csv(plain)  # torch never sees the no-op
+
+
+def test_it_composes_with_vocabulary_parallelism():
+    schedule = build("1f1b", 4, 8, vocab_parallel="vocab-1", transforms=[NoopAfterForward()])
+    kinds = {a.kind for actions in schedule.ranks for a in actions}
+    assert {NOOP, "S", "T", "IF"} <= kinds
+
+
+def test_the_simulator_times_it_by_its_cost_field():
+    schedule = build("1f1b", 2, 4, transforms=[NoopAfterForward()])
+    free = simulate(schedule, Costs(extra={"noop": 0.0}))
+    slow = simulate(schedule, Costs(extra={"noop": 0.5}))
+    assert free.makespan == simulate(build("1f1b", 2, 4)).makespan
+    assert slow.makespan > free.makespan
+    assert Costs.parse("f=1,noop=0.5") == Costs(f=1.0, extra={"noop": 0.5})
+
+
+def test_the_validator_applies_its_rule():
+    schedule = build("1f1b", 2, 2, transforms=[NoopAfterForward()])
+    ranks = list(schedule.ranks)
+    ranks[0] = (Action(NOOP, 0, 0),) + tuple(a for a in ranks[0] if a != Action(NOOP, 0, 0))
+    with pytest.raises(ScheduleError, match=r"rank 0: action 0NOOP0 \(position 0\) runs before 0F0"):
+        validate(replace(schedule, ranks=tuple(ranks)))
+
+
+def test_the_renderers_draw_it(tmp_path):
+    result = simulate(build("1f1b", 2, 4, transforms=[NoopAfterForward()]), Costs(extra={"noop": 1.0}))
+    assert "n no-op" in text_grid(result)
+    names = {e["name"] for e in chrome_trace(result)["traceEvents"] if e["ph"] == "X"}
+    assert "1NOOP3" in names
+    plot_schedule(result, tmp_path / "noop.png")
+    assert (tmp_path / "noop.png").stat().st_size > 0
+
+
+def test_lowered_lists_put_it_among_the_sends():
+    lowered = lower(build("1f1b", 2, 2, transforms=[NoopAfterForward()]))
+    assert [str(a) for a in lowered.ranks[0]][:4] == ["0RECV_B0", "0F0", "0SEND_F0", "0NOOP0"]
