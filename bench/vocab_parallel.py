@@ -50,7 +50,8 @@ def _worker(rank, args):
 
     import pipeloom
     from pipeloom.nn import GPT, GPTConfig
-    from pipeloom.sim.model import ModelSpec, balanced_layers
+    from pipeloom.partition import balanced_layers
+    from pipeloom.sim.model import ModelSpec
 
     config = GPTConfig(n_layer=args.layers, n_embd=args.hidden, n_head=4, vocab_size=args.vocab, block_size=args.seq)
     spec = ModelSpec("bench", args.layers, args.hidden, 4, args.vocab)

@@ -5,12 +5,13 @@ from dataclasses import replace
 import pytest
 
 from pipeloom.errors import PipeloomError, ScheduleError
+from pipeloom.partition import balanced_layers
 from pipeloom.schedule import Action, Costs, Schedule, build, validate
 from pipeloom.schedule.deps import Dependencies, activation_delta
 from pipeloom.schedule.ir import BW, CZ, IB, IF, VOCAB_KINDS, VOCAB_PASSES, B, C, F, R, S, T, Z
 from pipeloom.schedule.vocab import ALGORITHMS, HEAD_DELAY, add_vocab_passes
 from pipeloom.sim import (
-    BYTES_PER_PARAM, DEVICES, MODELS, balanced_layers, costs_from_model, peak_memory_bytes, simulate, stage_parameters,
+    BYTES_PER_PARAM, DEVICES, MODELS, costs_from_model, peak_memory_bytes, simulate, stage_parameters,
 )
 
 #: the families that take head_delay, so build(..., vocab_parallel=...) accepts them

@@ -25,20 +25,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import PipeloomError
-from ..sim.model import split_layers
+from ..partition import split_layers
+from ..presets import SIZES
 from .linear import Linear
 
-# GPT-2 BPE vocabulary (50257) padded by Megatron-LM to a multiple of 128.
-_GPT2_VOCAB = 50304
-
-#: Config presets by name. The GPT sizes are GPT-3's Small, Medium and XL
-#: (XL with 16 heads, d_head = 128), tied like GPT-2/3 and like the
-#: simulator's model presets of the same names.
+#: Config presets by name: the sizes of :data:`pipeloom.presets.SIZES` that have a block_size.
 PRESETS: dict[str, dict] = {
-    "tiny": dict(n_layer=4, n_embd=32, n_head=4, vocab_size=256, block_size=256),
-    "gpt-125m": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=_GPT2_VOCAB, block_size=1024, tie_embeddings=True),
-    "gpt-350m": dict(n_layer=24, n_embd=1024, n_head=16, vocab_size=_GPT2_VOCAB, block_size=1024, tie_embeddings=True),
-    "gpt-1.3b": dict(n_layer=24, n_embd=2048, n_head=16, vocab_size=_GPT2_VOCAB, block_size=1024, tie_embeddings=True),
+    name: dict(n_layer=size.layers, n_embd=size.hidden, n_head=size.heads, vocab_size=size.vocab,
+               block_size=size.block_size, tie_embeddings=size.tied)
+    for name, size in SIZES.items() if size.block_size
 }
 
 
@@ -234,7 +229,7 @@ class GPT(nn.Module):
 
         ``layers_per_stage`` gives each stage's block count (non-negative,
         summing to ``n_layer``; a stage may hold no block). By default the
-        split is :func:`pipeloom.sim.split_layers`'s, the simulator's: as even
+        split is :func:`pipeloom.partition.split_layers`'s, the simulator's: as even
         as possible, the remainder to the middle stages first, since the
         first and last also hold the embeddings and the head.
 

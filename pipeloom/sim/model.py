@@ -21,7 +21,7 @@ in bytes.
 ``vocab_parallel`` picks where the vocabulary layers go ("Balancing Pipeline
 Parallelism with Vocabulary Parallelism"): ``none`` as above; ``redis`` also,
 with the transformer layers spread so that every stage's compute is as even as
-whole layers allow (:func:`balanced_layers`); ``naive``, ``vocab-1``,
+whole layers allow (:func:`~pipeloom.partition.balanced_layers`); ``naive``, ``vocab-1``,
 ``vocab-2`` split both layers over the p ranks (V/p rows each, padded), whose
 passes cost, per rank and microbatch, with ``X`` the ``[bs, V/p]`` by
 ``[V/p, h]`` product (2bshV/p FLOPs): S = X (vocab-2: 2X, the logits and
@@ -69,6 +69,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import PipeloomError
+from ..partition import balanced_layers, split_layers
+from ..presets import SIZES
 from ..schedule import build
 from ..schedule.costs import Costs
 from ..schedule.vocab import ALGORITHMS, check_mode
@@ -135,36 +137,10 @@ class ModelSpec:
         return -(-self.vocab // ranks) * self.hidden * (1 if self.tied_embeddings else 2)
 
 
-# GPT-2 BPE vocabulary (50257) padded by Megatron-LM to a multiple of 128.
-_GPT2_VOCAB = 50304
-
-#: Model presets by lowercase name.
+#: Model presets by lowercase name: every size of :data:`pipeloom.presets.SIZES`.
 MODELS: dict[str, ModelSpec] = {
-    spec.name: spec
-    for spec in (
-        # Zero Bubble Pipeline Parallelism (Qi et al., ICLR 2024), the models of
-        # its table of profiled costs: Megatron-LM GPT. The paper states no V;
-        # 50304 is Megatron's padded GPT-2 size. Tied, Megatron's default: the
-        # tied parameter counts match the names (1.52B, 6.25B, 14.7B, 28.4B).
-        ModelSpec("1.5b", 22, 2304, 24, _GPT2_VOCAB, tied_embeddings=True),
-        ModelSpec("6.2b", 30, 4096, 32, _GPT2_VOCAB, tied_embeddings=True),
-        ModelSpec("14.6b", 46, 5120, 40, _GPT2_VOCAB, tied_embeddings=True),
-        ModelSpec("28.3b", 62, 6144, 48, _GPT2_VOCAB, tied_embeddings=True),
-        # Balancing Pipeline Parallelism with Vocabulary Parallelism (Yeung et
-        # al., 2024), "Settings used in experiments on 1F1B" (8 / 16 / 32 GPUs);
-        # the paper sweeps V over 32k/64k/128k/256k (k = 1000 in its artifact
-        # configs); 128k is the preset here. Untied: its implementation needs that.
-        ModelSpec("4b", 32, 3072, 24, 128_000),
-        ModelSpec("10b", 48, 4096, 32, 128_000),
-        ModelSpec("21b", 64, 5120, 40, 128_000),
-        # GPT-3 paper (Brown et al., 2020), Table 2.1: Small, Medium, XL, with
-        # tied embeddings as in GPT-2/3. XL lists 24 heads, which do not divide
-        # 2048; 16 heads keeps its d_head = 128. GPT-2 vocabulary as padded by
-        # Megatron-LM.
-        ModelSpec("gpt-125m", 12, 768, 12, _GPT2_VOCAB, tied_embeddings=True),
-        ModelSpec("gpt-350m", 24, 1024, 16, _GPT2_VOCAB, tied_embeddings=True),
-        ModelSpec("gpt-1.3b", 24, 2048, 16, _GPT2_VOCAB, tied_embeddings=True),
-    )
+    name: ModelSpec(name, size.layers, size.hidden, size.heads, size.vocab, tied_embeddings=size.tied)
+    for name, size in SIZES.items()
 }
 
 
@@ -237,42 +213,6 @@ def _preset(value, kind: type, presets: dict, what: str):
     if value not in presets:
         raise PipeloomError(f"unknown {what} {value!r}; presets: {', '.join(presets)}")
     return presets[value]
-
-
-def split_layers(layers: int, stages: int) -> tuple[int, ...]:
-    """Layers per stage, as even as possible; the remainder goes to the middle
-    stages (centre first), since the first and last stages also carry the
-    embedding and the output layer; then to the first stage, then the last."""
-    if layers < stages:
-        raise PipeloomError(
-            f"{layers} layers cannot fill {stages} stages (pp x chunks): need layers >= stages; "
-            f"use at most {layers} stages or give layers_per_stage"
-        )
-    base, extra = divmod(layers, stages)
-    middle = sorted(range(1, stages - 1), key=lambda s: (abs(2 * s - (stages - 1)), s))
-    favoured = set((middle + [0, stages - 1])[:extra])
-    return tuple(base + (s in favoured) for s in range(stages))
-
-
-def balanced_layers(model: ModelSpec | str, stages: int, seq: int) -> tuple[int, ...]:
-    """Layers per stage of the ``redis`` baseline: each layer in turn goes to
-    the stage with the least compute (F + B + W) so far, the first stage
-    starting with the input layer's and the last with the output layer's, so
-    the slowest stage is as fast as whole layers allow (stages may get none);
-    ties go to the middle stages. FLOP ratios only: b and the device cancel."""
-    model = get_model(model)
-    _positive(stages=stages, seq=seq)
-    load = [0] * stages  # FLOPs / bsh
-    load[0] += 3
-    load[-1] += 6 * model.vocab
-    layer = 3 * (8 + 4 * model.ffn) * model.hidden + 12 * seq
-    centre_first = sorted(range(stages), key=lambda s: (abs(2 * s - (stages - 1)), s))
-    counts = [0] * stages
-    for _ in range(model.layers):
-        s = min(centre_first, key=load.__getitem__)
-        load[s] += layer
-        counts[s] += 1
-    return tuple(counts)
 
 
 def _stage_layers(model: ModelSpec, stages: int, layers_per_stage, seq: int = 0, mode: str = "none") -> tuple[int, ...]:
@@ -413,8 +353,8 @@ def costs_from_model(
     stages, for microbatches of ``microbatch_size`` sequences of ``seq`` tokens,
     on one rank of each stage's SP group of ``sp`` ranks.
 
-    ``layers_per_stage`` overrides :func:`split_layers` (:func:`balanced_layers`
-    with ``vocab_parallel="redis"``). With ``recompute`` each layer keeps
+    ``layers_per_stage`` overrides :func:`~pipeloom.partition.split_layers`
+    (``balanced_layers`` with ``vocab_parallel="redis"``). With ``recompute`` each layer keeps
     only its input (2bth bytes) and B first reruns the layer's forward; W
     still needs its inputs, so ``m_w`` exceeds ``m_b`` and memory grows from
     B to W (use a fused-backward schedule with it). ``vocab_parallel`` (none,
