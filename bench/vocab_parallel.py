@@ -25,9 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
+from pipeloom.modes import VocabMode  # noqa: E402
 from pipeloom.runtime.local import spawn  # noqa: E402
 
-MODES = ["none", "redis", "naive", "vocab-1", "vocab-2"]
+MODES = [m.value for m in VocabMode]
 
 
 def _peak_rss_reset() -> None:

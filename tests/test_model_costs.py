@@ -140,5 +140,6 @@ def test_peak_memory_counts_every_virtual_stage_of_a_rank():
 
 
 def test_model_module_does_not_import_torch():
-    code = "import sys, pipeloom.sim.model, pipeloom.presets, pipeloom.partition; assert 'torch' not in sys.modules"
+    code = ("import sys, pipeloom.sim.model, pipeloom.presets, pipeloom.partition, pipeloom.modes; "
+            "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -30,11 +30,12 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..errors import PipeloomError
+from ..modes import VOCAB_ALGORITHMS, VocabMode
 
-_PASSES = {"naive": ("S", "C", "T", "R"), "vocab-1": ("S", "C", "T", "R"), "vocab-2": ("S", "C", "T")}
-
-#: The LM head's algorithms: the paper's naive placement, Algorithm 1 and Algorithm 2.
-VOCAB_ALGORITHMS = tuple(_PASSES)
+#: The passes of the LM head's algorithms (:data:`~pipeloom.modes.VOCAB_ALGORITHMS`: the paper's
+#: naive placement, Algorithm 1 and Algorithm 2).
+_PASSES = {VocabMode.NAIVE: ("S", "C", "T", "R"), VocabMode.VOCAB_1: ("S", "C", "T", "R"),
+           VocabMode.VOCAB_2: ("S", "C", "T")}
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -218,7 +219,7 @@ class LMHeadState:
     longer needs is dropped.
     """
 
-    algorithm: str
+    algorithm: VocabMode
     x: torch.Tensor | None  # [N, n_embd] in the compute dtype
     input_shape: torch.Size
     input_dtype: torch.dtype
@@ -295,7 +296,7 @@ class _LMHeadLoss(torch.autograd.Function):
         state.row_weight = state.row_weight * grad_loss  # T's products carry the incoming gradient
         grad, x = head._t(state)
         grad_input = head.reduce_grad_input(state)
-        if state.algorithm == "vocab-2":  # from C, before the incoming gradient was known
+        if state.algorithm == VocabMode.VOCAB_2:  # from C, before the incoming gradient was known
             grad_input = grad_input * grad_loss
         grad_weight = (grad.T @ x).to(head.weight.dtype)
         padding = head.weight.shape[0] - grad_weight.shape[0]
@@ -327,7 +328,7 @@ class VocabParallelLMHead(_VocabSharded):
     def __init__(self, vocab_size: int, n_embd: int, group=None, algorithm: str = "vocab-2",
                  label_smoothing: float = 0.0, ignore_index: int = -100, weight: nn.Parameter | None = None):
         super().__init__(vocab_size, n_embd, group)
-        if algorithm not in _PASSES:
+        if algorithm not in VOCAB_ALGORITHMS:
             raise PipeloomError(f"unknown vocabulary-parallel algorithm {algorithm!r}; "
                                 f"choices: {', '.join(VOCAB_ALGORITHMS)}")
         if (isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float))
@@ -340,7 +341,8 @@ class VocabParallelLMHead(_VocabSharded):
         elif not isinstance(weight, nn.Parameter) or tuple(weight.shape) != (self.shard.rows, n_embd):
             raise PipeloomError(f"weight must be an nn.Parameter of shape [{self.shard.rows}, {n_embd}] "
                                 f"(this rank's shard), got {type(weight).__name__} {list(weight.shape)}")
-        self.algorithm, self.label_smoothing, self.ignore_index = algorithm, float(label_smoothing), ignore_index
+        self.algorithm = VocabMode(algorithm)
+        self.label_smoothing, self.ignore_index = float(label_smoothing), ignore_index
         self.weight = weight
 
     @property
@@ -385,11 +387,11 @@ class VocabParallelLMHead(_VocabSharded):
         if eps:
             target_term += _row_sums(logits, stat) * (eps / shard.vocab_size)
         state = LMHeadState(algorithm, flat, x.shape, x.dtype, target_col, hit, row_weight, logits, target_term)
-        if algorithm == "naive":
+        if algorithm == VocabMode.NAIVE:
             return state
         state.shift = self._row_max(logits, stat)
         state.local_sum = _exp_shifted(logits, state.shift)
-        if algorithm == "vocab-2":
+        if algorithm == VocabMode.VOCAB_2:
             state.softmax_w = logits @ weight
             target_w = weight[target_col] * (hit * (1.0 - eps))[:, None] if shard.real_rows \
                 else row_weight.new_zeros(state.softmax_w.shape)
@@ -419,10 +421,10 @@ class VocabParallelLMHead(_VocabSharded):
         :meth:`grad_input_parts` and :meth:`grad_input_from`."""
         if state.loss is not None:
             raise PipeloomError("collective already ran on this microbatch's state")
-        parts = self._gather(self.grad_input_parts(state)) if state.algorithm == "vocab-2" else None
+        parts = self._gather(self.grad_input_parts(state)) if state.algorithm == VocabMode.VOCAB_2 else None
         stats = self._gather(self.row_stats(state))
         self.combine(state, stats)
-        if state.algorithm == "naive":
+        if state.algorithm == VocabMode.NAIVE:
             sums = self.row_sums(state)
             self._all_reduce(sums)
             self.combine_sums(state, sums)
@@ -433,7 +435,7 @@ class VocabParallelLMHead(_VocabSharded):
     def row_stats(self, state: LMHeadState) -> torch.Tensor:
         """This shard's numbers per row [N, 3] that C gathers from every rank: the local max
         (naive: of the logits), the local sum (naive: unused) and the target term."""
-        if state.algorithm == "naive":
+        if state.algorithm == VocabMode.NAIVE:
             top = self._row_max(state.probs, state.target_term.dtype)
             return torch.stack([top, torch.zeros_like(top), state.target_term], 1)
         return torch.stack([state.shift, state.local_sum, state.target_term], 1)
@@ -450,7 +452,7 @@ class VocabParallelLMHead(_VocabSharded):
         """C from every rank's :meth:`row_stats` [parts, N, 3]: the global max, and (not
         naive, whose sums need a second round) the global sum, the scale and the loss."""
         state.target_term = gathered[:, :, 2].sum(0)
-        if state.algorithm == "naive":
+        if state.algorithm == VocabMode.NAIVE:
             state.shift = gathered[:, :, 0].amax(0)
             state.local_sum = _exp_shifted(state.probs, state.shift)
             return
@@ -522,7 +524,7 @@ class VocabParallelLMHead(_VocabSharded):
                 grad[rows].sub_(spread[rows, None])
         if real_rows:  # (an index_put, not a scatter: that is slow on CPU in bf16)
             grad.index_put_((torch.arange(len(grad), device=grad.device), col), target.to(grad.dtype))
-        if state.algorithm != "vocab-2":
+        if state.algorithm != VocabMode.VOCAB_2:
             state.grad_input_partial = grad @ self._real_weight(grad.dtype)
         x = state.x
         state.probs = state.x = state.target_col = state.hit = None
@@ -533,7 +535,7 @@ class VocabParallelLMHead(_VocabSharded):
         """R (naive, vocab-1): ∇X summed over ranks into ``state.grad_input``, on every rank
         or only on global rank ``dst`` (the others get None). With vocab-2 it does
         nothing. Returns ``state.grad_input``."""
-        if state.algorithm != "vocab-2":
+        if state.algorithm != VocabMode.VOCAB_2:
             if state.grad_input_partial is None:
                 raise PipeloomError("run t_pass on this microbatch's state before reduce_grad_input")
             grad = self._reduce(state.grad_input_partial, dst)
@@ -544,7 +546,7 @@ class VocabParallelLMHead(_VocabSharded):
     @torch.no_grad()
     def loss(self, x: torch.Tensor, targets: torch.Tensor, denominator=None) -> torch.Tensor:
         """The loss alone (evaluation): no autograd graph, no gradients; two collectives."""
-        state = self._s_pass(x, targets, denominator, "vocab-1")
+        state = self._s_pass(x, targets, denominator, VocabMode.VOCAB_1)
         return self.collective(state)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor, denominator=None) -> torch.Tensor:

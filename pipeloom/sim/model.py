@@ -69,11 +69,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import PipeloomError
+from ..modes import Attention, VocabMode
 from ..partition import balanced_layers, split_layers
 from ..presets import SIZES
 from ..schedule import build
 from ..schedule.costs import Costs
-from ..schedule.vocab import ALGORITHMS, check_mode
 from .simulate import Result, simulate
 
 #: Bytes of model state per parameter, Megatron-style mixed precision: bf16
@@ -215,9 +215,10 @@ def _preset(value, kind: type, presets: dict, what: str):
     return presets[value]
 
 
-def _stage_layers(model: ModelSpec, stages: int, layers_per_stage, seq: int = 0, mode: str = "none") -> tuple[int, ...]:
+def _stage_layers(model: ModelSpec, stages: int, layers_per_stage, seq: int = 0,
+                  mode: VocabMode = VocabMode.NONE) -> tuple[int, ...]:
     if layers_per_stage is None:
-        return balanced_layers(model, stages, seq) if mode == "redis" else split_layers(model.layers, stages)
+        return balanced_layers(model, stages, seq) if mode == VocabMode.REDIS else split_layers(model.layers, stages)
     split = tuple(layers_per_stage)
     if len(split) != stages or any(not isinstance(n, int) or n < 0 for n in split) or sum(split) != model.layers:
         raise PipeloomError(
@@ -239,17 +240,15 @@ def _collective_ms(device: Device, nbytes: float, ranks: int, passes: int) -> fl
     return 1e3 * passes * (ranks - 1) / ranks * nbytes / device.link_bandwidth
 
 
-#: Attention algorithms of sequence parallelism (module docstring).
-ATTENTIONS = ("ring", "rsa")
+#: The names of :class:`~pipeloom.modes.Attention`, the attention algorithms of sequence parallelism.
+ATTENTIONS = tuple(Attention)
 
 
-def _attention(attention: str | None, sp: int) -> str:
+def _attention(attention: str | None, sp: int) -> Attention:
     """``attention`` checked; by default ``ring``, or ``rsa`` (plain attention) with ``sp = 1``."""
     if attention is None:
-        return "ring" if sp > 1 else "rsa"
-    if attention not in ATTENTIONS:
-        raise PipeloomError(f"unknown attention {attention!r}; algorithms: {', '.join(ATTENTIONS)}")
-    return attention
+        return Attention.RING if sp > 1 else Attention.RSA
+    return Attention.of(attention)
 
 
 def _local_tokens(seq: int, sp: int) -> int:
@@ -263,7 +262,7 @@ def _local_tokens(seq: int, sp: int) -> int:
 def _attention_memory(model: ModelSpec, seq: int, microbatch_size: int, sp: int, attention: str) -> tuple[int, int]:
     """Bytes of one layer's attention scores on one rank: (kept from F to B, alive only while it computes)."""
     b, s, a, t = microbatch_size, seq, model.heads, _local_tokens(seq, sp)
-    if attention == "rsa":
+    if attention == Attention.RSA:
         return 5 * a * t * s * b, 0
     return 4 * b * a * t, 5 * a * t * t * b
 
@@ -315,7 +314,7 @@ def sequence_parallel_costs(
     def link_ms(nbytes: float) -> float:
         return 1e3 * nbytes / device.link_bandwidth
 
-    if attention == "rsa":
+    if attention == Attention.RSA:
         forward = 2 * (sp - 1) * link_ms(block)
         backward = forward + _collective_ms(device, 2 * (2 * b * s * h), sp, 2)  # all-reduce full-length dK, dV
         return SequenceParallelCosts(sp, attention, 2 * (sp - 1), block, link_ms(block), forward, backward,
@@ -367,7 +366,7 @@ def costs_from_model(
     """
     model, device = get_model(model), get_device(device)
     _positive(pp=pp, seq=seq, microbatch_size=microbatch_size, chunks=chunks)
-    mode = check_mode(vocab_parallel or "none")
+    mode = VocabMode.of(vocab_parallel or "none")
     stages = pp * chunks
     split = _stage_layers(model, stages, layers_per_stage, seq, mode)
     ring = sequence_parallel_costs(model, seq, microbatch_size, device, sp, attention)
@@ -379,7 +378,7 @@ def costs_from_model(
     layer_mb = 2 * bth if recompute else (18 + 4 * k) * bth + ring.kept_bytes
     layer_mw = (16 + 4 * k) * bth
     exposed_b = ring.exposed_backward_ms + (ring.exposed_forward_ms if recompute else 0.0)
-    if mode in ALGORITHMS:
+    if mode.splits:
         embedding = head = head_mw = 0
         head_mb = 2 * bth  # the final norm's input
     else:
@@ -404,18 +403,18 @@ def costs_from_model(
         m_b=[float(x) for x in per_stage(layer_mb, last=head_mb)],
         m_w=[float(x) for x in per_stage(layer_mw, last=head_mw)],
     )
-    if mode not in ALGORITHMS:
+    if not mode.splits:
         return costs
     shard = -(-v // pp)
     product = device.ms(2 * bth * shard)  # one [bt, h] x [h, V/p] product on one rank
     statistic = _collective_ms(device, 4 * b * t, pp, 2)  # all-reduce of one fp32 value per token
     grad_input = _collective_ms(device, 2 * bth, pp, 1)  # reduce of the input gradient to the last stage
-    two = mode == "vocab-2"
+    two = mode == VocabMode.VOCAB_2
     return replace(
         costs,
         s=2 * product if two else product,
         t=product if two else 2 * product,
-        c=statistic if mode == "naive" else 2 * statistic + (grad_input if two else 0.0),
+        c=statistic if mode == VocabMode.NAIVE else 2 * statistic + (grad_input if two else 0.0),
         r=0.0 if two else grad_input,
         e_f=device.ms(bth / pp),
         e_b=device.ms(2 * bth / pp),
@@ -430,7 +429,7 @@ def stage_layers(
     """Transformer layers of each of ``stages`` stages, as :func:`costs_from_model` places them."""
     model = get_model(model)
     _positive(stages=stages, seq=seq)
-    return _stage_layers(model, stages, layers_per_stage, seq, check_mode(vocab_parallel or "none"))
+    return _stage_layers(model, stages, layers_per_stage, seq, VocabMode.of(vocab_parallel or "none"))
 
 
 def stage_parameters(
@@ -444,7 +443,7 @@ def stage_parameters(
     change them: every rank of an SP group holds all its stage's weights."""
     model = get_model(model)
     params = [n * model.layer_params for n in stage_layers(model, stages, seq, layers_per_stage, vocab_parallel)]
-    if check_mode(vocab_parallel or "none") in ALGORITHMS:
+    if VocabMode.of(vocab_parallel or "none").splits:
         params[0] += model.hidden * seq
         params[-1] += 2 * model.hidden
     else:
@@ -474,10 +473,10 @@ def peak_memory_bytes(
     schedule's ``options["vocab_parallel"]``), ``microbatch_size``, ``sp``
     and ``attention`` must match the ones the costs used."""
     schedule, model = result.schedule, get_model(model)
-    mode = check_mode(vocab_parallel or schedule.options.get("vocab_parallel") or "none")
+    mode = VocabMode.of(vocab_parallel or schedule.options.get("vocab_parallel") or "none")
     split = stage_layers(model, schedule.stages, seq, layers_per_stage, mode)
     params = stage_parameters(model, schedule.stages, seq, split, mode)
-    shard = model.vocab_shard_params(schedule.pp) if mode in ALGORITHMS else 0
+    shard = model.vocab_shard_params(schedule.pp) if mode.splits else 0
     _positive(microbatch_size=microbatch_size)
     transient = _attention_memory(model, seq, microbatch_size, sp, _attention(attention, sp))[1]
     peaks = []
