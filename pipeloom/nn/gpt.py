@@ -7,10 +7,12 @@ LM head. Every linear layer is a :class:`~pipeloom.nn.linear.Linear`, so a
 runtime can defer its weight gradient (the B/W split).
 
 :meth:`GPT.split` cuts it into :class:`GPTStage` modules that share the
-model's parameter objects. Stage-local parameter names *are* the unsplit
-names (blocks keep their global index: ``blocks.5.attn.qkv.weight``);
-``stage.param_names`` maps each to its unsplit name all the same, because of
-one exception, tied embeddings, described on :class:`GPTStage`.
+model's parameter objects; :meth:`GPT.build_stages` builds only some of them,
+materialising a model described on the meta device stage by stage.
+Stage-local parameter names *are* the unsplit names (blocks keep their
+global index: ``blocks.5.attn.qkv.weight``); ``stage.param_names`` maps each
+to its unsplit name all the same, because of one exception, tied
+embeddings, described on :class:`GPTStage`.
 """
 
 from __future__ import annotations
