@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # GPT-2 BPE vocabulary (50257) padded by Megatron-LM to a multiple of 128.
-GPT2_VOCAB = 50304
+_GPT2_VOCAB = 50304
 
 
 @dataclass(frozen=True)
@@ -34,10 +34,10 @@ SIZES: dict[str, ModelSize] = {
     # its table of profiled costs: Megatron-LM GPT. The paper states no V;
     # 50304 is Megatron's padded GPT-2 size. Tied, Megatron's default: the
     # tied parameter counts match the names (1.52B, 6.25B, 14.7B, 28.4B).
-    "1.5b": ModelSize(22, 2304, 24, GPT2_VOCAB, tied=True),
-    "6.2b": ModelSize(30, 4096, 32, GPT2_VOCAB, tied=True),
-    "14.6b": ModelSize(46, 5120, 40, GPT2_VOCAB, tied=True),
-    "28.3b": ModelSize(62, 6144, 48, GPT2_VOCAB, tied=True),
+    "1.5b": ModelSize(22, 2304, 24, _GPT2_VOCAB, tied=True),
+    "6.2b": ModelSize(30, 4096, 32, _GPT2_VOCAB, tied=True),
+    "14.6b": ModelSize(46, 5120, 40, _GPT2_VOCAB, tied=True),
+    "28.3b": ModelSize(62, 6144, 48, _GPT2_VOCAB, tied=True),
     # Balancing Pipeline Parallelism with Vocabulary Parallelism (Yeung et
     # al., 2024), "Settings used in experiments on 1F1B" (8 / 16 / 32 GPUs);
     # the paper sweeps V over 32k/64k/128k/256k (k = 1000 in its artifact
@@ -51,7 +51,7 @@ SIZES: dict[str, ModelSize] = {
     # tied embeddings as in GPT-2/3. XL lists 24 heads, which do not divide
     # 2048; 16 heads keeps its d_head = 128. GPT-2 vocabulary as padded by
     # Megatron-LM.
-    "gpt-125m": ModelSize(12, 768, 12, GPT2_VOCAB, tied=True, block_size=1024),
-    "gpt-350m": ModelSize(24, 1024, 16, GPT2_VOCAB, tied=True, block_size=1024),
-    "gpt-1.3b": ModelSize(24, 2048, 16, GPT2_VOCAB, tied=True, block_size=1024),
+    "gpt-125m": ModelSize(12, 768, 12, _GPT2_VOCAB, tied=True, block_size=1024),
+    "gpt-350m": ModelSize(24, 1024, 16, _GPT2_VOCAB, tied=True, block_size=1024),
+    "gpt-1.3b": ModelSize(24, 2048, 16, _GPT2_VOCAB, tied=True, block_size=1024),
 }
