@@ -27,9 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
+from pipeloom.modes import Attention  # noqa: E402
 from pipeloom.runtime.local import spawn  # noqa: E402
 
-KINDS = ("ring", "rsa")
+KINDS = [a.value for a in Attention]
 
 
 def _added_peak(fn) -> tuple[int, float]:

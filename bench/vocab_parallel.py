@@ -25,9 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
+from pipeloom.modes import VocabMode  # noqa: E402
 from pipeloom.runtime.local import spawn  # noqa: E402
 
-MODES = ["none", "redis", "naive", "vocab-1", "vocab-2"]
+MODES = [m.value for m in VocabMode]
 
 
 def _peak_rss_reset() -> None:
@@ -50,7 +51,8 @@ def _worker(rank, args):
 
     import pipeloom
     from pipeloom.nn import GPT, GPTConfig
-    from pipeloom.sim.model import ModelSpec, balanced_layers
+    from pipeloom.partition import balanced_layers
+    from pipeloom.sim.model import ModelSpec
 
     config = GPTConfig(n_layer=args.layers, n_embd=args.hidden, n_head=4, vocab_size=args.vocab, block_size=args.seq)
     spec = ModelSpec("bench", args.layers, args.hidden, 4, args.vocab)

@@ -317,13 +317,14 @@ def _sp_report(spec, device, schedule, args) -> dict:
     """The sequence-parallel fields: the ring's transfers per stage, one layer's details, rsa's and ring's scores."""
     from dataclasses import asdict
 
-    from .sim.model import ATTENTIONS, sequence_parallel_costs, stage_layers
+    from .modes import Attention
+    from .sim.model import sequence_parallel_costs, stage_layers
 
     sp = _sp(args)
     layer = sequence_parallel_costs(spec, args.seq, args.microbatch_size, device, sp, args.attention)
     layers = stage_layers(spec, schedule.stages, args.seq, vocab_parallel=schedule.options.get("vocab_parallel"))
     scores = {}
-    for name in ATTENTIONS:
+    for name in Attention:
         other = sequence_parallel_costs(spec, args.seq, args.microbatch_size, device, sp, name)
         scores[name] = {"kept": other.kept_bytes, "transient": other.transient_bytes}
     return {
@@ -452,6 +453,7 @@ def _compare_table(reports: list[dict]) -> str:
 # -- train -------------------------------------------------------------------
 
 def _add_train(sub) -> None:
+    from .modes import Attention
     from .schedule import FAMILIES
 
     p = sub.add_parser(
@@ -469,7 +471,7 @@ def _add_train(sub) -> None:
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL); default cpu")
     g.add_argument("--sp", type=int, default=1,
                    help="sequence-parallel ranks per stage: each holds a share of every sequence (default 1)")
-    g.add_argument("--attention", choices=("ring", "rsa"),
+    g.add_argument("--attention", choices=[a.value for a in Attention],
                    help="sequence-parallel attention: blockwise ring (the default with --sp > 1) or Ring "
                         "Self-Attention; with --sp 1 the default is torch's scaled_dot_product_attention")
     g.add_argument("--vocab-parallel", choices=("none", "redis", "naive", "vocab-1", "vocab-2"), default="none",

@@ -69,9 +69,10 @@ def max_rel_error(grads, ref):
     return max(((grads[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-12)).item() for n in ref)
 
 
-def parity_worker(rank, cases, config_overrides, batch, seq):
+def parity_worker(rank, cases, config_overrides, batch, seq, model_device=None):
     """For each (label, Pipeline keyword arguments): the relative errors of one step's
-    loss and of every gradient against :func:`reference`."""
+    loss and of every gradient against :func:`reference`, the pipeline made from
+    ``GPT(config, device=model_device)`` (``"meta"``: each rank materialises its own stages)."""
     import pipeloom
     from pipeloom.nn import GPT, GPTConfig
 
@@ -81,7 +82,7 @@ def parity_worker(rank, cases, config_overrides, batch, seq):
     out = {}
     for label, options in cases:
         torch.manual_seed(0)
-        pipe = pipeloom.Pipeline(GPT(config), **options)
+        pipe = pipeloom.Pipeline(GPT(config, device=model_device), **options)
         loss = pipe.step(tokens, targets)
         out[label] = (abs(loss - ref_loss) / abs(ref_loss), max_rel_error(pipe.gather_grads(), ref_grads))
     return out

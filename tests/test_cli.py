@@ -139,7 +139,7 @@ def test_sequence_parallel_table(capsys):
     (["--attention", "rsa"], "--attention sets the sequence-parallel attention that --model derives costs for"),
     (["--model", "gpt-1.3b", "--seq", "1000", "--sp", "3"], "sp=3 must divide seq=1000"),
     (["--model", "gpt-1.3b", "--sp", "0"], "sp must be a positive integer, got 0"),
-    (["--model", "gpt-1.3b", "--sp", "2", "--attention", "flash"], "unknown attention 'flash'; algorithms: ring, rsa"),
+    (["--model", "gpt-1.3b", "--sp", "2", "--attention", "flash"], "unknown attention 'flash'; choose one of ring, rsa"),
 ])
 def test_sequence_parallel_bad_input_one_clear_line(capsys, args, message):
     assert main(["simulate", *args]) == 2

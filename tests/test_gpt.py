@@ -10,7 +10,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from pipeloom.errors import PipeloomError  # noqa: E402
-from pipeloom.nn import GPT, GPTConfig, Linear, WeightGradStore, defer_weight_grads  # noqa: E402
+from pipeloom.nn import PRESETS, GPT, GPTConfig, Linear, WeightGradStore, defer_weight_grads  # noqa: E402
 from pipeloom.runtime.local import spawn  # noqa: E402
 from pipeloom.sim import MODELS, ModelSpec, stage_parameters  # noqa: E402
 
@@ -206,21 +206,16 @@ def test_deferral_follows_the_backward_not_the_thread(eager):
     assert_same_grads(grads(model.named_parameters()), want)
 
 
-@pytest.mark.parametrize("name", ["tiny", "gpt-125m", "gpt-350m", "gpt-1.3b"])
+@pytest.mark.parametrize("name", list(PRESETS))
 def test_presets_match_the_simulators_parameter_count(name):
     config = GPTConfig.preset(name)
     with torch.device("meta"):
         model = GPT(config)
-    n_params = sum(p.numel() for p in model.parameters())
-    if name in MODELS:
-        spec = MODELS[name]
-        assert (spec.layers, spec.hidden, spec.heads, spec.vocab) == (
-            config.n_layer, config.n_embd, config.n_head, config.vocab_size)
-        assert config.tie_embeddings == spec.tied_embeddings
-        assert n_params == spec.parameters(config.block_size)
-    else:
-        h, v = config.n_embd, config.vocab_size  # untied: embeddings, layers, final norm, head
-        assert n_params == h * (v + config.block_size) + config.n_layer * (12 * h * h + 13 * h) + 2 * h + h * v
+    spec = MODELS[name]
+    assert (spec.layers, spec.hidden, spec.heads, spec.vocab) == (
+        config.n_layer, config.n_embd, config.n_head, config.vocab_size)
+    assert config.tie_embeddings == spec.tied_embeddings
+    assert sum(p.numel() for p in model.parameters()) == spec.parameters(config.block_size)
 
 
 def test_preset_overrides():

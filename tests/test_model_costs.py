@@ -6,10 +6,11 @@ import sys
 import pytest
 
 from pipeloom.errors import PipeloomError
+from pipeloom.partition import split_layers
 from pipeloom.schedule import build
 from pipeloom.sim import (
     BYTES_PER_PARAM, DEVICES, MODELS, Device, ModelSpec, costs_from_model, peak_memory_bytes, simulate,
-    split_layers, stage_parameters,
+    stage_parameters,
 )
 
 # "Zero Bubble Pipeline Parallelism": the paper's profiled costs (ms; A100, s = 1024): p, b, T_F.
@@ -139,5 +140,6 @@ def test_peak_memory_counts_every_virtual_stage_of_a_rank():
 
 
 def test_model_module_does_not_import_torch():
-    code = "import sys, pipeloom.sim.model; assert 'torch' not in sys.modules"
+    code = ("import sys, pipeloom.sim.model, pipeloom.presets, pipeloom.partition, pipeloom.modes; "
+            "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -148,7 +148,7 @@ def test_layout_rejects_bad_arguments(args, match):
 def test_attention_rejects_bad_arguments():
     q = torch.randn(1, 2, 8, 4)
     one = sequence_layout(8, 1, 0)
-    with pytest.raises(PipeloomError, match="unknown sequence-parallel attention kind 'flash'"):
+    with pytest.raises(PipeloomError, match="unknown attention 'flash'; choose one of ring, rsa"):
         sequence_parallel_attention(q, q, q, None, one, True, kind="flash")
     with pytest.raises(PipeloomError, match="the layout is part 1 of 2"):
         ring_attention(q, q, q, None, sequence_layout(16, 2, 1), True)

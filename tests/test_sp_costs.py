@@ -139,7 +139,7 @@ def test_vocabulary_passes_count_the_ranks_tokens():
 @pytest.mark.parametrize("kwargs,message", [
     ({"sp": 3}, "sp=3 must divide seq=1024"),
     ({"sp": 0}, "sp must be a positive integer, got 0"),
-    ({"sp": 2, "attention": "flash"}, "unknown attention 'flash'; algorithms: ring, rsa"),
+    ({"sp": 2, "attention": "flash"}, "unknown attention 'flash'; choose one of ring, rsa"),
 ])
 def test_bad_inputs_name_the_value(kwargs, message):
     with pytest.raises(PipeloomError, match=message):

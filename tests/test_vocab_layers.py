@@ -4,6 +4,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from parity import Products  # noqa: E402
@@ -47,12 +48,57 @@ def shard_grad(name, layer, want_full, tol=1e-5):
     assert not grad[shard.real_rows:].any(), f"{name}: padding rows have a gradient"
 
 
+def distributed():
+    return dist.is_available() and dist.is_initialized()
+
+
+def gather(tensor):
+    """Every rank's ``tensor``, stacked [ranks, ...]."""
+    if not distributed():
+        return tensor[None]
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.stack(parts)
+
+
+def all_reduce(tensor):
+    """``tensor`` summed over the ranks, in place."""
+    if distributed():
+        dist.all_reduce(tensor)
+    return tensor
+
+
 def run_passes(head, states, dst):
-    """The passes after S, in the order ``head.passes`` gives, interleaving microbatches like a schedule."""
-    steps = {"C": head.collective, "T": head.t_pass, "R": lambda state: head.reduce_grad_input(state, dst)}
+    """The passes after S, in the order ``head.passes`` gives, interleaving microbatches like a
+    schedule, with the collectives a runtime runs between them: C gathers every rank's row
+    statistics (vocab-2: and its parts of ∇X) and naive sums its exponentials in a second round;
+    R sums the parts of ∇X into rank ``dst`` (every rank with None). Each microbatch's ∇X, None
+    on ranks R leaves without."""
+    grads = {}
+
+    def c(state):
+        parts = gather(head.grad_input_parts(state)) if head.algorithm == "vocab-2" else None
+        stats = gather(head.row_stats(state))
+        head.combine(state, stats)
+        if head.algorithm == "naive":
+            head.combine_sums(state, all_reduce(head.row_sums(state)))
+        if parts is not None:
+            grads[id(state)] = head.grad_input_from(state, stats, parts)
+
+    def r(state):
+        grad = state.grad_input_partial
+        if dst is None:
+            all_reduce(grad)
+        elif distributed():
+            dist.reduce(grad, dst)
+        here = dst is None or dst == (dist.get_rank() if distributed() else 0)
+        grads[id(state)] = grad.to(state.input_dtype).reshape(state.input_shape) if here else None
+
+    steps = {"C": c, "T": head.t_pass, "R": r}
     for name in head.passes[1:]:
         for state in (states if name == "C" else reversed(states)):
             steps[name](state)
+    return [grads[id(state)] for state in states]
 
 
 def check_head(algorithm, vocab, rank, world, smoothing, ignore_index, microbatches, dtype=torch.float32):
@@ -83,22 +129,21 @@ def check_head(algorithm, vocab, rank, world, smoothing, ignore_index, microbatc
     states = [head.s_pass(xm, tm, denominator) for xm, tm in zip(xs, ts)]
     assert all(state.probs.dtype == dtype for state in states), f"{name}: the kept buffer is not in {dtype}"
     dst = None if microbatches == 1 else world - 1
-    run_passes(head, states, dst)
+    grads = run_passes(head, states, dst)
     assert {state.loss.dtype for state in states} == {torch.promote_types(dtype, torch.float32)}, f"{name}: loss"
     close(f"{name}: loss", sum(state.loss for state in states), want, loss_tol)
     shard_grad(f"{name}: grad W", head, ref_w.grad, grad_tol)
     if dst is None or dst == rank or algorithm == "vocab-2":
-        grad_x = torch.cat([state.grad_input.reshape(-1, HIDDEN) for state in states])
+        grad_x = torch.cat([grad.reshape(-1, HIDDEN) for grad in grads])
         assert grad_x.dtype == dtype, f"{name}: grad x in {grad_x.dtype}"
         close(f"{name}: grad x", grad_x, ref_x.grad, grad_tol)
-    else:
-        assert all(state.grad_input is None for state in states), f"{name}: grad x off rank {dst}"
 
     before = head.weight.grad.clone()
-    evaluated = head.loss(x.requires_grad_(), targets)
-    assert evaluated.grad_fn is None and not evaluated.requires_grad, f"{name}: loss() built a graph"
-    assert torch.equal(head.weight.grad, before), f"{name}: loss() touched the gradients"
-    close(f"{name}: loss()", evaluated, want, loss_tol)
+    with torch.no_grad():
+        evaluated = head(x.requires_grad_(), targets)
+    assert evaluated.grad_fn is None and not evaluated.requires_grad, f"{name}: evaluating built a graph"
+    assert torch.equal(head.weight.grad, before), f"{name}: evaluating touched the gradients"
+    close(f"{name}: evaluated loss", evaluated, want, loss_tol)
 
 
 def tied_reference(vocab, smoothing):
@@ -113,7 +158,8 @@ def tied_reference(vocab, smoothing):
 
 
 def check_tied(algorithm, vocab, rank, world):
-    """Tied weights, first through the passes as a pipeline places them, then through ``forward``."""
+    """Tied weights, first through the passes as a pipeline places them, then through the head's
+    ``forward``; the embedding's sum over ranks and its gradient's broadcast as a runtime does them."""
     smoothing = 0.1
     weight, mix, tokens, targets, want = tied_reference(vocab, smoothing)
     name = f"tied {algorithm} V={vocab}"
@@ -124,28 +170,29 @@ def check_tied(algorithm, vocab, rank, world):
     assert head.weight is embedding.weight
     my_mix = mix.detach().float().requires_grad_()
     partial = embedding.partial(tokens)
-    on_first = embedding.reduce(partial, dst=0)
-    if rank == 0:
-        close(f"{name}: reduced embedding", on_first, F.embedding(tokens, weight.detach()))
-    else:
-        assert on_first is None, f"{name}: the embedding reached rank {rank}, not only rank 0"
-    full = embedding.reduce(partial).requires_grad_()
-    hidden = torch.tanh(full @ my_mix)
+    full = all_reduce(partial.detach().clone())
+    close(f"{name}: summed embedding", full, F.embedding(tokens, weight.detach()))
+    hidden = torch.tanh(full.requires_grad_() @ my_mix)
     last = world - 1
     state = head.s_pass(hidden.detach(), targets)
-    run_passes(head, [state], last)
+    (grad_x,) = run_passes(head, [state], last)
     close(f"{name}: loss", state.loss, want)
     if rank == last:
-        hidden.backward(state.grad_input)
+        hidden.backward(grad_x)
         close(f"{name}: grad mix", my_mix.grad, mix.grad)
-    grad = embedding.broadcast_grad(full.grad if rank == last else torch.empty_like(full), last)
+    grad = full.grad if rank == last else torch.empty_like(full)
+    if distributed():
+        dist.broadcast(grad, last)
     torch.autograd.backward(partial, grad)
     shard_grad(f"{name}: grad W (passes)", embedding, weight.grad)
 
     embedding.weight.grad = None
     my_mix.grad = None
-    loss = head(torch.tanh(embedding(tokens) @ my_mix), targets)
+    partial = embedding.partial(tokens)
+    full = all_reduce(partial.detach().clone()).requires_grad_()
+    loss = head(torch.tanh(full @ my_mix), targets)
     (0.5 * loss).backward()  # an incoming gradient other than 1
+    torch.autograd.backward(partial, full.grad)  # every rank has the same loss, so the same gradient
     close(f"{name}: forward loss", loss, want)
     close(f"{name}: forward grad mix", my_mix.grad, 0.5 * mix.grad)
     shard_grad(f"{name}: forward grad W", embedding, 0.5 * weight.grad)
@@ -244,7 +291,7 @@ def test_lm_head_rejects_bad_arguments():
     with pytest.raises(PipeloomError, match="targets must have shape"):
         head.s_pass(torch.zeros(3, 4), torch.zeros(4, dtype=torch.long))
     with pytest.raises(PipeloomError, match=r"x must have shape \[\.\.\., 4\]"):
-        head.loss(torch.zeros(3, 5), torch.zeros(3, dtype=torch.long))
+        head.s_pass(torch.zeros(3, 5), torch.zeros(3, dtype=torch.long))
     with pytest.raises(PipeloomError, match="before t_pass"):
         head.t_pass(head.s_pass(torch.zeros(3, 4), torch.zeros(3, dtype=torch.long)))
     with pytest.raises(PipeloomError, match=r"shape \[10, 4\]"):

@@ -5,6 +5,7 @@ from dataclasses import replace
 import pytest
 
 from pipeloom.errors import PipeloomError, ScheduleError
+from pipeloom.partition import balanced_layers
 from pipeloom.schedule import Action, Costs, Schedule, build, validate
 from pipeloom.schedule.deps import Dependencies
 from pipeloom.schedule.ir import BW, B, F
@@ -12,7 +13,7 @@ from pipeloom.schedule.transforms.vocab import (
     ALGORITHMS, CZ, HEAD_DELAY, IB, IF, R, S, T, VOCAB_KINDS, VOCAB_PASSES, Z, C, add_vocab_passes,
 )
 from pipeloom.sim import (
-    BYTES_PER_PARAM, DEVICES, MODELS, balanced_layers, costs_from_model, peak_memory_bytes, simulate, stage_parameters,
+    BYTES_PER_PARAM, DEVICES, MODELS, costs_from_model, peak_memory_bytes, simulate, stage_parameters,
 )
 
 #: the families that make room, so build(..., vocab_parallel=...) accepts them

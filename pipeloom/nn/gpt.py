@@ -7,10 +7,12 @@ LM head. Every linear layer is a :class:`~pipeloom.nn.linear.Linear`, so a
 runtime can defer its weight gradient (the B/W split).
 
 :meth:`GPT.split` cuts it into :class:`GPTStage` modules that share the
-model's parameter objects. Stage-local parameter names *are* the unsplit
-names (blocks keep their global index: ``blocks.5.attn.qkv.weight``);
-``stage.param_names`` maps each to its unsplit name all the same, because of
-one exception, tied embeddings, described on :class:`GPTStage`.
+model's parameter objects; :meth:`GPT.build_stages` builds only some of them,
+materialising a model described on the meta device stage by stage.
+Stage-local parameter names *are* the unsplit names (blocks keep their
+global index: ``blocks.5.attn.qkv.weight``); ``stage.param_names`` maps each
+to its unsplit name all the same, because of one exception, tied
+embeddings, described on :class:`GPTStage`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -25,20 +28,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import PipeloomError
-from ..sim.model import split_layers
+from ..partition import split_layers
+from ..presets import SIZES
 from .linear import Linear
 
-# GPT-2 BPE vocabulary (50257) padded by Megatron-LM to a multiple of 128.
-_GPT2_VOCAB = 50304
-
-#: Config presets by name. The GPT sizes are GPT-3's Small, Medium and XL
-#: (XL with 16 heads, d_head = 128), tied like GPT-2/3 and like the
-#: simulator's model presets of the same names.
+#: Config presets by name: the sizes of :data:`pipeloom.presets.SIZES` that have a block_size.
 PRESETS: dict[str, dict] = {
-    "tiny": dict(n_layer=4, n_embd=32, n_head=4, vocab_size=256, block_size=256),
-    "gpt-125m": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=_GPT2_VOCAB, block_size=1024, tie_embeddings=True),
-    "gpt-350m": dict(n_layer=24, n_embd=1024, n_head=16, vocab_size=_GPT2_VOCAB, block_size=1024, tie_embeddings=True),
-    "gpt-1.3b": dict(n_layer=24, n_embd=2048, n_head=16, vocab_size=_GPT2_VOCAB, block_size=1024, tie_embeddings=True),
+    name: dict(n_layer=size.layers, n_embd=size.hidden, n_head=size.heads, vocab_size=size.vocab,
+               block_size=size.block_size, tie_embeddings=size.tied)
+    for name, size in SIZES.items() if size.block_size
 }
 
 
@@ -188,32 +186,33 @@ class GPT(nn.Module):
     ``model(tokens, targets)`` the mean cross-entropy over all tokens.
 
     Initialisation is GPT-2's (normal, std 0.02; residual projections scaled
-    by ``1/sqrt(2 * n_layer)``; zero biases), drawn from torch's default
-    generator, so the same seed gives the same weights on every rank.
+    by ``1/sqrt(2 * n_layer)``; zero biases; LayerNorms one and zero). Each
+    parameter is drawn from a generator of its own, seeded by its name and
+    ``init_seed``, a number drawn from torch's default generator at
+    construction: so the same seed gives the same weights on every rank, and
+    on any device. ``device`` is where the parameters go (default: torch's
+    default device); on ``"meta"`` (or under ``torch.device("meta")``) the
+    model is only described, no storage allocated, and :meth:`build_stages`
+    materialises the stages a rank runs with the weights the whole model
+    would have had.
     """
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, device: str | torch.device | None = None):
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
-        self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
-        self._init_weights()
+        self.init_seed = int(torch.randint(2**32, (), device="cpu"))
+        with torch.device("meta"):
+            self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+            self.wpe = nn.Embedding(config.block_size, config.n_embd)
+            self.drop = nn.Dropout(config.dropout)
+            self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+            self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+            self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
-
-    def _init_weights(self) -> None:
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
-        for block in self.blocks:
-            for proj in (block.attn.proj, block.mlp.proj):
-                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * self.config.n_layer))
+        device = torch.get_default_device() if device is None else torch.device(device)
+        if device.type != "meta":
+            self._materialise(self, {name: name for name, _ in self.named_parameters()}, device)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         x = _embed(self, tokens)
@@ -234,8 +233,8 @@ class GPT(nn.Module):
 
         ``layers_per_stage`` gives each stage's block count (non-negative,
         summing to ``n_layer``; a stage may hold no block). By default the
-        split is :func:`pipeloom.sim.split_layers`'s, the simulator's: as even
-        as possible, the remainder to the middle stages first, since the
+        split is :func:`pipeloom.partition.split_layers`'s, the simulator's: as
+        even as possible, the remainder to the middle stages first, since the
         first and last also hold the embeddings and the head.
 
         ``vocab_parallel`` leaves the token embedding and the LM head out (a
@@ -244,9 +243,79 @@ class GPT(nn.Module):
         and the last returns the final norm's output [B, T, C].
         """
         counts = _layer_counts(self.config.n_layer, n_stages, layers_per_stage)
+        return list(self.build_stages(len(counts), range(len(counts)), counts, vocab_parallel).values())
+
+    def build_stages(self, n_stages: int, indices, layers_per_stage=None, vocab_parallel: bool = False,
+                     device: str | torch.device | None = None) -> dict[int, GPTStage]:
+        """The stages ``indices`` (by index) of the model cut into ``n_stages``
+        as :meth:`split` cuts it, on ``device``: what one rank runs.
+
+        They share this model's parameters: those with storage move to
+        ``device`` (if given); those on the meta device get storage there
+        (default: torch's default device), initialised as the model built
+        with the same seed would be, in the stages and in this model alike.
+        So each rank of a pipeline can describe the model on the meta device
+        and hold only its own stages' weights.
+        """
+        counts = _layer_counts(self.config.n_layer, n_stages, layers_per_stage)
         bounds = list(itertools.accumulate(counts, initial=0))
-        return [GPTStage(self, k, n_stages, range(bounds[k], bounds[k + 1]), vocab_parallel)
-                for k in range(n_stages)]
+        stages = {}
+        for k in indices:
+            if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < n_stages:
+                raise PipeloomError(f"stage index {k!r} is not a stage of {n_stages}: use 0 to {n_stages - 1}")
+            stage = GPTStage(self, k, n_stages, range(bounds[k], bounds[k + 1]), vocab_parallel)
+            self._materialise(stage, stage.param_names, device)
+            stages[k] = stage if device is None else stage.to(device)
+        return stages
+
+    def has_tied_copies(self, n_stages: int, vocab_parallel: bool = False) -> bool:
+        """Whether the stages of a cut into ``n_stages`` hold two copies of the tied
+        embedding (the first stage's ``wte``, the last's LM head; see :class:`GPTStage`)."""
+        return self.config.tie_embeddings and n_stages > 1 and not vocab_parallel
+
+    def parameter_value(self, name: str, device: str | torch.device | None = None) -> torch.Tensor:
+        """The unsplit parameter ``name`` (such as ``"wte.weight"``) on ``device``: its
+        data if it has storage, else a new tensor (default: on torch's default device)
+        initialised as the model built with the same seed has it."""
+        param = self.get_parameter(name)
+        if not param.is_meta:
+            return param.detach() if device is None else param.detach().to(device)
+        value = torch.empty(param.shape, dtype=param.dtype, device=device)
+        self._initialise(self._unsplit_name(param), value)
+        return value
+
+    def _unsplit_name(self, param: nn.Parameter) -> str:
+        """The name under which ``named_parameters`` lists ``param`` (a tied LM head: ``wte.weight``)."""
+        return next(name for name, p in self.named_parameters() if p is param)
+
+    @torch.no_grad()
+    def _initialise(self, name: str, value: torch.Tensor) -> None:
+        """Fill ``value`` as parameter ``name`` starts: drawn from a CPU generator seeded by
+        (``init_seed``, name), so that every device and every rank draws the same numbers."""
+        owner, _, kind = name.rpartition(".")
+        if isinstance(self.get_submodule(owner), nn.LayerNorm):
+            value.fill_(1.0 if kind == "weight" else 0.0)
+        elif kind == "bias":
+            value.zero_()
+        else:
+            residual = owner.endswith((".attn.proj", ".mlp.proj"))
+            std = 0.02 / math.sqrt(2 * self.config.n_layer) if residual else 0.02
+            generator = torch.Generator().manual_seed(zlib.crc32(name.encode(), self.init_seed))
+            if value.device.type == "cpu":
+                value.normal_(0.0, std, generator=generator)
+            else:
+                value.copy_(torch.empty(value.shape, dtype=value.dtype).normal_(0.0, std, generator=generator))
+
+    def _materialise(self, module: nn.Module, names: dict[str, str], device) -> None:
+        """Give ``module``'s meta parameters storage on ``device``, initialised by their
+        unsplit names (``names``: local name -> unsplit name), in ``module`` and in this
+        model alike, so that a tied weight stays tied."""
+        new = {id(p): nn.Parameter(self.parameter_value(names[local], device), p.requires_grad)
+               for local, p in module.named_parameters() if p.is_meta}
+        for sub in itertools.chain(self.modules(), module.modules()):
+            for key, p in list(sub._parameters.items()):
+                if p is not None and id(p) in new:
+                    sub._parameters[key] = new[id(p)]
 
 
 def _layer_counts(n_layer: int, n_stages, layers_per_stage) -> tuple[int, ...]:
@@ -299,7 +368,7 @@ class GPTStage(nn.Module):
             if not vocab_parallel:
                 self.wte = model.wte
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
-        separate_head = model.config.tie_embeddings and n_stages > 1 and not vocab_parallel
+        separate_head = model.has_tied_copies(n_stages, vocab_parallel)
         if self.is_last:
             self.ln_f = model.ln_f
             if not vocab_parallel:

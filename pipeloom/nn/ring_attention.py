@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from ..errors import PipeloomError
+from ..modes import Attention
 
 # message tags, one per stream that may be in flight between the same two ranks at once
 _BLOCKS, _GRADS = 0, 1
@@ -359,7 +360,7 @@ def rsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, layo
     return _RingSelfAttention.apply(q, k, v, ring, layout, bool(causal), _check_inputs(q, k, v, layout, scale))
 
 
-_KINDS = {"ring": ring_attention, "rsa": rsa_attention}
+_KINDS = {Attention.RING: ring_attention, Attention.RSA: rsa_attention}
 
 #: The sequence-parallel attention algorithms by name.
 SP_ATTENTION_KINDS = tuple(_KINDS)
@@ -368,7 +369,4 @@ SP_ATTENTION_KINDS = tuple(_KINDS)
 def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, layout: SequenceLayout,
                                 causal: bool, kind: str = "ring", scale: float | None = None) -> torch.Tensor:
     """:func:`ring_attention` (``kind="ring"``) or :func:`rsa_attention` (``"rsa"``)."""
-    if kind not in SP_ATTENTION_KINDS:
-        raise PipeloomError(f"unknown sequence-parallel attention kind {kind!r}; "
-                            f"choices: {', '.join(SP_ATTENTION_KINDS)}")
-    return _KINDS[kind](q, k, v, group, layout, causal, scale)
+    return _KINDS[Attention.of(kind)](q, k, v, group, layout, causal, scale)

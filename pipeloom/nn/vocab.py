@@ -6,17 +6,18 @@ Each of the group's n ranks holds a contiguous shard of ``ceil(V / n)`` weight
 rows (:class:`VocabShard`); the last shards end in padding rows, which are
 never predicted: they take part in no softmax, max or sum, and their
 gradients stay zero. Each layer's passes are separate methods, so that a
-pipeline runtime can put each where its schedule says:
+pipeline runtime can put each where its schedule says and run the
+collectives between them itself (:mod:`pipeloom.runtime.vocab`):
 
-* :class:`VocabParallelEmbedding`: ``partial`` (this shard's lookups), then
-  ``reduce`` (the sum over ranks); backward: ``broadcast_grad``, then
-  ``torch.autograd.backward(partial, grad)`` on every rank.
+* :class:`VocabParallelEmbedding`: ``partial`` (this shard's lookups), whose
+  sum over ranks is the embedding; backward: ``torch.autograd.backward(partial,
+  grad)`` on every rank with the full embedding's gradient.
 * :class:`VocabParallelLMHead`: softmax cross-entropy in the passes S, C (the
   collective step), T and R of the paper's algorithms ``naive``, ``vocab-1``
-  and ``vocab-2``, each microbatch carried by an :class:`LMHeadState`.
+  and ``vocab-2``, each microbatch carried by an :class:`LMHeadState`; or all
+  of them in one differentiable call with blocking collectives (``forward``).
 
-``dst`` and ``src`` ranks are global ranks, as in torch.distributed. Without
-an initialised torch.distributed both layers work as a single shard.
+Without an initialised torch.distributed both layers work as a single shard.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..errors import PipeloomError
+from ..modes import VOCAB_ALGORITHMS, VocabMode
 
-_PASSES = {"naive": ("S", "C", "T", "R"), "vocab-1": ("S", "C", "T", "R"), "vocab-2": ("S", "C", "T")}
-
-#: The LM head's algorithms: the paper's naive placement, Algorithm 1 and Algorithm 2.
-VOCAB_ALGORITHMS = tuple(_PASSES)
+#: The passes of the LM head's algorithms (:data:`~pipeloom.modes.VOCAB_ALGORITHMS`: the paper's
+#: naive placement, Algorithm 1 and Algorithm 2).
+_PASSES = {VocabMode.NAIVE: ("S", "C", "T", "R"), VocabMode.VOCAB_1: ("S", "C", "T", "R"),
+           VocabMode.VOCAB_2: ("S", "C", "T")}
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -92,10 +94,6 @@ def _layout(group) -> tuple[int, int]:
     return 1, 0
 
 
-def _global_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 class _VocabSharded(nn.Module):
     """What both layers share: the group, this rank's shard of the weight, the collectives."""
 
@@ -130,48 +128,17 @@ class _VocabSharded(nn.Module):
     def _real_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return self.weight.detach()[: self.shard.real_rows].to(dtype)
 
-    def _check_member(self, rank: int) -> None:
-        if self.shard.parts == 1 and rank != _global_rank():
-            raise PipeloomError(f"rank {rank} is not in this layer's group of one rank ({_global_rank()})")
-
-    def _all_reduce(self, tensor: torch.Tensor, op=None) -> None:
+    def _all_reduce(self, tensor: torch.Tensor) -> None:
         if self.shard.parts > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=self.group)
-
-    def _reduce(self, tensor: torch.Tensor, dst: int | None) -> torch.Tensor | None:
-        """Sum ``tensor`` in place over the group: on every rank, or only on global rank
-        ``dst`` (the others get None)."""
-        if dst is None:
-            self._all_reduce(tensor)
-            return tensor
-        self._check_member(dst)
-        if self.shard.parts > 1:
-            dist.reduce(tensor, dst=dst, group=self.group)
-        return tensor if dst == _global_rank() else None
-
-
-class _SumOverRanks(torch.autograd.Function):
-    """All-reduce (sum) forward; the gradient passes unchanged, as every rank holds the same one."""
-
-    @staticmethod
-    def forward(ctx, partial, layer):
-        return layer.reduce(partial)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+            dist.all_reduce(tensor, group=self.group)
 
 
 class VocabParallelEmbedding(_VocabSharded):
     """Token embedding whose ``weight`` [rows, n_embd] is this rank's shard of the vocabulary.
 
-    The forward is ``reduce(partial(tokens))``; its backward broadcasts the
-    gradient of the full embedding from the rank holding it
-    (:meth:`broadcast_grad`), then every rank runs
-    ``torch.autograd.backward(partial, grad)``. ``forward`` does both in one
-    differentiable call, assuming that every rank computes the same loss
-    downstream (so holds the same gradient and needs no collective in
-    backward). Token ids outside ``[0, vocab_size)`` embed to zero.
+    The embedding is the sum over ranks of :meth:`partial`; its backward is
+    ``torch.autograd.backward(partial, grad)`` on every rank, ``grad`` the
+    full embedding's gradient. Token ids outside ``[0, vocab_size)`` embed to zero.
     """
 
     def __init__(self, vocab_size: int, n_embd: int, group=None):
@@ -185,40 +152,23 @@ class VocabParallelEmbedding(_VocabSharded):
         rows = F.embedding(torch.where(inside, tokens - start, 0), self.weight)
         return rows.masked_fill(~inside.unsqueeze(-1), 0.0)
 
-    def reduce(self, partial: torch.Tensor, dst: int | None = None) -> torch.Tensor | None:
-        """The full embedding: the sum of every rank's ``partial``, on every rank, or with
-        ``dst`` only on that global rank (the others get None). Not differentiable."""
-        return self._reduce(partial.detach().clone(memory_format=torch.contiguous_format), dst)
-
-    def broadcast_grad(self, grad_or_buffer: torch.Tensor, src: int) -> torch.Tensor:
-        """The gradient of the full embedding, sent from global rank ``src`` (which passes it)
-        to the others (which pass a buffer of its shape and dtype to receive it)."""
-        self._check_member(src)
-        tensor = grad_or_buffer.contiguous()
-        if self.shard.parts > 1:
-            dist.broadcast(tensor, src=src, group=self.group)
-        return tensor
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return _SumOverRanks.apply(self.partial(tokens), self)
-
 
 @dataclass(eq=False)
 class LMHeadState:
     """One microbatch on its way through a :class:`VocabParallelLMHead`.
 
-    Made by ``s_pass`` and advanced by ``collective``, ``t_pass`` and
-    ``reduce_grad_input``. After ``collective``, ``loss`` is the microbatch's
-    loss (the same on every rank); ``grad_input`` (∇X, shaped like the input)
-    comes from ``collective`` with vocab-2, else from ``reduce_grad_input``.
-    ``probs`` is the [N, real rows] buffer kept from S to T, in the compute
-    dtype: the logits (naive, until C), otherwise exp(logits − ``shift``),
-    the local softmax times its sum. The per-row numbers are in the
-    statistics dtype (fp32, or fp64 with fp64 products). What a pass no
-    longer needs is dropped.
+    Made by ``s_pass`` and advanced by ``combine`` (and with naive
+    ``combine_sums``), after which ``loss`` is the microbatch's loss (the
+    same on every rank), and ``t_pass``, after which ``grad_input_partial``
+    is this shard's part of ∇X (naive, vocab-1; vocab-2 has ∇X from
+    ``grad_input_from``). ``probs`` is the [N, real rows] buffer kept from S
+    to T, in the compute dtype: the logits (naive, until C), otherwise
+    exp(logits − ``shift``), the local softmax times its sum. The per-row
+    numbers are in the statistics dtype (fp32, or fp64 with fp64 products).
+    What a pass no longer needs is dropped.
     """
 
-    algorithm: str
+    algorithm: VocabMode
     x: torch.Tensor | None  # [N, n_embd] in the compute dtype
     input_shape: torch.Size
     input_dtype: torch.dtype
@@ -234,7 +184,6 @@ class LMHeadState:
     scale: torch.Tensor | None = None  # [N] softmax = probs * scale, after C
     grad_input_partial: torch.Tensor | None = None  # naive, vocab-1: this shard's part of ∇X, from T to R
     loss: torch.Tensor | None = None
-    grad_input: torch.Tensor | None = None
 
 
 #: The bytes of an fp32 temporary as large as a row chunk of the [N, rows] buffer: a quarter of
@@ -279,13 +228,21 @@ def _global_softmax(stats: torch.Tensor):
 
 
 class _LMHeadLoss(torch.autograd.Function):
-    """S and C forward, T and R backward: the LM head as one differentiable loss."""
+    """S and C forward, T and R backward, the collectives blocking: the LM head as one differentiable loss."""
 
     @staticmethod
     def forward(ctx, x, weight, head, targets, denominator):
         state = head.s_pass(x, targets, denominator)
-        head.collective(state)
+        two = state.algorithm == VocabMode.VOCAB_2
+        parts = head._gather(head.grad_input_parts(state)) if two else None
+        stats = head._gather(head.row_stats(state))
+        head.combine(state, stats)
+        if state.algorithm == VocabMode.NAIVE:
+            sums = head.row_sums(state)
+            head._all_reduce(sums)
+            head.combine_sums(state, sums)
         ctx.head, ctx.state = head, state
+        ctx.grad_input = head.grad_input_from(state, stats, parts) if two else None
         return state.loss
 
     @staticmethod
@@ -294,9 +251,11 @@ class _LMHeadLoss(torch.autograd.Function):
         head, state = ctx.head, ctx.state
         state.row_weight = state.row_weight * grad_loss  # T's products carry the incoming gradient
         grad, x = head._t(state)
-        grad_input = head.reduce_grad_input(state)
-        if state.algorithm == "vocab-2":  # from C, before the incoming gradient was known
-            grad_input = grad_input * grad_loss
+        if ctx.grad_input is not None:  # vocab-2: from C, before the incoming gradient was known
+            grad_input = ctx.grad_input * grad_loss
+        else:  # R
+            head._all_reduce(state.grad_input_partial)
+            grad_input = state.grad_input_partial.to(state.input_dtype).reshape(state.input_shape)
         grad_weight = (grad.T @ x).to(head.weight.dtype)
         padding = head.weight.shape[0] - grad_weight.shape[0]
         return grad_input, F.pad(grad_weight, (0, 0, 0, padding)) if padding else grad_weight, None, None, None
@@ -309,8 +268,13 @@ class VocabParallelLMHead(_VocabSharded):
     :class:`VocabParallelEmbedding`'s weight ties the input and output
     embeddings, and the gradients of both uses add up in it). A microbatch
     runs the passes :attr:`passes` names, each a method taking its
-    :class:`LMHeadState`: ``s_pass`` (S, makes the state), ``collective``
-    (C), ``t_pass`` (T) and, except with vocab-2, ``reduce_grad_input`` (R).
+    :class:`LMHeadState`: ``s_pass`` (S, makes the state); C, the caller's
+    collectives between :meth:`row_stats` (and vocab-2's
+    :meth:`grad_input_parts`) gathered from every rank and :meth:`combine`
+    (naive: then :meth:`row_sums` summed into :meth:`combine_sums`; vocab-2:
+    ∇X from :meth:`grad_input_from`); ``t_pass`` (T); and, except with
+    vocab-2, R, the sum over ranks of ``state.grad_input_partial``, which is
+    ∇X. ``forward`` runs them all with blocking collectives over ``group``.
     Every rank runs every pass with the same ``x`` and targets. The products
     (x·Wᵀ, ∇Z·W, ∇Zᵀ·x, vocab-2's softmax·W) run in the compute dtype: the
     autocast dtype where S runs under autocast, else the wider of ``x``'s
@@ -327,7 +291,7 @@ class VocabParallelLMHead(_VocabSharded):
     def __init__(self, vocab_size: int, n_embd: int, group=None, algorithm: str = "vocab-2",
                  label_smoothing: float = 0.0, ignore_index: int = -100, weight: nn.Parameter | None = None):
         super().__init__(vocab_size, n_embd, group)
-        if algorithm not in _PASSES:
+        if algorithm not in VOCAB_ALGORITHMS:
             raise PipeloomError(f"unknown vocabulary-parallel algorithm {algorithm!r}; "
                                 f"choices: {', '.join(VOCAB_ALGORITHMS)}")
         if (isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float))
@@ -340,7 +304,8 @@ class VocabParallelLMHead(_VocabSharded):
         elif not isinstance(weight, nn.Parameter) or tuple(weight.shape) != (self.shard.rows, n_embd):
             raise PipeloomError(f"weight must be an nn.Parameter of shape [{self.shard.rows}, {n_embd}] "
                                 f"(this rank's shard), got {type(weight).__name__} {list(weight.shape)}")
-        self.algorithm, self.label_smoothing, self.ignore_index = algorithm, float(label_smoothing), ignore_index
+        self.algorithm = VocabMode(algorithm)
+        self.label_smoothing, self.ignore_index = float(label_smoothing), ignore_index
         self.weight = weight
 
     @property
@@ -357,9 +322,7 @@ class VocabParallelLMHead(_VocabSharded):
         1); pass the whole batch's count so that microbatches add up to the
         batch mean.
         """
-        return self._s_pass(x, targets, denominator, self.algorithm)
-
-    def _s_pass(self, x, targets, denominator, algorithm) -> LMHeadState:
+        algorithm = self.algorithm
         if x.dim() < 2 or x.shape[-1] != self.n_embd:
             raise PipeloomError(f"x must have shape [..., {self.n_embd}], got {list(x.shape)}")
         if targets.shape != x.shape[:-1]:
@@ -385,11 +348,11 @@ class VocabParallelLMHead(_VocabSharded):
         if eps:
             target_term += _row_sums(logits, stat) * (eps / shard.vocab_size)
         state = LMHeadState(algorithm, flat, x.shape, x.dtype, target_col, hit, row_weight, logits, target_term)
-        if algorithm == "naive":
+        if algorithm == VocabMode.NAIVE:
             return state
         state.shift = self._row_max(logits, stat)
         state.local_sum = _exp_shifted(logits, state.shift)
-        if algorithm == "vocab-2":
+        if algorithm == VocabMode.VOCAB_2:
             state.softmax_w = logits @ weight
             target_w = weight[target_col] * (hit * (1.0 - eps))[:, None] if shard.real_rows \
                 else row_weight.new_zeros(state.softmax_w.shape)
@@ -411,34 +374,16 @@ class VocabParallelLMHead(_VocabSharded):
             return logits.amax(1).to(dtype)
         return logits.new_full(logits.shape[:1], float("-inf"), dtype=dtype)
 
-    @torch.no_grad()
-    def collective(self, state: LMHeadState) -> torch.Tensor:
-        """C: the global max and sum of every row (and for vocab-2 ∇X), so ``state.loss``;
-        returns it. Blocking; a runtime that overlaps the collectives uses the pieces:
-        :meth:`row_stats`, :meth:`combine`, :meth:`row_sums`, :meth:`combine_sums`,
-        :meth:`grad_input_parts` and :meth:`grad_input_from`."""
-        if state.loss is not None:
-            raise PipeloomError("collective already ran on this microbatch's state")
-        parts = self._gather(self.grad_input_parts(state)) if state.algorithm == "vocab-2" else None
-        stats = self._gather(self.row_stats(state))
-        self.combine(state, stats)
-        if state.algorithm == "naive":
-            sums = self.row_sums(state)
-            self._all_reduce(sums)
-            self.combine_sums(state, sums)
-        if parts is not None:
-            state.grad_input = self.grad_input_from(state, stats, parts)
-        return state.loss
-
     def row_stats(self, state: LMHeadState) -> torch.Tensor:
         """This shard's numbers per row [N, 3] that C gathers from every rank: the local max
         (naive: of the logits), the local sum (naive: unused) and the target term."""
-        if state.algorithm == "naive":
+        if state.algorithm == VocabMode.NAIVE:
             top = self._row_max(state.probs, state.target_term.dtype)
             return torch.stack([top, torch.zeros_like(top), state.target_term], 1)
         return torch.stack([state.shift, state.local_sum, state.target_term], 1)
 
     def _gather(self, stats: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``stats``, stacked [parts, ...] (blocking)."""
         if self.shard.parts == 1:
             return stats[None]
         parts = [torch.empty_like(stats) for _ in range(self.shard.parts)]
@@ -450,7 +395,7 @@ class VocabParallelLMHead(_VocabSharded):
         """C from every rank's :meth:`row_stats` [parts, N, 3]: the global max, and (not
         naive, whose sums need a second round) the global sum, the scale and the loss."""
         state.target_term = gathered[:, :, 2].sum(0)
-        if state.algorithm == "naive":
+        if state.algorithm == VocabMode.NAIVE:
             state.shift = gathered[:, :, 0].amax(0)
             state.local_sum = _exp_shifted(state.probs, state.shift)
             return
@@ -506,7 +451,7 @@ class VocabParallelLMHead(_VocabSharded):
         """T's work but ∇W: returns the logits' gradient [N, real rows] and ``x``, whose
         product is ∇W of the shard's real rows."""
         if state.scale is None:
-            raise PipeloomError("run collective on this microbatch's state before t_pass")
+            raise PipeloomError("run C (combine) on this microbatch's state before t_pass")
         if state.probs is None:
             raise PipeloomError("t_pass already ran on this microbatch's state")
         eps, real_rows = self.label_smoothing, self.shard.real_rows
@@ -522,34 +467,14 @@ class VocabParallelLMHead(_VocabSharded):
                 grad[rows].sub_(spread[rows, None])
         if real_rows:  # (an index_put, not a scatter: that is slow on CPU in bf16)
             grad.index_put_((torch.arange(len(grad), device=grad.device), col), target.to(grad.dtype))
-        if state.algorithm != "vocab-2":
+        if state.algorithm != VocabMode.VOCAB_2:
             state.grad_input_partial = grad @ self._real_weight(grad.dtype)
         x = state.x
         state.probs = state.x = state.target_col = state.hit = None
         return grad, x
 
-    @torch.no_grad()
-    def reduce_grad_input(self, state: LMHeadState, dst: int | None = None) -> torch.Tensor | None:
-        """R (naive, vocab-1): ∇X summed over ranks into ``state.grad_input``, on every rank
-        or only on global rank ``dst`` (the others get None). With vocab-2 it does
-        nothing. Returns ``state.grad_input``."""
-        if state.algorithm != "vocab-2":
-            if state.grad_input_partial is None:
-                raise PipeloomError("run t_pass on this microbatch's state before reduce_grad_input")
-            grad = self._reduce(state.grad_input_partial, dst)
-            state.grad_input_partial = None
-            state.grad_input = None if grad is None else grad.to(state.input_dtype).reshape(state.input_shape)
-        return state.grad_input
-
-    @torch.no_grad()
-    def loss(self, x: torch.Tensor, targets: torch.Tensor, denominator=None) -> torch.Tensor:
-        """The loss alone (evaluation): no autograd graph, no gradients; two collectives."""
-        state = self._s_pass(x, targets, denominator, "vocab-1")
-        return self.collective(state)
-
     def forward(self, x: torch.Tensor, targets: torch.Tensor, denominator=None) -> torch.Tensor:
         """The loss, differentiable: S and C now, T and R in backward, where ∇W reaches
-        ``weight.grad`` and ∇X flows on into ``x``. Every rank must run the backward."""
-        if not torch.is_grad_enabled():
-            return self.loss(x, targets, denominator)
+        ``weight.grad`` and ∇X flows on into ``x``; the collectives block. Every rank
+        of the group must run it, and the backward."""
         return _LMHeadLoss.apply(x, self.weight, self, targets, denominator)

@@ -74,7 +74,9 @@ class Pipeline:
     Call inside a torchrun job (``torch.distributed`` initialised, world size
     ``dp * pp * sp``, a DeviceMesh with dims ``dp``, ``pp``, ``sp``); build the
     same ``model`` on every rank (same seed). Each rank
-    keeps only its own stages (the other stages' weights are released).
+    keeps only its own stages (the other stages' weights are released); a
+    model described on the meta device (``GPT(config, device="meta")``) has
+    only those stages materialised, with the weights it would have had.
     ``step(tokens, targets)`` runs one step's forward and backward on the
     global batch and returns its mean loss.
 
@@ -170,16 +172,15 @@ class Pipeline:
         self.replica_group = self._replica_group()
         self.peers = [dist.get_global_rank(self.pp_group, q) for q in range(pp)]
         self.dtype = next(model.parameters()).dtype  # hidden states travel in the weights' dtype
-        stages = model.split(self.schedule.stages, layers_per_stage, vocab_parallel=algorithm is not None)
         mine = self.schedule.stages_of(self.pp_rank)
-        self.stages = {s: stages[s].to(self.device) for s in mine}
-        _free_other_stages(stages, self.stages)
+        self.stages = model.build_stages(self.schedule.stages, mine, layers_per_stage, algorithm is not None,
+                                         self.device)
         self.names = {id(p): self.stages[s].param_names[n] for s in mine for n, p in self.stages[s].named_parameters()}
         self.tied = [p for s in mine for n, p in self.stages[s].named_parameters() if n in self.stages[s].tied]
         # a tied copy (the last stage's LM head) counts once in the gradient norm, as in the unsplit model
         self.copies = {id(p) for s in mine for n, p in self.stages[s].named_parameters()
                        if self.stages[s].param_names[n] != n}
-        self.tied_group = self._embedding_group(stages)
+        self.tied_group = self._embedding_group(model.has_tied_copies(self.schedule.stages, algorithm is not None))
         self.recompute = set(mine) if recompute is True else set(recompute or ())
         self.autocast = autocast
         self.actions = self.schedule.ranks[self.pp_rank]
@@ -189,10 +190,9 @@ class Pipeline:
         self._posts = self._receive_plan(links)
         multi_step = self.schedule.steps > 1 or self.schedule.weight_versions > 1
         self.vocab = VocabPasses(self, model, algorithm) if algorithm else None
-        if self.vocab:
-            _free([model.wte.weight, model.lm_head.weight])  # each rank keeps its shards only
         self._params = [p for stage in self.stages.values() for p in stage.parameters()] + (
             self.vocab.parameters() if self.vocab else [])
+        _free_unused(model, self._params)
         self.versions = WeightVersions(self.stages, self.schedule.weight_versions) if multi_step else None
         self._update_after = self._update_plan() if multi_step else {}
         self._reduce_after = self._data_parallel_plan() if self.replicas > 1 and not multi_step else {}
@@ -506,11 +506,11 @@ class Pipeline:
                 mine = group
         return mine
 
-    def _embedding_group(self, stages):
+    def _embedding_group(self, tied: bool):
         """The process group of the ranks holding tied weights (first and last
         stage, as Megatron's embedding group), or None if one rank holds both."""
         first, last = self.schedule.placement[0], self.schedule.placement[-1]
-        if not stages[-1].tied or first == last:
+        if not tied or first == last:
             return None
         mine = None
         for line in self.pipelines:  # every rank creates every group, in the same order
@@ -585,13 +585,11 @@ class Pipeline:
         self.channel.wait(dist.all_reduce(tensor, group=group, async_op=True), what, group)
 
 
-def _free_other_stages(stages: list[nn.Module], kept: dict[int, nn.Module]) -> None:
-    """Release the weights of the stages this rank does not run."""
-    keep = {id(p) for stage in kept.values() for p in stage.parameters()}
-    _free([p for stage in stages for p in stage.parameters() if id(p) not in keep])
-
-
-def _free(params) -> None:
-    """Release the storage of ``params`` (they stay as empty tensors)."""
-    for p in params:
-        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+def _free_unused(model: nn.Module, kept: list[nn.Parameter]) -> None:
+    """Release the storage of ``model``'s weights that this rank does not run (those of
+    the other stages, and the unsplit ones of its vocabulary shards); they stay as empty
+    tensors. A model described on the meta device has none to release."""
+    keep = {id(p) for p in kept}
+    for p in model.parameters():
+        if id(p) not in keep and not p.is_meta:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)

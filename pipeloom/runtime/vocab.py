@@ -49,12 +49,12 @@ class VocabPasses:
         self.groups = self._groups()
         config = model.config
         self.embedding = VocabParallelEmbedding(config.vocab_size, config.n_embd, group=self.groups["sum-embeddings"])
-        self.embedding.load_full(model.wte.weight)
+        self.embedding.load_full(model.parameter_value("wte.weight"))
         tied = config.tie_embeddings
         self.head = VocabParallelLMHead(config.vocab_size, config.n_embd, group=self.groups["gather-stats"],
                                         algorithm=algorithm, weight=self.embedding.weight if tied else None)
         if not tied:
-            self.head.load_full(model.lm_head.weight)
+            self.head.load_full(model.parameter_value("lm_head.weight"))
         self.embedding.to(pipe.device)
         self.head.to(pipe.device)
         self.names = {id(self.embedding.weight): "wte.weight"}

@@ -3,15 +3,16 @@
 Pure Python: nothing here imports torch.
 """
 
+from ..partition import balanced_layers, split_layers
 from ..schedule.costs import Costs, StageCosts
 from .simulate import Event, RankStats, Result, simulate
 from .grid import text_grid
 from .plot import plot_rank_comparison, plot_schedule, plot_schedules
 from .trace import Transfer, chrome_trace, chrome_trace_events, transfers_of, write_chrome_trace
 from .model import (
-    ATTENTIONS, BYTES_PER_PARAM, DEVICES, MODELS, Device, ModelSpec, SequenceParallelCosts, balanced_layers,
-    costs_from_model, get_device, get_model, layer_flops, longest_sequence, peak_memory_bytes, sequence_parallel_costs,
-    split_layers, stage_layers, stage_parameters,
+    ATTENTIONS, BYTES_PER_PARAM, DEVICES, MODELS, Device, ModelSpec, SequenceParallelCosts, costs_from_model,
+    get_device, get_model, layer_flops, longest_sequence, peak_memory_bytes, sequence_parallel_costs, stage_layers,
+    stage_parameters,
 )
 
 __all__ = ["Costs", "StageCosts", "Event", "RankStats", "Result", "simulate"]

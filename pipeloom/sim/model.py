@@ -21,7 +21,7 @@ in bytes.
 ``vocab_parallel`` picks where the vocabulary layers go ("Balancing Pipeline
 Parallelism with Vocabulary Parallelism"): ``none`` as above; ``redis`` also,
 with the transformer layers spread so that every stage's compute is as even as
-whole layers allow (:func:`balanced_layers`); ``naive``, ``vocab-1``,
+whole layers allow (:func:`~pipeloom.partition.balanced_layers`); ``naive``, ``vocab-1``,
 ``vocab-2`` split both layers over the p ranks (V/p rows each, padded), whose
 passes cost, per rank and microbatch, with ``X`` the ``[bs, V/p]`` by
 ``[V/p, h]`` product (2bshV/p FLOPs): S = X (vocab-2: 2X, the logits and
@@ -69,9 +69,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import PipeloomError
+from ..modes import Attention, VocabMode
+from ..partition import balanced_layers, split_layers
+from ..presets import SIZES
 from ..schedule import build
 from ..schedule.costs import Costs
-from ..schedule.transforms.vocab import ALGORITHMS, check_mode
 from .simulate import Result, simulate
 
 #: Bytes of model state per parameter, Megatron-style mixed precision: bf16
@@ -135,36 +137,10 @@ class ModelSpec:
         return -(-self.vocab // ranks) * self.hidden * (1 if self.tied_embeddings else 2)
 
 
-# GPT-2 BPE vocabulary (50257) padded by Megatron-LM to a multiple of 128.
-_GPT2_VOCAB = 50304
-
-#: Model presets by lowercase name.
+#: Model presets by lowercase name: every size of :data:`pipeloom.presets.SIZES`.
 MODELS: dict[str, ModelSpec] = {
-    spec.name: spec
-    for spec in (
-        # Zero Bubble Pipeline Parallelism (Qi et al., ICLR 2024), the models of
-        # its table of profiled costs: Megatron-LM GPT. The paper states no V;
-        # 50304 is Megatron's padded GPT-2 size. Tied, Megatron's default: the
-        # tied parameter counts match the names (1.52B, 6.25B, 14.7B, 28.4B).
-        ModelSpec("1.5b", 22, 2304, 24, _GPT2_VOCAB, tied_embeddings=True),
-        ModelSpec("6.2b", 30, 4096, 32, _GPT2_VOCAB, tied_embeddings=True),
-        ModelSpec("14.6b", 46, 5120, 40, _GPT2_VOCAB, tied_embeddings=True),
-        ModelSpec("28.3b", 62, 6144, 48, _GPT2_VOCAB, tied_embeddings=True),
-        # Balancing Pipeline Parallelism with Vocabulary Parallelism (Yeung et
-        # al., 2024), "Settings used in experiments on 1F1B" (8 / 16 / 32 GPUs);
-        # the paper sweeps V over 32k/64k/128k/256k (k = 1000 in its artifact
-        # configs); 128k is the preset here. Untied: its implementation needs that.
-        ModelSpec("4b", 32, 3072, 24, 128_000),
-        ModelSpec("10b", 48, 4096, 32, 128_000),
-        ModelSpec("21b", 64, 5120, 40, 128_000),
-        # GPT-3 paper (Brown et al., 2020), Table 2.1: Small, Medium, XL, with
-        # tied embeddings as in GPT-2/3. XL lists 24 heads, which do not divide
-        # 2048; 16 heads keeps its d_head = 128. GPT-2 vocabulary as padded by
-        # Megatron-LM.
-        ModelSpec("gpt-125m", 12, 768, 12, _GPT2_VOCAB, tied_embeddings=True),
-        ModelSpec("gpt-350m", 24, 1024, 16, _GPT2_VOCAB, tied_embeddings=True),
-        ModelSpec("gpt-1.3b", 24, 2048, 16, _GPT2_VOCAB, tied_embeddings=True),
-    )
+    name: ModelSpec(name, size.layers, size.hidden, size.heads, size.vocab, tied_embeddings=size.tied)
+    for name, size in SIZES.items()
 }
 
 
@@ -239,45 +215,10 @@ def _preset(value, kind: type, presets: dict, what: str):
     return presets[value]
 
 
-def split_layers(layers: int, stages: int) -> tuple[int, ...]:
-    """Layers per stage, as even as possible; the remainder goes to the middle
-    stages (centre first), since the first and last stages also carry the
-    embedding and the output layer; then to the first stage, then the last."""
-    if layers < stages:
-        raise PipeloomError(
-            f"{layers} layers cannot fill {stages} stages (pp x chunks): need layers >= stages; "
-            f"use at most {layers} stages or give layers_per_stage"
-        )
-    base, extra = divmod(layers, stages)
-    middle = sorted(range(1, stages - 1), key=lambda s: (abs(2 * s - (stages - 1)), s))
-    favoured = set((middle + [0, stages - 1])[:extra])
-    return tuple(base + (s in favoured) for s in range(stages))
-
-
-def balanced_layers(model: ModelSpec | str, stages: int, seq: int) -> tuple[int, ...]:
-    """Layers per stage of the ``redis`` baseline: each layer in turn goes to
-    the stage with the least compute (F + B + W) so far, the first stage
-    starting with the input layer's and the last with the output layer's, so
-    the slowest stage is as fast as whole layers allow (stages may get none);
-    ties go to the middle stages. FLOP ratios only: b and the device cancel."""
-    model = get_model(model)
-    _positive(stages=stages, seq=seq)
-    load = [0] * stages  # FLOPs / bsh
-    load[0] += 3
-    load[-1] += 6 * model.vocab
-    layer = 3 * (8 + 4 * model.ffn) * model.hidden + 12 * seq
-    centre_first = sorted(range(stages), key=lambda s: (abs(2 * s - (stages - 1)), s))
-    counts = [0] * stages
-    for _ in range(model.layers):
-        s = min(centre_first, key=load.__getitem__)
-        load[s] += layer
-        counts[s] += 1
-    return tuple(counts)
-
-
-def _stage_layers(model: ModelSpec, stages: int, layers_per_stage, seq: int = 0, mode: str = "none") -> tuple[int, ...]:
+def _stage_layers(model: ModelSpec, stages: int, layers_per_stage, seq: int = 0,
+                  mode: VocabMode = VocabMode.NONE) -> tuple[int, ...]:
     if layers_per_stage is None:
-        return balanced_layers(model, stages, seq) if mode == "redis" else split_layers(model.layers, stages)
+        return balanced_layers(model, stages, seq) if mode == VocabMode.REDIS else split_layers(model.layers, stages)
     split = tuple(layers_per_stage)
     if len(split) != stages or any(not isinstance(n, int) or n < 0 for n in split) or sum(split) != model.layers:
         raise PipeloomError(
@@ -299,17 +240,15 @@ def _collective_ms(device: Device, nbytes: float, ranks: int, passes: int) -> fl
     return 1e3 * passes * (ranks - 1) / ranks * nbytes / device.link_bandwidth
 
 
-#: Attention algorithms of sequence parallelism (module docstring).
-ATTENTIONS = ("ring", "rsa")
+#: The names of :class:`~pipeloom.modes.Attention`, the attention algorithms of sequence parallelism.
+ATTENTIONS = tuple(Attention)
 
 
-def _attention(attention: str | None, sp: int) -> str:
+def _attention(attention: str | None, sp: int) -> Attention:
     """``attention`` checked; by default ``ring``, or ``rsa`` (plain attention) with ``sp = 1``."""
     if attention is None:
-        return "ring" if sp > 1 else "rsa"
-    if attention not in ATTENTIONS:
-        raise PipeloomError(f"unknown attention {attention!r}; algorithms: {', '.join(ATTENTIONS)}")
-    return attention
+        return Attention.RING if sp > 1 else Attention.RSA
+    return Attention.of(attention)
 
 
 def _local_tokens(seq: int, sp: int) -> int:
@@ -323,7 +262,7 @@ def _local_tokens(seq: int, sp: int) -> int:
 def _attention_memory(model: ModelSpec, seq: int, microbatch_size: int, sp: int, attention: str) -> tuple[int, int]:
     """Bytes of one layer's attention scores on one rank: (kept from F to B, alive only while it computes)."""
     b, s, a, t = microbatch_size, seq, model.heads, _local_tokens(seq, sp)
-    if attention == "rsa":
+    if attention == Attention.RSA:
         return 5 * a * t * s * b, 0
     return 4 * b * a * t, 5 * a * t * t * b
 
@@ -375,7 +314,7 @@ def sequence_parallel_costs(
     def link_ms(nbytes: float) -> float:
         return 1e3 * nbytes / device.link_bandwidth
 
-    if attention == "rsa":
+    if attention == Attention.RSA:
         forward = 2 * (sp - 1) * link_ms(block)
         backward = forward + _collective_ms(device, 2 * (2 * b * s * h), sp, 2)  # all-reduce full-length dK, dV
         return SequenceParallelCosts(sp, attention, 2 * (sp - 1), block, link_ms(block), forward, backward,
@@ -413,8 +352,8 @@ def costs_from_model(
     stages, for microbatches of ``microbatch_size`` sequences of ``seq`` tokens,
     on one rank of each stage's SP group of ``sp`` ranks.
 
-    ``layers_per_stage`` overrides :func:`split_layers` (:func:`balanced_layers`
-    with ``vocab_parallel="redis"``). With ``recompute`` each layer keeps
+    ``layers_per_stage`` overrides :func:`~pipeloom.partition.split_layers`
+    (``balanced_layers`` with ``vocab_parallel="redis"``). With ``recompute`` each layer keeps
     only its input (2bth bytes) and B first reruns the layer's forward; W
     still needs its inputs, so ``m_w`` exceeds ``m_b`` and memory grows from
     B to W (use a fused-backward schedule with it). ``vocab_parallel`` (none,
@@ -427,7 +366,7 @@ def costs_from_model(
     """
     model, device = get_model(model), get_device(device)
     _positive(pp=pp, seq=seq, microbatch_size=microbatch_size, chunks=chunks)
-    mode = check_mode(vocab_parallel or "none")
+    mode = VocabMode.of(vocab_parallel or "none")
     stages = pp * chunks
     split = _stage_layers(model, stages, layers_per_stage, seq, mode)
     ring = sequence_parallel_costs(model, seq, microbatch_size, device, sp, attention)
@@ -439,7 +378,7 @@ def costs_from_model(
     layer_mb = 2 * bth if recompute else (18 + 4 * k) * bth + ring.kept_bytes
     layer_mw = (16 + 4 * k) * bth
     exposed_b = ring.exposed_backward_ms + (ring.exposed_forward_ms if recompute else 0.0)
-    if mode in ALGORITHMS:
+    if mode.splits:
         embedding = head = head_mw = 0
         head_mb = 2 * bth  # the final norm's input
     else:
@@ -464,18 +403,18 @@ def costs_from_model(
         m_b=[float(x) for x in per_stage(layer_mb, last=head_mb)],
         m_w=[float(x) for x in per_stage(layer_mw, last=head_mw)],
     )
-    if mode not in ALGORITHMS:
+    if not mode.splits:
         return costs
     shard = -(-v // pp)
     product = device.ms(2 * bth * shard)  # one [bt, h] x [h, V/p] product on one rank
     statistic = _collective_ms(device, 4 * b * t, pp, 2)  # all-reduce of one fp32 value per token
     grad_input = _collective_ms(device, 2 * bth, pp, 1)  # reduce of the input gradient to the last stage
-    two = mode == "vocab-2"
+    two = mode == VocabMode.VOCAB_2
     return replace(
         costs,
         s=2 * product if two else product,
         t=product if two else 2 * product,
-        c=statistic if mode == "naive" else 2 * statistic + (grad_input if two else 0.0),
+        c=statistic if mode == VocabMode.NAIVE else 2 * statistic + (grad_input if two else 0.0),
         r=0.0 if two else grad_input,
         e_f=device.ms(bth / pp),
         e_b=device.ms(2 * bth / pp),
@@ -490,7 +429,7 @@ def stage_layers(
     """Transformer layers of each of ``stages`` stages, as :func:`costs_from_model` places them."""
     model = get_model(model)
     _positive(stages=stages, seq=seq)
-    return _stage_layers(model, stages, layers_per_stage, seq, check_mode(vocab_parallel or "none"))
+    return _stage_layers(model, stages, layers_per_stage, seq, VocabMode.of(vocab_parallel or "none"))
 
 
 def stage_parameters(
@@ -504,7 +443,7 @@ def stage_parameters(
     change them: every rank of an SP group holds all its stage's weights."""
     model = get_model(model)
     params = [n * model.layer_params for n in stage_layers(model, stages, seq, layers_per_stage, vocab_parallel)]
-    if check_mode(vocab_parallel or "none") in ALGORITHMS:
+    if VocabMode.of(vocab_parallel or "none").splits:
         params[0] += model.hidden * seq
         params[-1] += 2 * model.hidden
     else:
@@ -534,10 +473,10 @@ def peak_memory_bytes(
     schedule's ``options["vocab_parallel"]``), ``microbatch_size``, ``sp``
     and ``attention`` must match the ones the costs used."""
     schedule, model = result.schedule, get_model(model)
-    mode = check_mode(vocab_parallel or schedule.options.get("vocab_parallel") or "none")
+    mode = VocabMode.of(vocab_parallel or schedule.options.get("vocab_parallel") or "none")
     split = stage_layers(model, schedule.stages, seq, layers_per_stage, mode)
     params = stage_parameters(model, schedule.stages, seq, split, mode)
-    shard = model.vocab_shard_params(schedule.pp) if mode in ALGORITHMS else 0
+    shard = model.vocab_shard_params(schedule.pp) if mode.splits else 0
     _positive(microbatch_size=microbatch_size)
     transient = _attention_memory(model, seq, microbatch_size, sp, _attention(attention, sp))[1]
     peaks = []
