@@ -58,28 +58,19 @@ def run(args) -> int:
     return launch(args.argv, world)
 
 
-def check(args, world: int) -> None:
-    """Every mistake in the arguments, but the data's, that can be found before training."""
+def check(args, world: int):
+    """Every mistake in the arguments, but the data's, that can be found before training
+    on ``world`` processes; the run's layout and schedule."""
     from .nn.gpt import PRESETS
+    from .runtime.mesh import Layout
 
-    for flag in ("pp", "sp", "microbatches", "microbatch_size", "steps", "seq"):
+    for flag in ("microbatches", "microbatch_size", "steps", "seq"):
         if getattr(args, flag) < 1:
             raise PipeloomError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-    if args.dp is not None and args.dp < 1:
-        raise PipeloomError(f"--dp must be at least 1, got {args.dp}")
-    ranks = args.pp * args.sp  # per data-parallel replica
-    if world % ranks:
-        raise PipeloomError(f"{world} processes do not split into --pp {args.pp} x --sp {args.sp} ranks; "
-                            f"use a --pp and --sp whose product divides {world}")
-    dp = args.dp or world // ranks
-    if dp * ranks != world:
-        raise PipeloomError(f"--pp {args.pp} x --dp {dp} x --sp {args.sp} = {dp * ranks} ranks, but {world} "
-                            f"processes run; use --dp {world // ranks}")
+    layout = Layout.of(world, args.pp, args.sp, dp=args.dp)
     if args.seq % (2 * args.sp):
         raise PipeloomError(f"--seq {args.seq} does not split into 2 x --sp {args.sp} equal chunks (each "
                             f"sequence-parallel rank holds an early and a late one); use a multiple of {2 * args.sp}")
-    if args.sp > 1 and args.vocab_parallel != "none":
-        raise PipeloomError("--vocab-parallel with --sp > 1 is not supported yet")
     if args.model not in PRESETS:
         raise PipeloomError(f"unknown --model {args.model!r}; presets: {', '.join(PRESETS)}")
     block = PRESETS[args.model]["block_size"]
@@ -109,8 +100,7 @@ def check(args, world: int) -> None:
         read_meta(args.resume)
     vocab = None if args.vocab_parallel == "none" else args.vocab_parallel
     schedule = build(args.schedule, args.pp, args.microbatches, **({"vocab_parallel": vocab} if vocab else {}))
-    if vocab in ("naive", "vocab-1", "vocab-2") and schedule.steps > 1:
-        raise PipeloomError(f"--vocab-parallel {vocab} runs with synchronous schedules, not {args.schedule}")
+    layout.supports(schedule)
     if args.steps % schedule.steps:
         raise PipeloomError(f"{args.schedule} runs {schedule.steps} steps per call without a flush; "
                             f"use a --steps that is a multiple of {schedule.steps}")
@@ -127,6 +117,7 @@ def check(args, world: int) -> None:
             prepare_output(flag, path, SUFFIXES if flag == "--plot" else ())
     if args.checkpoint_dir:
         prepare_output_dir("--checkpoint-dir", args.checkpoint_dir)
+    return layout, schedule
 
 
 def learning_rate(step: int, args) -> float:
@@ -152,7 +143,7 @@ def _worker(args) -> int:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ["WORLD_SIZE"])
     backend = "nccl" if args.device == "cuda" else "gloo"
     try:
-        check(args, world)
+        layout, schedule = check(args, world)
         device = pipeline_device(args.device, backend)
     except PipeloomError as err:
         if rank == 0:
@@ -163,7 +154,7 @@ def _worker(args) -> int:
     dist.init_process_group(backend)
     code = 1
     try:
-        code = Trainer(args, device, stop).train()
+        code = Trainer(args, device, stop, layout, schedule).train()
     except PeerTimeout as err:
         _say(_after_failure(rank) or str(err))
     except PipeloomError as err:  # the same on every rank: said once
@@ -230,9 +221,10 @@ def _check_resume(args, vocab_size: int) -> Path:
 
 
 class Trainer:
-    """One rank's training run: model, pipeline, optimizer, data, and the loop."""
+    """One rank's training run on ``layout`` with ``schedule``: model, pipeline,
+    optimizer, data, and the loop."""
 
-    def __init__(self, args, device, stop):
+    def __init__(self, args, device, stop, layout, schedule):
         import torch
         import torch.distributed as dist
 
@@ -244,17 +236,16 @@ class Trainer:
         self.rank = dist.get_rank()
         self.data = load_data(args.data, args.token_dtype, args.vocab_size, args.tokenizer)
         self.config = GPTConfig.preset(args.model, vocab_size=self.data.vocab_size)
-        dp = args.dp or dist.get_world_size() // (args.pp * args.sp)
+        dp = layout.dp
         torch.manual_seed(args.seed)  # the same weights on every rank
         precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
         autocast = torch.bfloat16 if precision == "bf16" else None
         model = GPT(self.config)
         self.n_params = sum(p.numel() for p in model.parameters())
         vocab = None if args.vocab_parallel == "none" else args.vocab_parallel
-        self.pipe = Pipeline(model, schedule=args.schedule, pp=args.pp, microbatches=args.microbatches,
-                             dp=dp, sp=args.sp, attention=args.attention, timeout=args.timeout, autocast=autocast,
-                             vocab_parallel=vocab, device=device,
-                             layers_per_stage=_redistributed(self.config, args) if vocab == "redis" else None)
+        self.pipe = Pipeline(model, schedule, dp=dp, sp=layout.sp, attention=args.attention, timeout=args.timeout,
+                             autocast=autocast, device=device,
+                             layers_per_stage=_redistributed(self.config, args, schedule) if vocab == "redis" else None)
         params = self.pipe.parameters()
         self.optimizer = torch.optim.AdamW(
             [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
@@ -464,13 +455,13 @@ def report(schedule, timelines, step_times) -> str:
     return "\n".join(lines)
 
 
-def _redistributed(config, args) -> tuple[int, ...]:
+def _redistributed(config, args, schedule) -> tuple[int, ...]:
     """The ``redis`` baseline's layers per stage: the simulator's balance of compute
     with the embedding on the first stage and the LM head on the last."""
     from .sim.model import ModelSpec, balanced_layers
 
     spec = ModelSpec(args.model, config.n_layer, config.n_embd, config.n_head, config.vocab_size)
-    return balanced_layers(spec, build(args.schedule, args.pp, args.microbatches).stages, args.seq)
+    return balanced_layers(spec, schedule.stages, args.seq)
 
 
 def _count(n: int) -> str:

@@ -1,8 +1,8 @@
 """A technique from outside the package: one transform, its kind, one handler; no pipeloom file changes.
 
-The toy technique inserts a no-op action ``NOOP`` after every forward. Its kind
-and cost field are registered here; the simulator, validator, renderers, torch
-CSV export and lowering accept it as they are.
+The toy technique inserts a no-op action ``NOOP`` after every forward. Its kind,
+cost field and runtime handler are registered here; the simulator, validator,
+renderers, torch CSV export, lowering and the runtime accept it as they are.
 """
 
 from dataclasses import replace
@@ -84,3 +84,48 @@ def test_the_renderers_draw_it(tmp_path):
 def test_lowered_lists_put_it_among_the_sends():
     lowered = lower(build("1f1b", 2, 2, transforms=[NoopAfterForward()]))
     assert [str(a) for a in lowered.ranks[0]][:4] == ["0RECV_B0", "0F0", "0SEND_F0", "0NOOP0"]
+
+
+def _noop_worker(rank):
+    import torch
+
+    from parity import make_batch, max_rel_error, reference
+    from pipeloom import Pipeline
+    from pipeloom.nn import GPT, GPTConfig
+    from pipeloom.runtime import handlers
+
+    calls = []
+
+    @handlers.register(NOOP)
+    def noop(action, context):
+        assert action.stage in context.stages and context.step.slots[action.stage, action.microbatch].output is not None
+        calls.append(action.microbatch)
+
+    config = GPTConfig.preset("tiny")
+    tokens, targets = make_batch(config, 8, 16)
+    ref_loss, ref_grads = reference(config, tokens, targets)
+    torch.manual_seed(0)
+    pipe = Pipeline(GPT(config), build("1f1b", 2, 4, transforms=[NoopAfterForward()]))
+    loss = pipe.step(tokens, targets)
+    forwards = [a.microbatch for a in pipe.schedule.ranks[pipe.pp_rank] if a.kind == F]
+    return abs(loss - ref_loss) / ref_loss, max_rel_error(pipe.gather_grads(), ref_grads), calls, forwards
+
+
+@pytest.mark.timeout(120)
+def test_the_runtime_runs_it_by_its_handler():
+    pytest.importorskip("torch")
+    from pipeloom.runtime.local import spawn
+
+    for loss_err, grad_err, calls, forwards in spawn(2, _noop_worker, timeout=90):
+        assert loss_err < 1e-5 and grad_err < 1e-4, (loss_err, grad_err)
+        assert calls == forwards == [0, 1, 2, 3]
+
+
+def test_a_kind_without_a_handler_is_named():
+    pytest.importorskip("torch")
+    from pipeloom.errors import PipeloomError
+    from pipeloom.runtime.executor import Executor
+
+    with pytest.raises(PipeloomError, match=r"action 0UNKNOWN1: no runtime handler for kind 'UNKNOWN'; "
+                                            r"registered kinds: B, BW, .*, F, .*, W, Z \(add one with "):
+        Executor(None, [Action(F, 0, 1), Action("UNKNOWN", 0, 1)])

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PipeloomError
-from ..schedule.links import Message
 from . import heartbeat
 
 class PeerTimeout(PipeloomError):
@@ -38,7 +37,7 @@ class Channel:
     def __init__(self, rank: int, groups: dict[tuple[int, int], dist.ProcessGroup], timeout: float):
         self.rank, self.groups, self.timeout = rank, groups, timeout
         self.pending: list[tuple[dist.Work, torch.Tensor, dist.ProcessGroup]] = []
-        self.posted: dict[Message, tuple[torch.Tensor, int, dist.Work]] = {}
+        self.posted: dict = {}  # a posted receive's key -> (buffer, peer, work, what it receives)
         self.heartbeat = heartbeat.start(rank, _close)
         self.watched = self.heartbeat.store is not None and dist.get_backend() == "gloo"
 
@@ -61,17 +60,22 @@ class Channel:
         gives to) among the sends :meth:`flush` waits for, keeping ``tensor`` alive until then."""
         self.pending.append((work, tensor, group))
 
-    def post(self, buffer: torch.Tensor, peer: int, message: Message) -> None:
-        """Start receiving ``message`` from ``peer`` into ``buffer``; post in the link's send order."""
+    def post(self, buffer: torch.Tensor, peer: int, key, what: str) -> None:
+        """Start receiving ``what`` (the message ``key``) from ``peer`` into ``buffer``;
+        post in the link's send order."""
         work = dist.irecv(buffer, src=peer, group=self.groups[(peer, self.rank)])
-        self.posted[message] = (buffer, peer, work)
+        self.posted[key] = (buffer, peer, work, what)
 
-    def recv(self, message: Message, action) -> torch.Tensor:
-        """Wait for the receive :meth:`post` started; return its buffer."""
-        buffer, peer, work = self.posted.pop(message)
-        self.wait(work, f"action {action} waited for the {message.kind} of stage {message.stage} "
-                        f"microbatch {message.microbatch} from rank {peer}", self.groups[(peer, self.rank)])
+    def recv(self, key, action) -> torch.Tensor:
+        """Wait for the receive :meth:`post` started for ``key``, which ``action`` needs; its buffer."""
+        buffer, peer, work, what = self.posted.pop(key)
+        self.wait(work, f"action {action} waited for {what} from rank {peer}", self.groups[(peer, self.rank)])
         return buffer
+
+    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup, what: str) -> None:
+        """Sum ``tensor`` over ``group``, waited for as :meth:`wait` does, saying ``what`` waited."""
+        if dist.get_world_size(group) > 1:
+            self.wait(dist.all_reduce(tensor, group=group, async_op=True), what, group)
 
     def flush(self) -> None:
         """Wait for every send posted so far to complete."""

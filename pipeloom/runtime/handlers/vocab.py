@@ -22,6 +22,13 @@ only where it needs the result, as the simulator assumes. Each collective has
 a process group of its own (the replica's pipeline ranks), so only the order
 of microbatches within one must agree between ranks, which the constructor
 checks. Waits use the pipeline's timeout and say which action waited.
+
+The compute handlers meet the passes through the context's
+:class:`~pipeloom.runtime.context.Ends`, which :class:`VocabPasses` sets:
+stage 0's F takes the summed embeddings as its input, the last stage's F
+shares its output instead of computing the loss, that stage's backward takes
+the gradient of its output from the head, and stage 0's backward shares its
+input gradient.
 """
 
 from __future__ import annotations
@@ -30,23 +37,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import PipeloomError
-from ..nn.vocab import VocabParallelEmbedding, VocabParallelLMHead
-from ..schedule.ir import BW, B, F, Action
-from ..schedule.transforms.vocab import IB, IF, C, S, T, Z
+from ...errors import PipeloomError
+from ...nn.vocab import VocabParallelEmbedding, VocabParallelLMHead
+from ...schedule.ir import BW, B, F, Action
+from ...schedule.transforms.vocab import IB, IF, VOCAB_KINDS, C, S, T, Z
+from ..context import Context, Ends
+from . import register
 
-#: The collectives, each on its own group: which action kind issues each (see
-#: :meth:`VocabPasses._check_order`).
-_GROUPS = ("sum-embeddings", "share-output", "gather-stats", "sum-exp", "sum-grad-input", "gather-grad-input",
-           "share-input-grad")
+#: The collectives, each on a group of its own over the replica's pipeline ranks
+#: (:attr:`~pipeloom.runtime.mesh.Mesh.line_groups`): which action kind issues each
+#: (see :meth:`VocabPasses._check_order`).
+GROUPS = ("sum-embeddings", "share-output", "gather-stats", "sum-exp", "sum-grad-input", "gather-grad-input",
+          "share-input-grad")
 
 
 class VocabPasses:
-    """One rank's shards of a model's ``wte`` and ``lm_head`` and its vocabulary passes."""
+    """One rank's shards of a model's ``wte`` and ``lm_head`` and its vocabulary passes;
+    kept in ``context.extras["vocab"]``, they set ``context.ends``."""
 
-    def __init__(self, pipe, model: nn.Module, algorithm: str):
-        self.pipe = pipe
-        self.groups = self._groups()
+    def __init__(self, context: Context, model: nn.Module, algorithm: str):
+        self.context = context
+        mesh = context.mesh
+        self.groups = {name: mesh.line_groups[name] for name in GROUPS}
         config = model.config
         self.embedding = VocabParallelEmbedding(config.vocab_size, config.n_embd, group=self.groups["sum-embeddings"])
         self.embedding.load_full(model.parameter_value("wte.weight"))
@@ -55,36 +67,30 @@ class VocabPasses:
                                         algorithm=algorithm, weight=self.embedding.weight if tied else None)
         if not tied:
             self.head.load_full(model.parameter_value("lm_head.weight"))
-        self.embedding.to(pipe.device)
-        self.head.to(pipe.device)
+        self.embedding.to(context.device)
+        self.head.to(context.device)
         self.names = {id(self.embedding.weight): "wte.weight"}
         if not tied:
             self.names[id(self.head.weight)] = "lm_head.weight"
-        self.first, self.last = pipe.peers[pipe.schedule.placement[0]], pipe.peers[pipe.schedule.placement[-1]]
-        self.last_stage = pipe.schedule.stages - 1
+        schedule = context.schedule
+        self.rank, self.pp = mesh.rank, mesh.layout.pp
+        self.first, self.last = mesh.peers[schedule.placement[0]], mesh.peers[schedule.placement[-1]]
         self.partials: dict[int, torch.Tensor] = {}  # IF -> IB
         self.states: dict = {}  # S -> T (and vocab-2, on the last stage's rank, S -> its backward)
         self.stats: dict[int, torch.Tensor] = {}  # vocab-2, on the last stage's rank: C -> its backward
         self.incoming: dict[tuple[str, int], tuple] = {}  # (collective, microbatch) -> (work, result) to wait for
         self.own: dict[tuple[str, int], torch.Tensor] = {}  # what this rank broadcast: it needs no wait
         self._check_order()
-
-    def _groups(self) -> dict[str, dist.ProcessGroup]:
-        """A process group per collective over this replica's pipeline ranks (every rank
-        creates every replica's groups, in one order)."""
-        pipe, mine = self.pipe, {}
-        for line, ranks in enumerate(pipe.pipelines):
-            for name in _GROUPS:
-                group = dist.new_group(ranks)
-                if line == pipe.line:
-                    mine[name] = group
-        return mine
+        context.ends = Ends(input=self.stage_input, output=self.share_output, output_grad=self.grad_input,
+                            input_grad=self.share_input_grad)
+        context.extras["vocab"] = self
 
     def _check_order(self) -> None:
         """Every collective must meet its microbatches in one order on every rank: the
         order in which each rank issues it (microbatch order, as the families build)."""
-        issuers = {IF: None, S: None, C: None, Z: None, T: None, IB: None, F: self.last_stage, B: 0, BW: 0}
-        for rank, actions in enumerate(self.pipe.schedule.ranks):
+        schedule = self.context.schedule
+        issuers = {IF: None, S: None, C: None, Z: None, T: None, IB: None, F: schedule.stages - 1, B: 0, BW: 0}
+        for rank, actions in enumerate(schedule.ranks):
             for kind, stage in issuers.items():
                 order = [a.microbatch for a in actions if a.kind == kind and stage in (None, a.stage)]
                 if order != sorted(order):
@@ -95,98 +101,97 @@ class VocabPasses:
     def parameters(self) -> list[nn.Parameter]:
         return list(dict.fromkeys([self.embedding.weight, self.head.weight]))
 
-    def run(self, action: Action, step, tokens, targets) -> None:
-        """Run vocabulary pass ``action`` for its microbatch."""
-        getattr(self, "_" + action.kind.lower())(action, step, tokens, targets)
-
     # -- the input layer ----------------------------------------------------------
-    def _if(self, action, step, tokens, targets) -> None:
+    def _if(self, action) -> None:
         i = action.microbatch
-        self.partials[i] = partial = self.embedding.partial(tokens[i])
+        self.partials[i] = partial = self.embedding.partial(self.context.step.tokens[i])
         self._give("sum-embeddings", i, partial.detach().clone(), self.first, dist.reduce)
 
-    def stage_input(self, i: int, action: Action) -> torch.Tensor:
-        """Stage 0's input for microbatch ``i``: the summed token embeddings (on its rank)."""
-        return self._wait("sum-embeddings", i, action, "the sum of the token embeddings").to(self.pipe.dtype)
+    def stage_input(self, action: Action) -> torch.Tensor:
+        """Stage 0's input for its F ``action``: the summed token embeddings (on its rank)."""
+        return self._wait("sum-embeddings", action.microbatch, action,
+                          "the sum of the token embeddings").to(self.context.dtype)
 
-    def share_input_grad(self, i: int, grad: torch.Tensor) -> None:
-        """Stage 0's input gradient of microbatch ``i`` (on its rank), for every rank's ``IB``."""
-        self.own["share-input-grad", i] = grad
-        self._give("share-input-grad", i, grad, self.first, dist.broadcast)
+    def share_input_grad(self, action: Action, grad: torch.Tensor) -> None:
+        """Stage 0's input gradient from its backward ``action`` (on its rank), for every rank's ``IB``."""
+        self.own["share-input-grad", action.microbatch] = grad
+        self._give("share-input-grad", action.microbatch, grad, self.first, dist.broadcast)
 
-    def _ib(self, action, step, tokens, targets) -> None:
+    def _ib(self, action) -> None:
         i = action.microbatch
         partial = self.partials.pop(i)
-        if self.pipe.rank == self.first:
+        if self.rank == self.first:
             grad = self.own.pop(("share-input-grad", i))
         else:
-            grad = self._receive("share-input-grad", i, torch.empty_like(partial, dtype=self.pipe.dtype), self.first,
-                                 action, "the gradient of the token embeddings")
+            grad = self._receive("share-input-grad", i, torch.empty_like(partial, dtype=self.context.dtype),
+                                 self.first, action, "the gradient of the token embeddings")
         torch.autograd.backward(partial, grad.to(partial.dtype))
 
     # -- the output layer ---------------------------------------------------------
-    def share_output(self, i: int, y: torch.Tensor) -> None:
-        """The last stage's output of microbatch ``i`` (on its rank), for every rank's ``S``."""
-        self.own["share-output", i] = y
-        self._give("share-output", i, y, self.last, dist.broadcast)
+    def share_output(self, action: Action, y: torch.Tensor) -> None:
+        """The last stage's output from its F ``action`` (on its rank), for every rank's ``S``."""
+        self.own["share-output", action.microbatch] = y
+        self._give("share-output", action.microbatch, y, self.last, dist.broadcast)
 
-    def _s(self, action, step, tokens, targets) -> None:
-        i = action.microbatch
-        if self.pipe.rank == self.last:
+    def _s(self, action) -> None:
+        i, context = action.microbatch, self.context
+        tokens, targets = context.step.tokens, context.step.targets
+        if self.rank == self.last:
             x = self.own.pop(("share-output", i))
         else:
-            buffer = torch.empty((*tokens[i].shape, self.head.n_embd), dtype=self.pipe.dtype, device=self.pipe.device)
+            buffer = torch.empty((*tokens[i].shape, self.head.n_embd), dtype=context.dtype, device=context.device)
             x = self._receive("share-output", i, buffer, self.last, action, "the last stage's output")
-        denominator = targets[i].numel() * self.pipe.schedule.microbatches  # the mean over the replica's batch
-        with self.pipe.autocasting():  # the head's products in the autocast dtype, T's as well
+        denominator = targets[i].numel() * context.schedule.microbatches  # the mean over the replica's batch
+        with context.autocasting():  # the head's products in the autocast dtype, T's as well
             self.states[i] = state = self.head.s_pass(x, targets[i], denominator)
         if self.head.algorithm == "vocab-2":  # ∇X's parts: to the last stage's rank
             parts = self.head.grad_input_parts(state)
-            into = [torch.empty_like(parts) for _ in range(self.pipe.pp)] if self.pipe.rank == self.last else None
+            into = [torch.empty_like(parts) for _ in range(self.pp)] if self.rank == self.last else None
             work = dist.gather(parts, into, dst=self.last, group=self.groups["gather-grad-input"], async_op=True)
             if into is None:
-                self.pipe.channel.send_work(work, parts, self.groups["gather-grad-input"])
+                context.channel.send_work(work, parts, self.groups["gather-grad-input"])
             else:
                 self.incoming["gather-grad-input", i] = (work, into)
                 self.states["last", i] = state  # its row weights and shape, for the backward
         stats = self.head.row_stats(state)
-        every = [torch.empty_like(stats) for _ in range(self.pipe.pp)]
+        every = [torch.empty_like(stats) for _ in range(self.pp)]
         work = dist.all_gather(every, stats, group=self.groups["gather-stats"], async_op=True)
         self.incoming["gather-stats", i] = (work, every)
 
-    def _c(self, action, step, tokens, targets) -> None:
+    def _c(self, action) -> None:
         i = action.microbatch
         state = self.states[i]
         stats = torch.stack(self._wait("gather-stats", i, action, "every rank's softmax maxima and sums"))
         self.head.combine(state, stats)
         if state.loss is not None:
-            self._count_loss(step, i, state.loss)
-        if self.head.algorithm == "vocab-2" and self.pipe.rank == self.last:
+            self._count_loss(i, state.loss)
+        if self.head.algorithm == "vocab-2" and self.rank == self.last:
             self.stats[i] = stats
 
-    def _z(self, action, step, tokens, targets) -> None:
+    def _z(self, action) -> None:
         i = action.microbatch
         sums = self.head.row_sums(self.states[i])
         work = dist.all_reduce(sums, group=self.groups["sum-exp"], async_op=True)
         self.incoming["sum-exp", i] = (work, sums)
 
-    def _cz(self, action, step, tokens, targets) -> None:
+    def _cz(self, action) -> None:
         i = action.microbatch
         state = self.states[i]
         self.head.combine_sums(state, self._wait("sum-exp", i, action, "every rank's softmax sums"))
-        self._count_loss(step, i, state.loss)
+        self._count_loss(i, state.loss)
 
-    def _t(self, action, step, tokens, targets) -> None:
+    def _t(self, action) -> None:
         state = self.states.pop(action.microbatch)
         self.head.t_pass(state)
         if state.grad_input_partial is not None:  # naive, vocab-1
             self._give("sum-grad-input", action.microbatch, state.grad_input_partial, self.last, dist.reduce)
 
-    def _r(self, action, step, tokens, targets) -> None:
+    def _r(self, action) -> None:
         """R: the sum of ∇X was started by every rank's T; the last stage's backward waits for it."""
 
-    def grad_input(self, i: int, action: Action, like: torch.Tensor) -> torch.Tensor:
-        """∇ of the last stage's output of microbatch ``i`` (on its rank), from every shard."""
+    def grad_input(self, action: Action, like: torch.Tensor) -> torch.Tensor:
+        """∇ of the last stage's output ``like`` for its backward ``action`` (on its rank), from every shard."""
+        i = action.microbatch
         if self.head.algorithm == "vocab-2":
             parts = self._wait("gather-grad-input", i, action, "every rank's part of the LM head's input gradient")
             grad = self.head.grad_input_from(self.states.pop(("last", i)), self.stats.pop(i), torch.stack(parts))
@@ -194,9 +199,9 @@ class VocabPasses:
             grad = self._wait("sum-grad-input", i, action, "the LM head's gradient of its input")
         return grad.to(like.dtype).reshape(like.shape)
 
-    def _count_loss(self, step, i: int, loss: torch.Tensor) -> None:
-        if self.pipe.rank == self.last:  # the pipeline sums the loss over its ranks: count it once
-            step.loss[i // self.pipe.schedule.microbatches] += loss
+    def _count_loss(self, i: int, loss: torch.Tensor) -> None:
+        if self.rank == self.last:  # the pipeline sums the loss over its ranks: count it once
+            self.context.step.loss[i // self.context.schedule.microbatches] += loss
 
     # -- giving, receiving, waiting -------------------------------------------------
     def _give(self, group: str, i: int, tensor: torch.Tensor, root: int, collective) -> None:
@@ -205,10 +210,10 @@ class VocabPasses:
         needs the result; every other giver treats it as a send, waited for at the end of the step."""
         key = "dst" if collective is dist.reduce else "src"
         work = collective(tensor, **{key: root}, group=self.groups[group], async_op=True)
-        if collective is dist.reduce and self.pipe.rank == root:
+        if collective is dist.reduce and self.rank == root:
             self.incoming[group, i] = (work, tensor)
         else:
-            self.pipe.channel.send_work(work, tensor, self.groups[group])
+            self.context.channel.send_work(work, tensor, self.groups[group])
 
     def _receive(self, group: str, i: int, buffer: torch.Tensor, src: int, action: Action, what: str) -> torch.Tensor:
         """Receive a broadcast from global rank ``src`` into ``buffer``."""
@@ -217,7 +222,8 @@ class VocabPasses:
 
     def _wait(self, group: str, i: int, action: Action, what: str):
         work, result = self.incoming.pop((group, i))
-        self.pipe.channel.wait(work, f"action {action} waited for {what} over the pipeline ranks", self.groups[group])
+        self.context.channel.wait(work, f"action {action} waited for {what} over the pipeline ranks",
+                                  self.groups[group])
         return result
 
     # -- whole tensors by the unsplit model's names ---------------------------------
@@ -228,8 +234,8 @@ class VocabPasses:
     def full(self, shard: torch.Tensor) -> torch.Tensor:
         """The unsplit [vocab_size, ...] tensor whose rows the pipeline ranks hold as ``shard``
         (a weight, its gradient or its optimizer state); every pipeline rank calls this."""
-        parts = [torch.empty_like(shard) for _ in range(self.pipe.pp)]
-        dist.all_gather(parts, shard.contiguous(), group=self.pipe.pp_group)
+        parts = [torch.empty_like(shard) for _ in range(self.pp)]
+        dist.all_gather(parts, shard.contiguous(), group=self.context.mesh.pp_group)
         return torch.cat(parts)[: self.embedding.shard.vocab_size]
 
     @torch.no_grad()
@@ -243,3 +249,12 @@ class VocabPasses:
         """The full gradients of the shards by unsplit name (every pipeline rank calls this)."""
         return {name: self.full(p.grad if p.grad is not None else torch.zeros_like(p)).cpu()
                 for name, p in self.named_shards()}
+
+
+def _pass(action: Action, context: Context) -> None:
+    """Run vocabulary pass ``action`` for its microbatch."""
+    getattr(context.extras["vocab"], "_" + action.kind.lower())(action)
+
+
+for _kind in VOCAB_KINDS:
+    register(_kind, _pass)

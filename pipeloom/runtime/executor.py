@@ -1,0 +1,40 @@
+"""The executor: one rank's action list, each action run by the handler of its kind and timed.
+
+Nothing here names a kind: :mod:`.handlers` maps each kind to its work. A
+handler's ``prepare`` (waiting for the action's inputs) runs before the
+action's start mark, so waiting for a peer does not count as the action's time.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+from .context import Context, Step
+from .handlers import handler_of
+
+
+class Executor:
+    """Runs ``actions`` (one rank's list of a lowered schedule) on ``context``. Every
+    action's kind must have a handler: one without stops here, before any work."""
+
+    def __init__(self, context: Context, actions):
+        self.context, self.actions = context, tuple(actions)
+        self.plan = [(action, handler_of(action)) for action in self.actions]
+
+    def run(self, step: Step, after: Mapping[int, list[Callable[[], None]]]) -> None:
+        """Run the actions in order for ``step``; after action ``k``, the calls ``after[k]``."""
+        context = self.context
+        context.step = step
+        clock, marks, heartbeat = step.clock, step.marks, context.channel.heartbeat
+        for k, (action, handler) in enumerate(self.plan):
+            if handler.prepare:
+                handler.prepare(action, context)  # waiting for a peer is not the action's time
+            heartbeat.running(action)  # for peers that wait for this rank meanwhile
+            if handler.timed:
+                start = clock.mark()
+                handler.run(action, context)
+                marks.append((action, start, clock.mark()))
+            else:
+                handler.run(action, context)
+            for call in after.get(k, ()):
+                call()

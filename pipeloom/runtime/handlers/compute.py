@@ -1,0 +1,97 @@
+"""The stages' own work: F (forward), B (input gradient), W (weight gradient), BW (both).
+
+F keeps what backward needs; B queues the linear layers' weight gradients
+(:mod:`pipeloom.nn.linear`) for W, BW accumulates them at once. What a stage
+hands on goes into the step's mail (:attr:`~pipeloom.runtime.context.Step.mail`):
+a stage on this rank takes it from there, a send (:mod:`.comm`) takes it to
+another rank. The first stage reads the tokens and the last computes the loss
+with the model's loss function, unless a technique set the context's
+:class:`~pipeloom.runtime.context.Ends`.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ...nn.linear import WeightGradStore, defer_weight_grads
+from ...schedule import BW, B, F, W
+from ..context import ACTIVATION, GRADIENT
+from . import register
+
+
+def _forward_input(action, context) -> None:
+    s, i, step = action.stage, action.microbatch, context.step
+    if s > 0:
+        x = step.take((ACTIVATION, s - 1, i), action)
+    elif context.ends.input:
+        x = context.ends.input(action)
+    else:
+        x = step.tokens[i]
+    step.slot(s, i).input = x.requires_grad_() if x.is_floating_point() else x
+
+
+def _forward(action, context) -> None:
+    s, i, step = action.stage, action.microbatch, context.step
+    slot, m = step.slots[s, i], context.schedule.microbatches
+    stage = context.versions.module(s, context.steps_done + i // m) if context.versions else context.stages[s]
+    loss_here = s == context.last_stage and not context.ends.output
+    with context.autocasting():
+        y = checkpoint(stage, slot.input, use_reentrant=False) if s in context.recompute else stage(slot.input)
+        if loss_here:
+            # as the unsplit model: under autocast, the loss reads the low-precision logits and computes
+            # in fp32 (no fp32 copy of them); without it, in fp32 at least. The mean over the step's
+            # tokens: this rank holds 1/sp of each sequence
+            loss = context.loss_fn(y if context.autocast else y.float(), step.targets[i]) / (
+                m * context.mesh.layout.sp)
+    if loss_here:
+        step.loss[i // m] += loss.detach()
+        slot.output = loss
+        return
+    slot.output = y.to(context.dtype)
+    if s == context.last_stage:
+        context.ends.output(action, slot.output.detach())
+    else:
+        step.mail[ACTIVATION, s, i] = slot.output.detach()
+
+
+def _backward_input(action, context) -> None:
+    s, i, step = action.stage, action.microbatch, context.step
+    slot = step.slots[s, i]
+    if s < context.last_stage:
+        slot.grad = step.take((GRADIENT, s + 1, i), action)
+    elif context.ends.output_grad:
+        slot.grad = context.ends.output_grad(action, slot.output)
+
+
+def _backward(action, context) -> None:
+    s, i, step = action.stage, action.microbatch, context.step
+    slot = step.slots[s, i]
+    # B queues the linear layers' weight gradients for W; BW accumulates each at once, in one GEMM
+    slot.weights = WeightGradStore(eager=action.kind == BW)
+    with defer_weight_grads(slot.weights):
+        torch.autograd.backward(slot.output, slot.grad)
+    if action.kind == B and not slot.weights.work and ("empty W", s) not in context.warned:
+        context.warned.add(("empty W", s))
+        warnings.warn(f"rank {context.mesh.rank}: B of stage {s} deferred no weight gradient: its W actions do no "
+                      f"work (the stage has no pipeloom.nn.Linear layers, or the B/W split failed)", stacklevel=2)
+    if s > 0:
+        step.mail[GRADIENT, s, i] = slot.input.grad
+    elif context.ends.input_grad:
+        context.ends.input_grad(action, slot.input.grad)
+    slot.input = slot.output = slot.grad = None
+    if action.kind == BW:
+        del step.slots[s, i]
+
+
+def _weights(action, context) -> None:
+    key = action.stage, action.microbatch
+    context.step.slots.pop(key).weights.run()
+
+
+register(F, _forward, prepare=_forward_input)
+register(B, _backward, prepare=_backward_input)
+register(BW, _backward, prepare=_backward_input)
+register(W, _weights)
