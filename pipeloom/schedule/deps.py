@@ -73,6 +73,7 @@ def asap(
     schedule: Schedule,
     duration: Callable[[Action], float],
     transfer: Callable[[Action], float] = lambda producer: 0.0,
+    waits: list[float] | None = None,
 ) -> tuple[list[list[float]], list[list[float]]]:
     """Start and end time of every action when each rank runs its list in
     order and an action waits for its inputs; an input produced on another
@@ -80,13 +81,21 @@ def asap(
     ``transfer(producer)`` after its producer ends.
 
     Sends never block (the runtime posts them non-blocking); a receive blocks
-    its rank until the data arrives. Raises :class:`ScheduleError` naming the
-    ranks, the actions and what they wait for if the lists deadlock.
+    its rank until the data arrives. An action of a side-stream kind (a
+    kind's ``stream``) starts no earlier than its issue, the point its rank's
+    list reaches it, and than the end of that stream's previous action on
+    the rank; it does not advance the rank. ``waits``, if given (one float
+    per rank), gathers the time each rank's compute actions waited for
+    side-stream results beyond everything else they waited for. Raises
+    :class:`ScheduleError` naming the ranks, the actions and what they wait
+    for if the lists deadlock.
     """
     deps_of = Dependencies(schedule)
     placement = schedule.placement
     by_rank = frozenset(name for name, kind in KINDS.items() if kind.owner == RANK)
     reduced = frozenset(name for name, kind in KINDS.items() if kind.reduced)
+    side = {name: kind.stream for name, kind in KINDS.items() if kind.stream}
+    streams: list[dict[str, float]] = [{} for _ in range(len(schedule.ranks))]
     lists = schedule.ranks
     p = len(lists)
     starts = [[0.0] * len(actions) for actions in lists]
@@ -105,7 +114,9 @@ def asap(
         n = len(actions)
         while k < n:
             action = actions[k]
-            start = t
+            stream = side.get(action[0]) if side else None
+            start = max(t, streams[r].get(stream, 0.0)) if stream else t
+            side_end = 0.0
             for dep in deps_of(action):
                 end = get(dep)
                 owner = dep[1] if dep[0] in by_rank else placement[dep[1]]
@@ -117,13 +128,23 @@ def asap(
                     break
                 if owner != r or dep[0] in reduced:
                     end += transfer(dep)
-                if end > start:
+                if side and dep[0] in side and not stream:
+                    side_end = max(side_end, end)
+                elif end > start:
                     start = end
             else:
-                t = start + duration(action)
+                if side_end > start:
+                    if waits is not None:
+                        waits[r] += side_end - start
+                    start = side_end
+                end = start + duration(action)
+                if stream:
+                    streams[r][stream] = end
+                else:
+                    t = end
                 starts[r][k] = start
-                ends[r][k] = t
-                finished[action] = t
+                ends[r][k] = end
+                finished[action] = end
                 k += 1
                 for other in waiting.pop(action, ()):
                     ready.append(other)

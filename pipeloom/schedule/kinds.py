@@ -43,7 +43,9 @@ class Kind:
     ``needs(action, deps)``: the actions whose results ``action`` consumes
     (``deps`` is the schedule's :class:`~.deps.Dependencies`, with its facts).
     ``memory``: (coefficient, cost field) pairs; the action changes its rank's
-    activation memory by the sum of coefficient times the field's value.
+    activation memory by the sum of coefficient times the field's value (a
+    rise when it starts, a fall when it ends); ``host``: the same for the
+    rank's host memory.
     ``cost``: the cost fields whose sum is its time; ``transfer``: the cost
     field that times the delivery of its result to a consumer on another rank
     (none: no delay); ``reduced``: its result reaches even a consumer on its
@@ -52,8 +54,13 @@ class Kind:
     if torch's compute-only CSV holds it, False if an export leaves it out
     (torch adds it or does not need it), None if an export must refuse a
     schedule holding it. ``drawn``: renderers show it (the sends and receives
-    take no time and are not drawn). ``check(schedule)``: the kind's
-    completeness rule, run by the validator on every schedule.
+    take no time and are not drawn). ``stream``: None when the action runs
+    on its rank's compute stream, else the name of a side stream of the rank
+    (the host copies' ``"copy"``): it is issued when the rank's list reaches
+    it, runs when that stream is free and its inputs exist, in list order
+    with the stream's other actions, and does not hold up the rank.
+    ``check(schedule)``: the kind's completeness rule, run by the validator
+    on every schedule.
     """
 
     name: str
@@ -61,6 +68,7 @@ class Kind:
     owner: str = STAGE
     needs: Rule = _nothing
     memory: tuple[tuple[float, str], ...] = ()
+    host: tuple[tuple[float, str], ...] = ()
     cost: tuple[str, ...] = ()
     transfer: str | None = None
     reduced: bool = False
@@ -69,6 +77,7 @@ class Kind:
     torch_code: str | None = None
     torch_csv: bool | None = None
     drawn: bool = True
+    stream: str | None = None
     check: Callable[[Schedule], None] | None = None
 
     def __post_init__(self):

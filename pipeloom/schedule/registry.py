@@ -64,6 +64,7 @@ def build(
     check: bool = True,
     vocab_parallel: str | None = None,
     transforms: tuple[Transform, ...] | list[Transform] = (),
+    costs=None,
     lowered: bool = False,
     **options,
 ) -> Schedule:
@@ -74,8 +75,9 @@ def build(
 
     ``chunks`` is the number of stages per rank (interleaved 1F1B: any >= 2,
     default 2; V families: 2). Family options (``steps`` for 2bw; ``costs``
-    and ``memory_limit`` for zb-auto) go in ``options``; ``options["costs"]``
-    also reaches the transforms.
+    and ``memory_limit`` for zb-auto) go in ``options``. ``costs`` (a
+    :class:`~.costs.Costs`) reach the transforms, and the family when it
+    takes them and ``options`` gives none.
 
     ``transforms`` (see :mod:`~.transforms`) are applied in order after the
     family's order; the family leaves the largest ``room`` they ask for
@@ -114,10 +116,12 @@ def build(
                 f"them; families that can: {can}"
             )
         options["room"] = room
+    if costs is not None and "costs" in family.options:
+        options.setdefault("costs", costs)
     schedule = family.generate(pp, microbatches, chunks, **options)
     if vocab_parallel is not None and not VocabMode.of(vocab_parallel).splits:  # the transform sets its own
         schedule = replace(schedule, options={**schedule.options, "vocab_parallel": VocabMode.of(vocab_parallel).value})
-    schedule = apply_all(schedule, transforms, options.get("costs"))
+    schedule = apply_all(schedule, transforms, options.get("costs", costs))
     if lowered:
         schedule = lower(schedule)
     return validate(schedule) if check else schedule

@@ -335,6 +335,22 @@ def layer_flops(model: ModelSpec | str, seq: int, microbatch_size: int, sp: int 
     return (bth * ((8 + 4 * k) * h + 4 * seq), bth * ((8 + 4 * k) * h + 8 * seq), (8 + 4 * k) * bth * h)
 
 
+def offload_time_ratio(
+    model: ModelSpec | str, seq: int, microbatch_size: int, device: Device | str, sp: int = 1, recompute: bool = False
+) -> float:
+    """PipeOffload's k = T_offload / T_compute of one transformer layer: the time
+    to copy the activations it keeps (``m_b``) over the host link, over its F,
+    B and W time (B with the forward rerun under ``recompute``). With k <= 1
+    the copy stream keeps up with full offload (one offload and one reload of
+    each layer per F+B+W); "PipeOffload: Improving Scalability of Pipeline
+    Parallelism with Memory Optimization" estimates k = 10 / (3(6h + s)) x
+    FLOP/s / host bytes/s."""
+    model = get_model(model)
+    one = [0, 1, model.layers - 1]  # the middle stage is one bare layer
+    costs = costs_from_model(model, 3, seq, microbatch_size, device, layers_per_stage=one, recompute=recompute, sp=sp)
+    return costs.extra["offload"][1] / (costs.f[1] + costs.b[1] + costs.w[1])
+
+
 def costs_from_model(
     model: ModelSpec | str,
     pp: int,
@@ -402,6 +418,7 @@ def costs_from_model(
         comm=[1e3 * 2 * bth / device.link_bandwidth] * stages,
         m_b=[float(x) for x in per_stage(layer_mb, last=head_mb)],
         m_w=[float(x) for x in per_stage(layer_mw, last=head_mw)],
+        extra={"offload": [1e3 * x / device.host_bandwidth for x in per_stage(layer_mb, last=head_mb)]},
     )
     if not mode.splits:
         return costs

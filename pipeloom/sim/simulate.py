@@ -9,8 +9,9 @@ from typing import NamedTuple
 
 from ..errors import PipeloomError
 from ..schedule.costs import Costs, StageCosts
-from ..schedule.deps import asap, peak_activation
+from ..schedule.deps import asap
 from ..schedule.ir import Action, Schedule
+from ..schedule.kinds import get
 
 
 class Event(NamedTuple):
@@ -25,13 +26,17 @@ class Event(NamedTuple):
 @dataclass(frozen=True)
 class RankStats:
     """One rank's time: ``busy`` computing, ``idle`` between its first action's
-    start and its last one's end (``span``), in a step of ``makespan``."""
+    start and its last one's end (``span``), in a step of ``makespan``;
+    ``peak_activation`` and ``peak_host`` memory; ``exposed``: the time its
+    compute waited for side-stream work (host copies) it needed."""
 
     busy: float
     idle: float
     span: float
     peak_activation: float
     makespan: float
+    peak_host: float = 0.0
+    exposed: float = 0.0
 
     @property
     def bubble_rate(self) -> float:
@@ -53,8 +58,11 @@ class Result:
     running from the start of a rank's first action to the end of its last;
     ``step_bubble_rate`` is the idle share of the whole step, (makespan - busy)
     / makespan, over all ranks (their mean, as every rank's step is the makespan).
-    Activation memory is in the unit of ``Costs.m_b`` (M_B of a full stage)
-    and includes the vocabulary passes' buffers (``Costs.m_v``, from S to T).
+    Busy time counts the compute stream only: side-stream actions (host
+    copies) overlap it. Activation memory is in the unit of ``Costs.m_b`` (M_B
+    of a full stage) and includes the vocabulary passes' buffers
+    (``Costs.m_v``, from S to T); an action's rise counts from its start,
+    its fall from its end.
     """
 
     schedule: Schedule
@@ -66,16 +74,23 @@ class Result:
     ends: list[list[float]] = field(repr=False)
 
     @classmethod
-    def from_times(cls, schedule: Schedule, costs: StageCosts, starts, ends) -> Result:
+    def from_times(cls, schedule: Schedule, costs: StageCosts, starts, ends, exposed=None) -> Result:
         """The result of running every action of ``schedule`` from ``starts`` to ``ends``
-        (per rank, in list order): simulated, or measured on the runtime."""
-        makespan = max((e[-1] for e in ends if e), default=0.0)
+        (per rank, in list order): simulated, or measured on the runtime;
+        ``exposed``: per rank, the time compute waited for side streams."""
+        makespan = max((max(e) for e in ends if e), default=0.0)
         stats = []
         for rank, actions in enumerate(schedule.ranks):
-            busy = sum(e - s for s, e in zip(starts[rank], ends[rank]))
-            span = ends[rank][-1] - starts[rank][0] if actions else 0.0
-            peak = peak_activation(actions, costs.memory_delta)
-            stats.append(RankStats(busy=busy, idle=span - busy, span=span, peak_activation=peak, makespan=makespan))
+            compute = [(s, e) for a, s, e in zip(actions, starts[rank], ends[rank]) if not get(a.kind).stream]
+            busy = sum(e - s for s, e in compute)
+            span = compute[-1][1] - compute[0][0] if compute else 0.0
+            times = list(zip(actions, starts[rank], ends[rank]))
+            stats.append(RankStats(
+                busy=busy, idle=span - busy, span=span, makespan=makespan,
+                peak_activation=max(level for _, level in _levels(times, costs.memory_delta)),
+                peak_host=max(level for _, level in _levels(times, costs.host_delta)),
+                exposed=exposed[rank] if exposed else 0.0,
+            ))
         bubble = max((s.bubble_rate for s in stats), default=0.0)
         return cls(schedule, costs, makespan, bubble, stats, starts, ends)
 
@@ -95,25 +110,50 @@ class Result:
     def peak_activation(self) -> list[float]:
         return [r.peak_activation for r in self.ranks]
 
+    @property
+    def peak_host(self) -> list[float]:
+        return [r.peak_host for r in self.ranks]
+
+    @property
+    def exposed(self) -> list[float]:
+        return [r.exposed for r in self.ranks]
+
     def memory_timeline(self, rank: int) -> list[tuple[float, float]]:
-        """(time, activation memory) steps of one rank: memory grows when an
-        action starts and shrinks when it ends."""
-        points, level = [(0.0, 0.0)], 0.0
-        for ev in self.events[rank]:
-            delta = self.costs.memory_delta(ev.action)
-            level += delta
-            points.append((ev.start if delta > 0 else ev.end, level))
-        return points
+        """(time, activation memory) steps of one rank, in time order: memory
+        grows when an action starts and shrinks when it ends."""
+        return _levels(((e.action, e.start, e.end) for e in self.events[rank]), self.costs.memory_delta)
+
+    def host_timeline(self, rank: int) -> list[tuple[float, float]]:
+        """(time, host memory) steps of one rank, as :meth:`memory_timeline`."""
+        return _levels(((e.action, e.start, e.end) for e in self.events[rank]), self.costs.host_delta)
+
+
+def _levels(times, delta) -> list[tuple[float, float]]:
+    """(time, level) after each change of a memory that ``delta(action)`` changes,
+    from (action, start, end) triples: a rise at the start, a fall at the end;
+    changes at one instant in list order."""
+    changes = []
+    for k, (action, start, end) in enumerate(times):
+        d = delta(action)
+        if d:
+            changes.append((start if d > 0 else end, k, d))
+    points, level = [(0.0, 0.0)], 0.0
+    for t, _, d in sorted(changes):
+        level += d
+        points.append((t, level))
+    return points
 
 
 def simulate(schedule: Schedule, costs: Costs | StageCosts | None = None) -> Result:
     """Time every action of ``schedule``: each rank runs its list in order; an
     action starts when its rank is free and its inputs exist, an input from
-    another rank arriving ``comm`` after its producer ends."""
+    another rank arriving ``comm`` after its producer ends; side-stream
+    actions (host copies) run beside the rank's compute."""
     if not isinstance(costs, StageCosts):
         costs = (costs or Costs()).per_stage(schedule.stages, schedule.chunks)
-    starts, ends = asap(schedule, costs.duration, costs.transfer)
-    result = Result.from_times(schedule, costs, starts, ends)
+    exposed = [0.0] * schedule.pp
+    starts, ends = asap(schedule, costs.duration, costs.transfer, exposed)
+    result = Result.from_times(schedule, costs, starts, ends, exposed)
     if not math.isfinite(result.makespan):
         raise PipeloomError(f"the costs are too large: the makespan overflows to {result.makespan}")
     return result

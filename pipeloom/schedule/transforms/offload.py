@@ -1,0 +1,315 @@
+"""PipeOffload as a transform: activations copied to host after F and back before B.
+
+"PipeOffload: Improving Scalability of Pipeline Parallelism with Memory
+Optimization" (Wan et al. 2025). After the forward of a (stage, microbatch)
+pair, ``OFFLOAD`` copies the activations it saved to host memory; ``RELOAD``
+copies them back before its backward. Both run on one side stream per rank,
+the copy stream (:attr:`~..kinds.Kind.stream`), in list order, so copies
+overlap compute and offloads and reloads take turns on one host link. Their
+time is the cost field ``offload`` (one pair's ``m_b`` over the host link);
+activation memory falls by ``m_b`` when an OFFLOAD ends and rises when a
+RELOAD starts; host memory holds it from the OFFLOAD's start to the RELOAD's
+end.
+
+Policies (:class:`Offload`):
+
+- ``full``: every pair whose gap between F's end and the backward's start
+  has room for both copies (more than twice the copy time; with no copy
+  time, any gap: a pair whose backward follows its F directly is kept).
+- ``selective`` with a ratio r in (0, 1]: on each rank, while its peak
+  activation memory is above (1 - r) of the peak without offload, the pair
+  that lives longest among those held at the peak instant is offloaded
+  (longest-lived first: those count at the peak the most often, so the
+  peak falls faster than the bytes moved grow).
+
+Placement, on the timeline the costs give (the transform's ``costs``, or the
+unit costs with free copies): OFFLOAD right after its F; RELOAD issued where
+it can finish before its backward, at least one action before it, with
+time for one other copy queued ahead (a pair with no action left between
+its OFFLOAD and that point is not offloaded); then, while a simulated backward
+waits for its RELOAD, that RELOAD moves earlier by the wait (a few rounds).
+Dependencies: OFFLOAD(s,i) after F(s,i); RELOAD(s,i) after OFFLOAD(s,i);
+the backward (B or BW) of an offloaded pair after its RELOAD.
+
+Works with every family, with vocabulary parallelism (the vocabulary
+passes' buffers stay on the device) and with recomputation (then only the
+stage inputs that recomputation keeps are offloaded). Nothing is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from ...errors import PipeloomError, ScheduleError
+from ..costs import Costs, StageCosts, register_field
+from ..deps import asap
+from ..ir import BW, B, F, Action, Schedule
+from ..kinds import Kind, register, register_inputs
+
+#: Copy a pair's saved activations to host memory (after its F).
+OFFLOAD = "OFFLOAD"
+#: Copy them back to the device (before its backward).
+RELOAD = "RELOAD"
+#: The side stream both run on.
+COPY_STREAM = "copy"
+POLICIES = ("none", "full", "selective")
+
+register_field("offload")
+
+
+def check_policy(policy: str, ratio: float | None = None) -> tuple[str, float]:
+    """``(policy, ratio)`` checked: ratio in (0, 1] for selective (1 for full, 0 for none)."""
+    if policy not in POLICIES:
+        raise PipeloomError(f"unknown offload policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if policy != "selective":
+        if ratio is not None:
+            raise PipeloomError(f"an offload ratio ({ratio!r}) goes with the selective policy, not {policy!r}")
+        return policy, 1.0 if policy == "full" else 0.0
+    if ratio is None:
+        raise PipeloomError("selective offload needs a ratio in (0, 1] (--offload-ratio)")
+    if not (isinstance(ratio, (int, float)) and 0 < ratio <= 1):
+        raise PipeloomError(f"offload ratio {ratio!r}: must be in (0, 1]")
+    return policy, float(ratio)
+
+
+class Offload:
+    """The transform: ``policy`` none, full or selective (with ``ratio``)."""
+
+    name = "offload"
+    kinds = (OFFLOAD, RELOAD)
+    cost_fields = ("offload",)
+    room = 0
+
+    def __init__(self, policy: str, ratio: float | None = None):
+        self.policy, self.ratio = check_policy(policy, ratio)
+
+    def apply(self, schedule: Schedule, costs: Costs | None = None) -> Schedule:
+        if self.policy == "none":
+            return schedule
+        if schedule.options.get("offload"):
+            raise ScheduleError("the schedule is offloaded already")
+        if schedule.options.get("lowered"):
+            raise ScheduleError("offload a schedule before lowering its communication")
+        per_stage = (costs or Costs()).per_stage(schedule.stages, schedule.chunks)
+        pairs = _Pairs(schedule, per_stage)
+        chosen = pairs.eligible() if self.policy == "full" else pairs.select(self.ratio)
+        options = {**schedule.options, "offload": {"policy": self.policy, "ratio": self.ratio}}
+        return _place(replace(schedule, options=options), per_stage, pairs, chosen)
+
+
+class _Pairs:
+    """The (stage, microbatch) pairs of a schedule, on its timeline without offload."""
+
+    def __init__(self, schedule: Schedule, costs: StageCosts):
+        self.schedule, self.costs = schedule, costs
+        self.starts, self.ends = asap(schedule, costs.duration, costs.transfer)
+        #: (stage, microbatch) -> (rank, index of F, index of its backward)
+        self.where: dict[tuple[int, int], tuple[int, int, int]] = {}
+        forwards = {}
+        for rank, actions in enumerate(schedule.ranks):
+            for k, a in enumerate(actions):
+                if a.kind == F:
+                    forwards[a.stage, a.microbatch] = k
+                elif a.kind in (B, BW):
+                    self.where[a.stage, a.microbatch] = (rank, forwards[a.stage, a.microbatch], k)
+
+    def copy(self, pair) -> float:
+        return self.costs.offload[pair[0]]
+
+    def gap(self, pair) -> tuple[float, float]:
+        """End of the pair's F and start of its backward."""
+        rank, f, b = self.where[pair]
+        return self.ends[rank][f], self.starts[rank][b]
+
+    def reload_at(self, pair) -> int:
+        """Where RELOAD goes first: before the latest action that leaves it time to finish,
+        with one other copy queued ahead, and at least one action before the backward."""
+        rank, f, b = self.where[pair]
+        latest = self.gap(pair)[1] - 2 * self.copy(pair)
+        ends, k = self.ends[rank], b - 1
+        while k > f + 1 and ends[k - 1] > latest:
+            k -= 1
+        return k
+
+    def eligible(self) -> list[tuple[int, int]]:
+        """Pairs whose gap holds both copies (any gap when copies are free) and an
+        action between the OFFLOAD and the RELOAD."""
+        found = []
+        for pair, (rank, f, b) in self.where.items():
+            end, start = self.gap(pair)
+            if start - end > 2 * self.copy(pair) and start > end and self.reload_at(pair) > f + 1:
+                found.append(pair)
+        return found
+
+    def select(self, ratio: float) -> list[tuple[int, int]]:
+        """Longest-lived pairs held at each rank's peak, until the peak is (1 - ratio) of its value."""
+        chosen = []
+        by_rank: dict[int, list] = {}
+        for pair in self.eligible():
+            by_rank.setdefault(self.where[pair][0], []).append(pair)
+        for rank, candidates in sorted(by_rank.items()):
+            events = self._events(rank)
+            peak, _ = _peak(events)
+            target = (1 - ratio) * peak + 1e-9 * max(peak, 1.0)
+            while candidates:
+                level, when = _peak(events)
+                if level <= target:
+                    break
+                held = [p for p in candidates if self._away(p)[0] <= when < self._away(p)[1]]
+                if not held:
+                    break
+                pair = max(held, key=lambda p: (self._life(p), -p[1], -p[0]))
+                candidates.remove(pair)
+                chosen.append(pair)
+                (leave, back), size = self._away(pair), self.costs.m_b[pair[0]]
+                events += [(leave, -size), (back, size)]
+        return chosen
+
+    def _life(self, pair) -> float:
+        end, start = self.gap(pair)
+        return start - end
+
+    def _away(self, pair) -> tuple[float, float]:
+        """When an offloaded pair is off the device: from its offload's end to its reload's start."""
+        end, start = self.gap(pair)
+        return end + self.copy(pair), start - self.copy(pair)
+
+    def _events(self, rank: int) -> list[tuple[float, float]]:
+        """(time, change) of the rank's activation memory without offload."""
+        events = []
+        for k, action in enumerate(self.schedule.ranks[rank]):
+            delta = self.costs.memory_delta(action)
+            if delta:
+                events.append((self.starts[rank][k] if delta > 0 else self.ends[rank][k], delta))
+        return events
+
+
+def _peak(events: list[tuple[float, float]]) -> tuple[float, float]:
+    """Highest level of a memory profile and the first time it is reached (falls before rises at one instant)."""
+    level, peak, when = 0.0, 0.0, 0.0
+    for t, delta in sorted(events):
+        level += delta
+        if level > peak + 1e-12:
+            peak, when = level, t
+    return peak, when
+
+
+def _place(schedule: Schedule, costs: StageCosts, pairs: _Pairs, chosen: list) -> Schedule:
+    """Insert OFFLOAD right after each chosen pair's F and RELOAD before its backward."""
+    issue = {pair: pairs.reload_at(pair) for pair in chosen}
+    result = _insert(schedule, pairs, issue)
+    for _ in range(8):
+        late = _late_reloads(result, costs)
+        moved = False
+        for pair, delay in late.items():
+            rank, f, b = pairs.where[pair]
+            k = issue[pair]
+            when = pairs.ends[rank][k - 1] - delay
+            while k > f + 1 and pairs.ends[rank][k - 1] > when:
+                k -= 1
+            if k < issue[pair]:
+                issue[pair], moved = k, True
+        if not moved:
+            break
+        result = _insert(schedule, pairs, issue)
+    return result
+
+
+def _insert(schedule: Schedule, pairs: _Pairs, issue: dict) -> Schedule:
+    """The schedule with the copies added: OFFLOAD after F, RELOAD before the
+    action at index ``issue[pair]`` (reloads ahead of offloads at one point,
+    but after their own pair's offload)."""
+    extra: list[list[tuple]] = [[] for _ in schedule.ranks]
+    for pair, k in issue.items():
+        rank, f, _ = pairs.where[pair]
+        extra[rank].append((f + 1, 1, pair, Action(OFFLOAD, *pair)))
+        extra[rank].append((k, 2 if k == f + 1 else 0, pair, Action(RELOAD, *pair)))
+    lists = []
+    for rank, actions in enumerate(schedule.ranks):
+        adds = sorted(extra[rank])
+        merged, j = [], 0
+        for k, action in enumerate(actions):
+            while j < len(adds) and adds[j][0] <= k:
+                merged.append(adds[j][-1])
+                j += 1
+            merged.append(action)
+        lists.append(tuple(merged))
+    return replace(schedule, ranks=tuple(lists))
+
+
+def _late_reloads(schedule: Schedule, costs: StageCosts) -> dict[tuple[int, int], float]:
+    """Pairs whose backward waits for its RELOAD on the simulated timeline, and how long."""
+    starts, ends = asap(schedule, costs.duration, costs.transfer)
+    late = {}
+    for rank, actions in enumerate(schedule.ranks):
+        reloaded, previous = {}, 0.0
+        for k, a in enumerate(actions):
+            if a.kind == RELOAD:
+                reloaded[a.stage, a.microbatch] = ends[rank][k]
+                continue
+            if a.kind == OFFLOAD:
+                continue
+            pair = (a.stage, a.microbatch)
+            if a.kind in (B, BW) and pair in reloaded and reloaded[pair] > previous + 1e-12:
+                if math.isclose(starts[rank][k], reloaded[pair]):
+                    late[pair] = reloaded[pair] - previous
+            previous = ends[rank][k]
+    return late
+
+
+# -- the kinds and their dependencies ---------------------------------------------
+def _offloaded(schedule: Schedule) -> frozenset:
+    return frozenset((a.stage, a.microbatch) for actions in schedule.ranks for a in actions if a.kind == RELOAD)
+
+
+def _offload_needs(action, deps):
+    return (Action(F, action.stage, action.microbatch),)
+
+
+def _reload_needs(action, deps):
+    return (Action(OFFLOAD, action.stage, action.microbatch),)
+
+
+@register_inputs
+def _backward_inputs(schedule: Schedule):
+    """The backward of an offloaded pair after its RELOAD: in offloaded schedules."""
+    if not schedule.options.get("offload"):
+        return None
+
+    def rule(action, deps):
+        kind = action[0]
+        if (kind == B or kind == BW) and (action[1], action[2]) in deps.fact("offload", _offloaded):
+            return (Action(RELOAD, action[1], action[2]),)
+        return ()
+    return rule
+
+
+def check_copies(schedule: Schedule) -> None:
+    """Each OFFLOAD has one RELOAD of its pair and the reverse, on the pair's rank, after
+    its F and before its backward; only schedules marked offloaded hold them."""
+    offloads, reloads = {}, {}
+    for rank, actions in enumerate(schedule.ranks):
+        for a in actions:
+            if a.kind == OFFLOAD:
+                offloads[a.stage, a.microbatch] = rank
+            elif a.kind == RELOAD:
+                reloads[a.stage, a.microbatch] = rank
+    if not offloads and not reloads:
+        return
+    if not schedule.options.get("offload"):
+        pair = next(iter(offloads or reloads))
+        raise ScheduleError(f"the schedule copies {pair[0]}F{pair[1]}'s activations, but options['offload'] "
+                            "names no offload policy")
+    for pair in offloads.keys() ^ reloads.keys():
+        have, missing = (OFFLOAD, RELOAD) if pair in offloads else (RELOAD, OFFLOAD)
+        rank = schedule.placement[pair[0]]
+        raise ScheduleError(f"rank {rank}: {have} {pair[0]}:{pair[1]} has no {missing} of the same stage and microbatch")
+
+
+register(Kind(OFFLOAD, "offload", needs=_offload_needs, memory=((-1.0, "m_b"),), host=((1.0, "m_b"),),
+              cost=("offload",), colour="#8172b3", letter="o", torch_csv=None, stream=COPY_STREAM,
+              check=check_copies))
+register(Kind(RELOAD, "reload", needs=_reload_needs, memory=((1.0, "m_b"),), host=((-1.0, "m_b"),),
+              cost=("offload",), colour="#da8bc3", letter="r", torch_csv=None, stream=COPY_STREAM,
+              check=check_copies))
