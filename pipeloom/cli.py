@@ -69,6 +69,7 @@ def _add_simulate(sub) -> None:
     p.add_argument("--steps", type=int, help="consecutive steps to build (2bw)")
     p.add_argument("--costs", default="", metavar="f=1,b=1,w=1,comm=0",
                    help="per full stage: f, b, w, comm times; m_b, m_w activation memory (defaults 1,1,1,0,1,0); "
+                        "offload, the time to copy m_b to or from the host (default 0); "
                         "per rank, the vocabulary passes: s, t, c, r, e_f, e_b, e_comm times, m_v memory (default 0)")
     p.add_argument("--memory-limit", type=float, metavar="X",
                    help="activation memory limit per rank in units of a full stage's M_B (zb-auto searches under it; "
@@ -84,10 +85,19 @@ def _add_simulate(sub) -> None:
     p.add_argument("--attention", metavar="ring|rsa",
                    help="how SP ranks pass keys and values round their ring: ring (blockwise, overlapped; the "
                         "default) or rsa (Ring Self-Attention, scores kept); with --sp 1 the default is plain attention")
+    p.add_argument("--recompute", choices=("none", "cheap", "full"),
+                   help="with --model: recompute in B the norms and activation functions (cheap) or whole layers "
+                        "(full) instead of keeping their activations (default none)")
     p.add_argument("--vocab-parallel", metavar="MODE[,MODE...]",
                    help="where the vocabulary layers go: none (first and last stage), redis (layers moved to balance "
                         "them), naive, vocab-1, vocab-2 (split over every rank, in extra passes); a comma list "
                         "compares the modes side by side")
+    p.add_argument("--offload", choices=("none", "full", "selective"),
+                   help="PipeOffload: copy activations to host memory after F and back before B, on one copy "
+                        "stream per rank: every pair with room (full) or the longest-lived until the peak falls "
+                        "by --offload-ratio (selective); default none")
+    p.add_argument("--offload-ratio", type=float, metavar="R",
+                   help="with --offload selective: the share of each rank's peak activation memory to remove, in (0, 1]")
     p.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace (Perfetto, chrome://tracing)")
     p.add_argument("--plot", metavar="FILE.png|.svg", help="draw the schedule and its memory with matplotlib")
     p.add_argument("--torch-csv", metavar="FILE", help="export for torch.distributed.pipelining's runtime schedule")
@@ -98,7 +108,7 @@ def _add_simulate(sub) -> None:
 #: The flags that only mean something with --model, and what they set.
 MODEL_FLAGS = {"--seq": "the sequence length", "--microbatch-size": "the sequences per microbatch",
                "--device": "the device", "--vocab": "the vocabulary", "--sp": "the sequence parallelism",
-               "--attention": "the sequence-parallel attention"}
+               "--attention": "the sequence-parallel attention", "--recompute": "the recomputation"}
 MODEL_DEFAULTS = {"seq": 2048, "microbatch_size": 1, "device": "a100"}
 
 
@@ -108,6 +118,7 @@ def _run_simulate(args) -> int:
     from .sim.plot import SUFFIXES
 
     modes = _vocab_modes(args)
+    args.offload = _offload(args)
     names = _schedules(args)
     _model_flags(args)
     if args.memory_limit is not None and not 0 < args.memory_limit < math.inf:
@@ -224,11 +235,23 @@ def _simulate_one(args, name: str, compare: bool):
     costs, model = _costs(args, family, chunks)
     options = {"costs": costs, "memory_limit": args.memory_limit, "steps": args.steps}
     options = {k: v for k, v in options.items() if v is not None and k in family.options}
-    schedule = build(name, args.pp, args.microbatches, chunks, vocab_parallel=args.vocab_parallel, **options)
+    schedule = build(name, args.pp, args.microbatches, chunks, vocab_parallel=args.vocab_parallel,
+                     transforms=[args.offload] if args.offload else [], costs=costs, **options)
     if args.memory_limit is not None and "memory_limit" not in options:
         validate(schedule, memory_limit=args.memory_limit, m_w=_m_w_fraction(costs))
     result = simulate(schedule, costs)
     return _report(result, model, args), result
+
+
+def _offload(args):
+    """The Offload transform of --offload and --offload-ratio (checked), or None."""
+    from .schedule.transforms.offload import Offload
+
+    if args.offload is None:
+        if args.offload_ratio is not None:
+            raise PipeloomError(f"--offload-ratio {args.offload_ratio:g} goes with --offload selective")
+        return None
+    return Offload(args.offload, args.offload_ratio)
 
 
 def _chunks(family, chunks: int | None) -> int | None:
@@ -250,8 +273,13 @@ def _costs(args, family, chunks):
         model = replace(model, vocab=args.vocab)
     costs = costs_from_model(model, args.pp, args.seq, args.microbatch_size, device,
                              chunks=chunks or family.default_chunks, vocab_parallel=args.vocab_parallel,
-                             sp=_sp(args), attention=args.attention)
+                             sp=_sp(args), attention=args.attention, recompute=_recompute(args))
     return costs, (model, device)
+
+
+def _recompute(args) -> bool | str:
+    """--recompute as :func:`~pipeloom.sim.model.costs_from_model` takes it."""
+    return {None: False, "none": False, "cheap": "cheap", "full": True}[args.recompute]
 
 
 def _sp(args) -> int:
@@ -310,6 +338,30 @@ def _report(result, model, args) -> dict:
             row["peak_activation"] = value
         if args.sp is not None or args.attention is not None:
             report.update(_sp_report(spec, device, schedule, args))
+    if args.offload is not None:
+        report["offload"] = _offload_report(result, model, args)
+    return report
+
+
+def _offload_report(result, model, args) -> dict:
+    """Policy and, per rank, peak host memory, what is offloaded per step and the copy time not
+    hidden (bytes and ms with --model, else in the units of --costs), and with --model PipeOffload's k."""
+    from .schedule.transforms.offload import OFFLOAD
+
+    schedule, costs = result.schedule, result.costs
+    offloaded = [sum(costs.m_b[a.stage] for a in actions if a.kind == OFFLOAD) for actions in schedule.ranks]
+    report = {"policy": args.offload.policy, "ratio": args.offload.ratio if args.offload.policy == "selective" else None}
+    if model is None:
+        report["ranks"] = [{"rank": r, "host": h, "offloaded": o, "exposed": e}
+                           for r, (h, o, e) in enumerate(zip(result.peak_host, offloaded, result.exposed))]
+        return report
+    from .sim.model import offload_time_ratio
+
+    spec, device = model
+    report["k"] = offload_time_ratio(spec, args.seq, args.microbatch_size, device, sp=_sp(args),
+                                     attention=args.attention, recompute=_recompute(args))
+    report["ranks"] = [{"rank": r, "host_bytes": h, "offloaded_bytes": o, "exposed_ms": e}
+                       for r, (h, o, e) in enumerate(zip(result.peak_host, offloaded, result.exposed))]
     return report
 
 
@@ -357,7 +409,26 @@ def _rank_table(report: dict) -> str:
         lines.append(line)
     if "sp" in report:
         lines += ["", *_sp_lines(report)]
+    if "offload" in report:
+        lines += ["", *_offload_lines(report)]
     return "\n".join(lines)
+
+
+def _offload_lines(report: dict) -> list[str]:
+    offload = report["offload"]
+    policy = offload["policy"] + (f" {offload['ratio']:g}" if offload["ratio"] is not None else "")
+    bytes_ = "k" in offload
+    lines = [f"offload {policy}:" + (f" k = T_offload / T_compute per layer = {offload['k']:.3g} "
+                                     f"({'the copy stream keeps up' if offload['k'] <= 1 else 'copies outlast compute'})"
+                                     if bytes_ else ""),
+             f"{'rank':>4} {'offloaded/step':>15} {'peak host':>12} {'exposed':>10}"]
+    for row in offload["ranks"]:
+        if bytes_:
+            lines.append(f"{row['rank']:>4} {_size(row['offloaded_bytes']):>15} {_size(row['host_bytes']):>12} "
+                         f"{row['exposed_ms']:>7.4g} ms")
+        else:
+            lines.append(f"{row['rank']:>4} {row['offloaded']:>11.4g} M_B {row['host']:>8.4g} M_B {row['exposed']:>10.4g}")
+    return lines
 
 
 def _sp_lines(report: dict) -> list[str]:

@@ -24,7 +24,7 @@ from torch.distributed.pipelining.schedules import (  # noqa: E402
 )
 
 from pipeloom.errors import PipeloomError  # noqa: E402
-from pipeloom.schedule import FAMILIES, Action, Schedule, build, lower, to_torch_csv, write_torch_csv  # noqa: E402
+from pipeloom.schedule import FAMILIES, Action, Offload, Schedule, build, lower, to_torch_csv, write_torch_csv  # noqa: E402
 
 #: Sizes tried in turn for each registered family; the first that builds is used.
 SIZES = [(4, 8), (4, 16), (4, 12), (2, 8), (4, 4)]
@@ -101,9 +101,11 @@ def test_kinds_torch_cannot_hold_are_refused():
     with pytest.raises(PipeloomError, match=r"rank 0: action 0IF0 \(kind IF\) has no place in torch's compute-only"):
         to_torch_csv(build("1f1b", 2, 2, vocab_parallel="vocab-1"))
     good = build("1f1b", 2, 2)
-    ranks = (good.ranks[0] + (Action("OFFLOAD", 0, 0),), good.ranks[1])
-    with pytest.raises(PipeloomError, match="unknown action kind 'OFFLOAD'; registered kinds: F, B, W, BW"):
-        to_torch_csv(Schedule("offload", 2, 2, good.placement, ranks))
+    with pytest.raises(PipeloomError, match=r"action 0OFFLOAD1 \(kind OFFLOAD\) has no place in torch's"):
+        to_torch_csv(build("1f1b", 2, 4, transforms=[Offload("full")]))
+    ranks = (good.ranks[0] + (Action("SWAP", 0, 0),), good.ranks[1])
+    with pytest.raises(PipeloomError, match="unknown action kind 'SWAP'; registered kinds: F, B, W, BW"):
+        to_torch_csv(Schedule("swap", 2, 2, good.placement, ranks))
 
 
 def test_sends_and_receives_are_left_to_torch():

@@ -1,9 +1,11 @@
 """A compact text picture of a simulated schedule, for the terminal.
 
-One line per rank; time is cut into columns and each column shows the kind
+One line per rank, and one below it for each side stream it uses (the
+host copies of offload); time is cut into columns and each column shows the kind
 of action that fills most of it, by its kind's letter (:attr:`~pipeloom.schedule.kinds.Kind.grid_letter`:
 PyTorch's F forward, I input grad, W weight grad, B fused backward; the
-vocabulary passes s, t, e (input layer forward), g (input layer grad)), or
+vocabulary passes s, t, e (input layer forward), g (input layer grad);
+offload o and reload r), or
 ``.`` when the rank is idle most of it. A box wide enough shows
 its microbatch after the letter (``F12``). Long schedules are compressed to
 fit ``width``; a legend line follows.
@@ -22,11 +24,17 @@ EPS = 1e-9
 
 def text_grid(result: Result, width: int = 100) -> str:
     """The schedule as text, each line at most ``width`` characters (at least one column of time)."""
-    p = result.schedule.pp
-    label = len(f"r{p - 1} ")
+    rows = []
+    for rank, events in enumerate(result.events):
+        streams: dict = {}
+        for ev in events:
+            streams.setdefault(get(ev.action.kind).stream, []).append(ev)
+        rows.append((f"r{rank}", streams.pop(None, [])))
+        rows += [(f"r{rank} {stream}", evs) for stream, evs in streams.items()]
+    label = max(len(name) for name, _ in rows) + 1
     scale = _columns_per_unit(result, max(1, width - label))
     length = math.ceil(result.makespan * scale - EPS)
-    lines = [f"{f'r{rank}':<{label}}" + _row(events, scale, length) for rank, events in enumerate(result.events)]
+    lines = [f"{name:<{label}}" + _row(events, scale, length) for name, events in rows]
     return "\n".join(lines + [_legend(result, scale)])
 
 

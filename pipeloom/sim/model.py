@@ -336,19 +336,22 @@ def layer_flops(model: ModelSpec | str, seq: int, microbatch_size: int, sp: int 
 
 
 def offload_time_ratio(
-    model: ModelSpec | str, seq: int, microbatch_size: int, device: Device | str, sp: int = 1, recompute: bool = False
+    model: ModelSpec | str, seq: int, microbatch_size: int, device: Device | str, sp: int = 1,
+    attention: str | None = None, recompute: bool | str = False,
 ) -> float:
-    """PipeOffload's k = T_offload / T_compute of one transformer layer: the time
-    to copy the activations it keeps (``m_b``) over the host link, over its F,
-    B and W time (B with the forward rerun under ``recompute``). With k <= 1
-    the copy stream keeps up with full offload (one offload and one reload of
-    each layer per F+B+W); "PipeOffload: Improving Scalability of Pipeline
-    Parallelism with Memory Optimization" estimates k = 10 / (3(6h + s)) x
-    FLOP/s / host bytes/s."""
+    """PipeOffload's k = T_offload / T_compute of one transformer layer: the copy
+    stream's time to move the activations the layer keeps (``m_b``) to the
+    host and back, over the layer's F, B and W time, under the costs of
+    :func:`costs_from_model` (same ``sp``, ``attention``, ``recompute``). With
+    k <= 1 the copy stream keeps up with full offload. "PipeOffload: Improving
+    Scalability of Pipeline Parallelism with Memory Optimization" estimates
+    k = 10 / (3(6h + s)) x FLOP/s / host bytes/s, counting 20bsh bytes a
+    layer (cheap operations recomputed) where this model counts 34bsh."""
     model = get_model(model)
     one = [0, 1, model.layers - 1]  # the middle stage is one bare layer
-    costs = costs_from_model(model, 3, seq, microbatch_size, device, layers_per_stage=one, recompute=recompute, sp=sp)
-    return costs.extra["offload"][1] / (costs.f[1] + costs.b[1] + costs.w[1])
+    costs = costs_from_model(model, 3, seq, microbatch_size, device, layers_per_stage=one, recompute=recompute,
+                             sp=sp, attention=attention)
+    return 2 * costs.extra["offload"][1] / (costs.f[1] + costs.b[1] + costs.w[1])
 
 
 def costs_from_model(
@@ -359,7 +362,7 @@ def costs_from_model(
     device: Device | str,
     chunks: int = 1,
     layers_per_stage=None,
-    recompute: bool = False,
+    recompute: bool | str = False,
     vocab_parallel: str | None = None,
     sp: int = 1,
     attention: str | None = None,
@@ -369,7 +372,12 @@ def costs_from_model(
     on one rank of each stage's SP group of ``sp`` ranks.
 
     ``layers_per_stage`` overrides :func:`~pipeloom.partition.split_layers`
-    (``balanced_layers`` with ``vocab_parallel="redis"``). With ``recompute`` each layer keeps
+    (``balanced_layers`` with ``vocab_parallel="redis"``). ``recompute="cheap"``
+    recomputes the norms and the MLP's activation function in B instead of
+    keeping their outputs: a layer keeps (12 + 2·ffn)·bth bytes instead of
+    (18 + 4·ffn)·bth (20 and 34 bsh for ffn = 4, as "PipeOffload: Improving
+    Scalability of Pipeline Parallelism with Memory Optimization" counts; their
+    FLOPs are not counted). With ``recompute`` True each layer keeps
     only its input (2bth bytes) and B first reruns the layer's forward; W
     still needs its inputs, so ``m_w`` exceeds ``m_b`` and memory grows from
     B to W (use a fused-backward schedule with it). ``vocab_parallel`` (none,
@@ -390,10 +398,14 @@ def costs_from_model(
     t = s // sp  # a rank's tokens of each sequence
     bth = b * t * h
     layer_f, layer_b, layer_w = layer_flops(model, seq, microbatch_size, sp)
-    layer_b += layer_f if recompute else 0
-    layer_mb = 2 * bth if recompute else (18 + 4 * k) * bth + ring.kept_bytes
+    if recompute not in (False, True, "cheap"):
+        raise PipeloomError(f"recompute={recompute!r}: choose False, True (whole layers) or 'cheap'")
+    full = recompute is True
+    layer_b += layer_f if full else 0
+    kept = (12 + 2 * k) if recompute == "cheap" else (18 + 4 * k)
+    layer_mb = 2 * bth if full else kept * bth + ring.kept_bytes
     layer_mw = (16 + 4 * k) * bth
-    exposed_b = ring.exposed_backward_ms + (ring.exposed_forward_ms if recompute else 0.0)
+    exposed_b = ring.exposed_backward_ms + (ring.exposed_forward_ms if full else 0.0)
     if mode.splits:
         embedding = head = head_mw = 0
         head_mb = 2 * bth  # the final norm's input

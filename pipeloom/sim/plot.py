@@ -3,7 +3,8 @@
 Top panel: one row per rank (rank 0 on top), one box per action coloured by
 kind, later chunks of interleaved and V schedules in lighter shades,
 microbatch numbers where the boxes are big enough. Bottom panel: activation
-memory of every rank over time. :func:`plot_schedules` draws several
+memory of every rank over time. Side-stream actions (offload's host copies)
+get a lane under their rank's row, and host memory a dotted line. :func:`plot_schedules` draws several
 schedules' timelines one above the other on one time axis (``pipeloom
 simulate --compare``); :func:`plot_rank_comparison` draws per-rank
 bars of several runs side by side (the vocabulary modes of ``pipeloom
@@ -104,9 +105,10 @@ def _draw_timeline(ax, result: Result, rows_in: float, span: float | None = None
 
     p, span = result.schedule.pp, span or result.makespan or 1.0
     colours = _box_colours(result)
-    spans = [(ev.start, ev.end, rank) for rank, events in enumerate(result.events) for ev in events]
-    x0, x1, y = np.array(spans, dtype=float).reshape(-1, 3).T
-    lo, hi = y - 0.42, y + 0.42
+    rows = [_rows(events) for events in result.events]
+    spans = [(ev.start, ev.end, rank + lo, rank + hi)
+             for rank, events in enumerate(result.events) for ev, (lo, hi) in zip(events, rows[rank])]
+    x0, x1, lo, hi = np.array(spans, dtype=float).reshape(-1, 4).T
     boxes = np.stack([np.stack(corner, axis=1) for corner in ((x0, lo), (x1, lo), (x1, hi), (x0, hi))], axis=1)
     px_per_unit = WIDTH_IN * DPI * 0.9 / span
     shortest = min((ev.end - ev.start for evs in result.events for ev in evs), default=0.0)
@@ -131,6 +133,15 @@ def _draw_timeline(ax, result: Result, rows_in: float, span: float | None = None
     )
 
 
+def _rows(events) -> list[tuple[float, float]]:
+    """Each event's band within its rank's row: all of it, or, on a rank with side-stream
+    actions (host copies), the upper part for compute and a lane below for those."""
+    side = [get(ev.action.kind).stream is not None for ev in events]
+    if not any(side):
+        return [(-0.42, 0.42)] * len(events)
+    return [(0.16, 0.42) if s else (-0.42, 0.12) for s in side]
+
+
 def _legend(ax, result: Result) -> None:
     from matplotlib.patches import Patch
 
@@ -144,11 +155,13 @@ def _legend(ax, result: Result) -> None:
 def _label_boxes(ax, result: Result, colours, px_per_unit: float, fontsize: float) -> None:
     """Microbatch numbers in the boxes wide enough to hold them, white on dark boxes, black on light."""
     for rank, events in enumerate(result.events):
-        for ev, fill in zip(events, colours[rank]):
+        for ev, fill, (lo, hi) in zip(events, colours[rank], _rows(events)):
             text = str(ev.action.microbatch)
-            if (ev.end - ev.start) * px_per_unit >= fontsize * 0.75 * len(text) + 3:
+            size = fontsize * min(1.0, (hi - lo) / 0.84)
+            if (ev.end - ev.start) * px_per_unit >= size * 0.75 * len(text) + 3:
                 ink = "white" if 0.299 * fill[0] + 0.587 * fill[1] + 0.114 * fill[2] < 0.6 else "black"
-                ax.text((ev.start + ev.end) / 2, rank, text, ha="center", va="center", fontsize=fontsize, color=ink)
+                ax.text((ev.start + ev.end) / 2, rank + (lo + hi) / 2, text, ha="center", va="center", fontsize=size,
+                        color=ink)
 
 
 def _draw_memory(ax, result: Result) -> None:
@@ -156,10 +169,17 @@ def _draw_memory(ax, result: Result) -> None:
 
     p = result.schedule.pp
     cmap = colormaps["viridis"]
+    host = any(result.peak_host)
     for rank in range(p):
-        final = dict(result.memory_timeline(rank))  # the level each instant ends at
-        times, levels = list(final), list(final.values())
-        ax.step(times, levels, where="post", color=cmap(rank / max(1, p - 1)), linewidth=1.0, label=f"rank {rank}")
+        lines = [(result.memory_timeline(rank), "-", f"rank {rank}")]
+        if host:
+            lines.append((result.host_timeline(rank), ":", None))
+        for points, style, label in lines:
+            final = dict(points)  # the level each instant ends at
+            ax.step(list(final), list(final.values()), where="post", color=cmap(rank / max(1, p - 1)),
+                    linewidth=1.0, linestyle=style, label=label)
+    if host:
+        ax.plot([], [], color="grey", linestyle=":", label="host (offloaded)")
     if p <= 8:
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     else:

@@ -6,7 +6,8 @@ per transfer between ranks, placed on the *sender*: a transfer starts when
 its producer ends, as a non-blocking send does; transfers that overlap go
 on extra threads ``comm 2``, ``comm 3``, ... since a thread's slices must
 nest), flow arrows from each producer to its consumer on another rank, and
-an activation-memory counter.
+an activation-memory counter; side streams (offload's host copies) get a
+thread of their own and a host-memory counter.
 
 :func:`chrome_trace_events` takes plain per-rank events, so the runtime can
 write its measured timelines in the same format; :func:`chrome_trace` feeds
@@ -30,6 +31,7 @@ from .simulate import Event, Result
 #: Microseconds per simulator time unit (1 unit = 1 ms).
 US_PER_UNIT = 1000.0
 COMPUTE_TID, COMM_TID = 0, 1
+STREAM_TID = 1000  # the first side stream's thread
 
 
 class Transfer(NamedTuple):
@@ -67,27 +69,34 @@ def chrome_trace_events(
     memory: Sequence[Sequence[tuple[float, float]]] | None = None,
     transfers: Sequence[Transfer] = (),
     metadata: dict | None = None,
+    host: Sequence[Sequence[tuple[float, float]]] | None = None,
 ) -> dict:
     """The Chrome trace document of a timeline.
 
     ``events_per_rank[r]``: the events (rank, action, start, end) of rank
     ``r``; ``stages_per_rank[r]``: its stages; ``memory[r]``: optional
-    (time, activation memory) steps; ``transfers``: inter-rank transfers;
-    ``metadata``: facts stored in ``otherData`` next to the time unit.
+    (time, activation memory) steps, ``host[r]`` its host memory's;
+    ``transfers``: inter-rank transfers; ``metadata``: facts stored in
+    ``otherData`` next to the time unit. Actions of a side stream (a kind's
+    ``stream``) go on a thread of that name.
     """
     lanes = _comm_lanes(transfers)
     lane_count = [1] * len(stages_per_rank)
     for transfer, lane in zip(transfers, lanes):
         lane_count[transfer.producer.rank] = max(lane_count[transfer.producer.rank], lane + 1)
+    streams = sorted({get(ev.action.kind).stream for evs in events_per_rank for ev in evs} - {None})
     trace: list[dict] = []
     for rank, stages in enumerate(stages_per_rank):
-        trace += _rank_metadata(rank, stages, lane_count[rank])
+        trace += _rank_metadata(rank, stages, lane_count[rank], streams)
     for events in events_per_rank:
-        trace += [_compute_event(ev) for ev in events if get(ev.action.kind).drawn]
+        trace += [_compute_event(ev, streams) for ev in events if get(ev.action.kind).drawn]
     for flow_id, (transfer, lane) in enumerate(zip(transfers, lanes)):
         trace += _transfer_events(transfer, flow_id, COMM_TID + lane)
     for rank, points in enumerate(memory or ()):
         trace += [_counter(rank, t, level) for t, level in points]
+    for rank, points in enumerate(host or ()):
+        if any(level for _, level in points):
+            trace += [_counter(rank, t, level, "host memory") for t, level in points]
     other = {"time_unit": "ms", "note": "one simulator time unit is written as 1 ms"}
     return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": {**other, **(metadata or {})}}
 
@@ -109,6 +118,7 @@ def chrome_trace(result: Result, name: str | None = None) -> dict:
         result.events,
         [schedule.stages_of(rank) for rank in range(schedule.pp)],
         memory=[result.memory_timeline(rank) for rank in range(schedule.pp)],
+        host=[result.host_timeline(rank) for rank in range(schedule.pp)],
         transfers=transfers_of(schedule, result.events, result.costs.transfer),
         metadata=facts,
     )
@@ -141,25 +151,33 @@ def _comm_lanes(transfers: Sequence[Transfer]) -> list[int]:
     return lanes
 
 
-def _rank_metadata(rank: int, stages: Sequence[int], comm_lanes: int) -> list[dict]:
+def _stream_tid(stream: str, streams: Sequence[str]) -> int:
+    """The thread of a side stream: after any comm lanes a rank can have."""
+    return STREAM_TID + streams.index(stream)
+
+
+def _rank_metadata(rank: int, stages: Sequence[int], comm_lanes: int, streams: Sequence[str]) -> list[dict]:
     label = "stage" if len(stages) == 1 else "stages"
     name = f"rank {rank} ({label} {', '.join(map(str, stages))})"
 
     def meta(kind: str, args: dict, tid: int = COMPUTE_TID) -> dict:
         return {"ph": "M", "name": kind, "pid": rank, "tid": tid, "args": args}
 
-    threads = ["compute", "comm"] + [f"comm {lane + 1}" for lane in range(1, comm_lanes)]
+    threads = {0: "compute", **{COMM_TID + lane: f"comm {lane + 1}" if lane else "comm" for lane in range(comm_lanes)},
+               **{_stream_tid(stream, streams): stream for stream in streams}}
     out = [meta("process_name", {"name": name}), meta("process_sort_index", {"sort_index": rank})]
-    for tid, thread in enumerate(threads):
+    for tid, thread in threads.items():
         out += [meta("thread_name", {"name": thread}, tid), meta("thread_sort_index", {"sort_index": tid}, tid)]
     return out
 
 
-def _compute_event(ev: Event) -> dict:
+def _compute_event(ev: Event, streams: Sequence[str] = ()) -> dict:
     a = ev.action
-    place = "rank" if get(a.kind).owner == RANK else "stage"  # a rank-owned kind's stage field is its rank
+    kind = get(a.kind)
+    place = "rank" if kind.owner == RANK else "stage"  # a rank-owned kind's stage field is its rank
     return {
-        "ph": "X", "name": str(a), "cat": a.kind, "pid": ev.rank, "tid": COMPUTE_TID,
+        "ph": "X", "name": str(a), "cat": a.kind, "pid": ev.rank,
+        "tid": _stream_tid(kind.stream, streams) if kind.stream else COMPUTE_TID,
         "ts": _us(ev.start), "dur": _us(ev.end - ev.start),
         "args": {place: a.stage, "microbatch": a.microbatch, "kind": a.kind},
     }
@@ -188,5 +206,5 @@ def _transfer_events(transfer: Transfer, flow_id: int, tid: int) -> list[dict]:
     ]
 
 
-def _counter(rank: int, t: float, level: float) -> dict:
-    return {"ph": "C", "name": "activation memory", "pid": rank, "ts": _us(t), "args": {"M_B": level}}
+def _counter(rank: int, t: float, level: float, name: str = "activation memory") -> dict:
+    return {"ph": "C", "name": name, "pid": rank, "ts": _us(t), "args": {"M_B": level}}

@@ -126,7 +126,7 @@ class _Pairs:
         """Where RELOAD goes first: before the latest action that leaves it time to finish,
         with one other copy queued ahead, and at least one action before the backward."""
         rank, f, b = self.where[pair]
-        latest = self.gap(pair)[1] - 2 * self.copy(pair)
+        latest = self.gap(pair)[1] - self.copy(pair)
         ends, k = self.ends[rank], b - 1
         while k > f + 1 and ends[k - 1] > latest:
             k -= 1

@@ -1,0 +1,204 @@
+"""PipeOffload in the schedule language and the simulator: the transform's
+placement and selection, the validator's rules for OFFLOAD/RELOAD, and the
+copy stream's timing and memory against hand-computed cases."""
+
+import json
+
+import pytest
+
+from pipeloom.cli import main
+from pipeloom.errors import PipeloomError, ScheduleError
+from pipeloom.schedule import (BW, FAMILIES, OFFLOAD, RELOAD, Action, Costs, Offload, Schedule, build, lower,
+                               to_torch_csv, validate)
+from pipeloom.sim import chrome_trace, simulate, text_grid
+from pipeloom.sim.model import costs_from_model, offload_time_ratio
+
+COSTS = Costs(f=1, b=1.5, w=0.5, comm=0.1, m_b=1, m_w=0.5, extra={"offload": 0.2})
+
+
+def offloaded(schedule):
+    return {(a.stage, a.microbatch) for actions in schedule.ranks for a in actions if a.kind == RELOAD}
+
+
+def one_rank(actions, offload=True):
+    """A hand-written one-rank schedule of two microbatches."""
+    return Schedule("gpipe", 1, 2, (0,), (tuple(Action.parse(a) for a in actions),),
+                    options={"offload": {"policy": "full", "ratio": 1.0}} if offload else {})
+
+
+def test_copies_sit_after_f_and_before_the_backward():
+    schedule = build("1f1b", 2, 4, transforms=[Offload("full")])
+    assert schedule.options["offload"] == {"policy": "full", "ratio": 1.0}
+    pairs = offloaded(schedule)
+    assert pairs and all(stage == 0 for stage, _ in pairs)  # the last stage's B follows its F: nothing to gain
+    for actions in schedule.ranks:
+        for stage, mb in pairs & {(a.stage, a.microbatch) for a in actions}:
+            k = actions.index
+            f, o, r, b = (k(Action(kind, stage, mb)) for kind in ("F", OFFLOAD, RELOAD, BW))
+            assert o == f + 1 and o < r < b
+            assert any(a.kind not in (OFFLOAD, RELOAD) for a in actions[o + 1:r])  # something runs while it is away
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_family_offloads_lowers_and_never_raises_the_peak(name):
+    options = {"steps": 2} if name == "2bw" else {}
+    base = build(name, 4, 8, costs=COSTS, **options)
+    schedule = build(name, 4, 8, transforms=[Offload("full")], costs=COSTS, **options)
+    assert offloaded(schedule)
+    validate(lower(schedule))
+    assert Schedule.from_json(schedule.to_json()) == schedule
+    before, after = simulate(base, COSTS), simulate(schedule, COSTS)
+    assert max(after.peak_activation) < max(before.peak_activation)
+    assert after.makespan == pytest.approx(before.makespan, rel=0.02)  # copies of 0.2 per F hide
+
+
+def test_with_vocabulary_passes():
+    costs = Costs(f=1, b=1, w=1, m_b=1, s=0.2, t=0.2, m_v=0.3, extra={"offload": 0.1})
+    base = build("1f1b", 4, 8, vocab_parallel="vocab-2", costs=costs)
+    schedule = build("1f1b", 4, 8, vocab_parallel="vocab-2", transforms=[Offload("full")], costs=costs)
+    assert schedule.vocab_parallel == "vocab-2" and offloaded(schedule)
+    validate(lower(schedule))
+    assert max(simulate(schedule, costs).peak_activation) < max(simulate(base, costs).peak_activation)
+
+
+def test_selective_takes_the_longest_lived_pairs_at_the_peak_first():
+    base = build("interleaved-1f1b", 4, 16, costs=COSTS)
+    timeline = simulate(base, COSTS)
+    life = {}
+    for rank, events in enumerate(timeline.events):
+        ends = {(e.action.stage, e.action.microbatch): e.end for e in events if e.action.kind == "F"}
+        for e in events:
+            if e.action.kind in ("B", "BW"):
+                life[e.action.stage, e.action.microbatch] = e.start - ends[e.action.stage, e.action.microbatch]
+    small = offloaded(build("interleaved-1f1b", 4, 16, transforms=[Offload("selective", 0.1)], costs=COSTS))
+    larger = offloaded(build("interleaved-1f1b", 4, 16, transforms=[Offload("selective", 0.5)], costs=COSTS))
+    assert small and small < larger
+    # the first pair chosen on each rank lives as long as any pair of that rank
+    for rank in range(4):
+        stages = set(base.stages_of(rank))
+        mine = [p for p in small if p[0] in stages]
+        if mine:
+            assert max(life[p] for p in mine) == pytest.approx(max(v for p, v in life.items() if p[0] in stages))
+
+
+@pytest.mark.parametrize("name", ["interleaved-1f1b", "v-half", "v-min", "1f1b"])
+def test_selective_half_removes_more_than_half_of_full_saving(name):
+    peaks = {}
+    for policy in (("none",), ("selective", 0.5), ("full",)):
+        schedule = build(name, 4, 16, transforms=[Offload(*policy)], costs=COSTS)
+        peaks[policy[0]] = max(simulate(schedule, COSTS).peak_activation)
+    saving = peaks["none"] - peaks["full"]
+    assert saving > 0
+    assert peaks["none"] - peaks["selective"] > 0.5 * saving
+
+
+def test_simulator_times_the_copy_stream_by_hand():
+    """F0 [0,1]; OFFLOAD0 [1,2.5] beside F1 [1,2]; RELOAD0 issued at 2 waits for the
+    stream until 2.5 and ends at 4; B0 waits for it (2 exposed) [4,5]; B1 [5,6]."""
+    schedule = validate(one_rank(["0F0", "0OFFLOAD0", "0F1", "0RELOAD0", "0B0", "0B1"]))
+    result = simulate(schedule, Costs(f=1, b=1, w=0, m_b=1, extra={"offload": 1.5}))
+    assert result.starts[0] == [0, 1, 1, 2.5, 4, 5]
+    assert result.ends[0] == [1, 2.5, 2, 4, 5, 6]
+    assert result.makespan == 6
+    assert result.exposed == [2.0]
+    assert result.ranks[0].busy == 4  # the copies overlap compute
+    # activation: +1 at 0, +1 at 1, offload's -1 and reload's +1 at 2.5, -1 at 5 and 6; host: 1 from 1 to 4
+    assert result.memory_timeline(0) == [(0, 0), (0, 1), (1, 2), (2.5, 1), (2.5, 2), (5, 1), (6, 0)]
+    assert result.peak_activation == [2]
+    assert result.host_timeline(0) == [(0, 0), (1, 1), (4, 0)]
+    assert result.peak_host == [1]
+
+
+def test_offload_ends_before_the_next_forward_ends():
+    """A fast link: F0's offload ends at 1.25, before F1 ends; the reload issued at 2
+    still delays B0 by its 0.25 (no action lies between it and B0 to hide it)."""
+    schedule = validate(one_rank(["0F0", "0OFFLOAD0", "0F1", "0RELOAD0", "0B0", "0B1"]))
+    result = simulate(schedule, Costs(f=1, b=1, w=0, m_b=1, extra={"offload": 0.25}))
+    assert result.exposed == [0.25] and result.makespan == 4.25
+    assert result.memory_timeline(0) == [(0, 0), (0, 1), (1, 2), (1.25, 1), (2, 2), (3.25, 1), (4.25, 0)]
+
+
+def test_validator_rules():
+    with pytest.raises(ScheduleError, match="RELOAD"):
+        validate(one_rank(["0F0", "0OFFLOAD0", "0F1", "0B0", "0B1"]))
+    with pytest.raises(ScheduleError, match="0RELOAD0.*runs before 0OFFLOAD0"):
+        validate(one_rank(["0F0", "0RELOAD0", "0OFFLOAD0", "0F1", "0B0", "0B1"]))
+    with pytest.raises(ScheduleError, match="0B0.*runs before 0RELOAD0"):
+        validate(one_rank(["0F0", "0OFFLOAD0", "0F1", "0B0", "0RELOAD0", "0B1"]))
+    with pytest.raises(ScheduleError, match="0OFFLOAD0.*runs before 0F0"):
+        validate(one_rank(["0OFFLOAD0", "0F0", "0F1", "0RELOAD0", "0B0", "0B1"]))
+    with pytest.raises(ScheduleError, match="names no offload policy"):
+        validate(one_rank(["0F0", "0OFFLOAD0", "0F1", "0RELOAD0", "0B0", "0B1"], offload=False))
+    with pytest.raises(ScheduleError, match="0OFFLOAD0 appears 2 times"):
+        validate(one_rank(["0F0", "0OFFLOAD0", "0OFFLOAD0", "0F1", "0RELOAD0", "0B0", "0B1"]))
+
+
+def test_policy_errors_and_torch_csv():
+    with pytest.raises(PipeloomError, match="unknown offload policy 'half'"):
+        Offload("half")
+    with pytest.raises(PipeloomError, match=r"ratio 1.5: must be in \(0, 1\]"):
+        Offload("selective", 1.5)
+    with pytest.raises(PipeloomError, match="needs a ratio"):
+        Offload("selective")
+    with pytest.raises(PipeloomError, match="goes with the selective policy"):
+        Offload("full", 0.5)
+    assert build("1f1b", 2, 4, transforms=[Offload("none")]) == build("1f1b", 2, 4)
+    with pytest.raises(ScheduleError, match="offloaded already"):
+        Offload("full").apply(build("1f1b", 2, 4, transforms=[Offload("full")]))
+    with pytest.raises(PipeloomError, match="OFFLOAD"):
+        to_torch_csv(build("1f1b", 2, 4, transforms=[Offload("full")]))
+
+
+def test_renderers_draw_the_copy_stream():
+    schedule = build("1f1b", 2, 4, transforms=[Offload("full")], costs=COSTS)
+    result = simulate(schedule, COSTS)
+    lines = text_grid(result).splitlines()
+    assert lines[1].startswith("r0 copy") and "o" in lines[1] and "r" in lines[1]
+    assert "o offload" in lines[-1] and "r reload" in lines[-1]
+    trace = chrome_trace(result)["traceEvents"]
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace if e.get("name") == "thread_name"}
+    copies = [e for e in trace if e.get("cat") in (OFFLOAD, RELOAD)]
+    assert copies and all(threads[e["pid"], e["tid"]] == "copy" for e in copies)
+    assert any(e.get("name") == "host memory" for e in trace)
+
+
+def test_model_costs_and_k():
+    costs = costs_from_model("6.2b", 8, 4096, 1, "a100", attention="ring")
+    m_b = costs.m_b[1]
+    assert costs.extra["offload"][1] == pytest.approx(1e3 * m_b / 15e9)  # ms over the a100's 15 GB/s host link
+    cheap = costs_from_model("6.2b", 8, 4096, 1, "a100", attention="ring", recompute="cheap")
+    # 34 bsh -> 20 bsh per layer (plus the ring's log-sum-exp, the same in both)
+    bsh = 4096 * 4096
+    assert (m_b - cheap.m_b[1]) == pytest.approx(14 * bsh * 4)  # stage 1 holds 4 layers
+    # the paper's estimate: k = 10 / (3(6h + s)) x FLOP/s / host B/s, with our achievable FLOP/s (312e12 x 0.5)
+    k = offload_time_ratio("6.2b", 4096, 1, "a100", attention="ring", recompute="cheap")
+    estimate = 10 / (3 * (6 * 4096 + 4096)) * 156e12 / 15e9
+    assert k == pytest.approx(estimate, rel=0.02)
+    assert offload_time_ratio("6.2b", 16384, 1, "a100", attention="ring", recompute="cheap") < 1 < k
+
+
+def test_cli(capsys, tmp_path):
+    assert main(["simulate", "--pp", "4", "--microbatches", "8", "--model", "6.2b", "--seq", "4096",
+                 "--attention", "ring", "--offload", "full", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    offload = report["offload"]
+    assert offload["policy"] == "full" and offload["k"] > 1
+    assert [row["rank"] for row in offload["ranks"]] == [0, 1, 2, 3]
+    first, last = offload["ranks"][0], offload["ranks"][-1]
+    assert first["offloaded_bytes"] > first["host_bytes"] > 0 and first["exposed_ms"] > 0  # k > 1: copies show
+    assert last["offloaded_bytes"] == last["host_bytes"] == 0  # the last stage's B follows its F
+    peaks = []
+    for offload in ([], ["--offload", "full"]):  # k < 1 here
+        assert main(["simulate", "--pp", "4", "--microbatches", "8", "--model", "6.2b", "--seq", "16384",
+                     "--attention", "ring", "--recompute", "cheap", "--json", *offload]) == 0
+        peaks.append(json.loads(capsys.readouterr().out)["peak_memory_bytes"])
+    assert all(a >= b for a, b in zip(*peaks)) and peaks[0][0] > peaks[1][0]
+    plot = tmp_path / "off.png"
+    assert main(["simulate", "--offload", "selective", "--offload-ratio", "0.5", "--costs", "offload=0.2",
+                 "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "offload selective 0.5:" in out and "r0 copy" in out and plot.stat().st_size > 0
+    assert main(["simulate", "--offload-ratio", "0.5"]) == 2
+    assert "--offload-ratio 0.5 goes with --offload selective" in capsys.readouterr().err
+    assert main(["simulate", "--offload", "selective"]) == 2
+    assert "needs a ratio" in capsys.readouterr().err
