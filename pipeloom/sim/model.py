@@ -178,7 +178,8 @@ _GiB = 2**30
 #: H100 and V100 scale that by their NVLink generation (450 and 150 GB/s per
 #: direction against the A100's 300). Host links: the ~15 GB/s for A100
 #: (PCIe 4) of "PipeOffload: Improving Scalability of Pipeline Parallelism with
-#: Memory Optimization", doubled for PCIe 5, ~10 GB/s for PCIe 3.
+#: Memory Optimization"; H100: 55 GB/s, pinned copies of 64 MiB to 1 GiB
+#: measured both ways on an H200 (PCIe 5) for this project; ~10 GB/s for PCIe 3.
 DEVICES: dict[str, Device] = {
     d.name: d
     for d in (
@@ -187,7 +188,7 @@ DEVICES: dict[str, Device] = {
         Device("a100", 312e12, 80 * _GiB, 50e9, 15e9, 0.5),
         # H100 SXM 80 GB: 989 TFLOP/s dense bf16; a lower fraction of its
         # peak is reached in practice (~40% MFU in Megatron-class training).
-        Device("h100", 989e12, 80 * _GiB, 75e9, 30e9, 0.4),
+        Device("h100", 989e12, 80 * _GiB, 75e9, 55e9, 0.4),
         # V100 SXM2 32 GB: 125 TFLOP/s fp16 tensor cores (no bf16 on V100).
         Device("v100", 125e12, 32 * _GiB, 25e9, 10e9, 0.4),
         # A small x86 VM (2 AVX-512 cores): ~0.26 TFLOP/s fp32 matmul measured

@@ -11,7 +11,7 @@ from ..errors import PipeloomError
 from ..schedule.costs import Costs, StageCosts
 from ..schedule.deps import asap
 from ..schedule.ir import Action, Schedule
-from ..schedule.kinds import get
+from ..schedule.kinds import KINDS
 
 
 class Event(NamedTuple):
@@ -79,16 +79,19 @@ class Result:
         (per rank, in list order): simulated, or measured on the runtime;
         ``exposed``: per rank, the time compute waited for side streams."""
         makespan = max((max(e) for e in ends if e), default=0.0)
+        side = frozenset(name for name, kind in KINDS.items() if kind.stream)
+        hosted = frozenset(name for name, kind in KINDS.items() if kind.host)
         stats = []
         for rank, actions in enumerate(schedule.ranks):
-            compute = [(s, e) for a, s, e in zip(actions, starts[rank], ends[rank]) if not get(a.kind).stream]
+            compute = [(s, e) for a, s, e in zip(actions, starts[rank], ends[rank]) if a[0] not in side]
             busy = sum(e - s for s, e in compute)
             span = compute[-1][1] - compute[0][0] if compute else 0.0
             times = list(zip(actions, starts[rank], ends[rank]))
+            host = [t for t in times if t[0][0] in hosted]
             stats.append(RankStats(
                 busy=busy, idle=span - busy, span=span, makespan=makespan,
                 peak_activation=max(level for _, level in _levels(times, costs.memory_delta)),
-                peak_host=max(level for _, level in _levels(times, costs.host_delta)),
+                peak_host=max(level for _, level in _levels(host, costs.host_delta)),
                 exposed=exposed[rank] if exposed else 0.0,
             ))
         bubble = max((s.bubble_rate for s in stats), default=0.0)
@@ -132,13 +135,16 @@ def _levels(times, delta) -> list[tuple[float, float]]:
     """(time, level) after each change of a memory that ``delta(action)`` changes,
     from (action, start, end) triples: a rise at the start, a fall at the end;
     changes at one instant in list order."""
-    changes = []
+    changes, ordered, last = [], True, 0.0
     for k, (action, start, end) in enumerate(times):
         d = delta(action)
         if d:
-            changes.append((start if d > 0 else end, k, d))
+            t = start if d > 0 else end
+            ordered = ordered and t >= last
+            last = t
+            changes.append((t, k, d))
     points, level = [(0.0, 0.0)], 0.0
-    for t, _, d in sorted(changes):
+    for t, _, d in changes if ordered else sorted(changes):
         level += d
         points.append((t, level))
     return points
