@@ -513,11 +513,18 @@ def _vocab_table(reports: list[dict]) -> str:
 
 
 def _compare_table(reports: list[dict]) -> str:
+    offload = "offload" in reports[0]
     lines = [f"{'schedule':<18} {'stages':>6} {'makespan':>10}  {'span bubble':>11}  {'step bubble':>11} "
-             f"{'max peak act':>13}"]
+             f"{'max peak act':>13}" + (f" {'max host':>10} {'max exposed':>11}" if offload else "")]
     for r in reports:
-        lines.append(f"{r['schedule']:<18} {r['stages']:>6} {r['makespan']:>10.4g}  {r['bubble_rate']:>11.1%}  "
-                     f"{r['step_bubble_rate']:>11.1%} {max(r['peak_activation']):>13.4g}")
+        line = (f"{r['schedule']:<18} {r['stages']:>6} {r['makespan']:>10.4g}  {r['bubble_rate']:>11.1%}  "
+                f"{r['step_bubble_rate']:>11.1%} {max(r['peak_activation']):>13.4g}")
+        if offload:
+            rows = r["offload"]["ranks"]
+            host = max(row.get("host_bytes", row.get("host")) for row in rows)
+            exposed = max(row.get("exposed_ms", row.get("exposed")) for row in rows)
+            line += f" {_size(host) if 'k' in r['offload'] else f'{host:.4g}':>10} {exposed:>11.4g}"
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -198,6 +198,10 @@ def test_cli(capsys, tmp_path):
                  "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     assert "offload selective 0.5:" in out and "r0 copy" in out and plot.stat().st_size > 0
+    assert main(["simulate", "--compare", "1f1b,v-half", "--costs", "offload=0.3", "--offload", "full"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert "max host" in table[0] and "max exposed" in table[0]
+    assert [line.split()[0] for line in table[1:]] == ["1f1b", "v-half"]
     assert main(["simulate", "--offload-ratio", "0.5"]) == 2
     assert "--offload-ratio 0.5 goes with --offload selective" in capsys.readouterr().err
     assert main(["simulate", "--offload", "selective"]) == 2
