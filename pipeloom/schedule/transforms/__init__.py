@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 from ..costs import Costs
-from ..ir import Schedule
+from ..ir import Action, Schedule
 
 
 class Transform(Protocol):
@@ -36,3 +36,21 @@ def apply_all(schedule: Schedule, transforms: Sequence[Transform], costs: Costs 
     for transform in transforms:
         schedule = transform.apply(schedule, costs)
     return schedule
+
+
+def insert(ranks: Sequence[Sequence[Action]], extra: Sequence[list[tuple]]) -> tuple[tuple[Action, ...], ...]:
+    """The lists ``ranks`` with ``extra[r]``'s entries added to rank r's list: each
+    entry ``(index, *keys, action)`` goes before the action at ``index`` (at the
+    end past the list's length); entries at one index in the order of their keys."""
+    lists = []
+    for actions, entries in zip(ranks, extra):
+        entries = sorted(entries)
+        merged, j = [], 0
+        for k, action in enumerate(actions):
+            while j < len(entries) and entries[j][0] <= k:
+                merged.append(entries[j][-1])
+                j += 1
+            merged.append(action)
+        merged += [e[-1] for e in entries[j:]]
+        lists.append(tuple(merged))
+    return tuple(lists)

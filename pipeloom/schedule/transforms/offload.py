@@ -46,6 +46,7 @@ from ..costs import Costs, StageCosts, register_field
 from ..deps import asap
 from ..ir import BW, B, F, Action, Schedule
 from ..kinds import Kind, register, register_inputs
+from . import insert
 
 #: Copy a pair's saved activations to host memory (after its F).
 OFFLOAD = "OFFLOAD"
@@ -225,17 +226,7 @@ def _insert(schedule: Schedule, pairs: _Pairs, issue: dict) -> Schedule:
         rank, f, _ = pairs.where[pair]
         extra[rank].append((f + 1, 1, pair, Action(OFFLOAD, *pair)))
         extra[rank].append((k, 2 if k == f + 1 else 0, pair, Action(RELOAD, *pair)))
-    lists = []
-    for rank, actions in enumerate(schedule.ranks):
-        adds = sorted(extra[rank])
-        merged, j = [], 0
-        for k, action in enumerate(actions):
-            while j < len(adds) and adds[j][0] <= k:
-                merged.append(adds[j][-1])
-                j += 1
-            merged.append(action)
-        lists.append(tuple(merged))
-    return replace(schedule, ranks=tuple(lists))
+    return replace(schedule, ranks=insert(schedule.ranks, extra))
 
 
 def _late_reloads(schedule: Schedule, costs: StageCosts) -> dict[tuple[int, int], float]:

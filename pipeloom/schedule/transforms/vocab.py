@@ -52,6 +52,7 @@ from ..costs import Costs
 from ..deps import asap
 from ..ir import BW, B, F, Action, Schedule
 from ..kinds import RANK, Kind, register, register_inputs
+from . import insert
 
 # The passes of Vocabulary Parallelism ("Balancing Pipeline Parallelism with
 # Vocabulary Parallelism"), on every rank over its shard of the vocabulary.
@@ -176,18 +177,8 @@ def add_vocab_passes(schedule: Schedule, algorithm: str) -> Schedule:
             placed[r].append(entry(IF, r, i, timeline.before(r, deadline)))
             placed[r].append(entry(IB, r, i, timeline.after(r, done, r != first)))
 
-    lists = []
-    for r, actions in enumerate(schedule.ranks):
-        extra = sorted(placed[r])
-        merged, j = [], 0
-        for k, action in enumerate(actions):
-            while j < len(extra) and extra[j][0] <= k:
-                merged.append(extra[j][-1])
-                j += 1
-            merged.append(action)
-        merged += [e[-1] for e in extra[j:]]
-        lists.append(tuple(merged))
-    return replace(schedule, ranks=tuple(lists), options={**schedule.options, "vocab_parallel": algorithm})
+    return replace(schedule, ranks=insert(schedule.ranks, placed),
+                   options={**schedule.options, "vocab_parallel": algorithm})
 
 
 class VocabPasses:
