@@ -3,9 +3,10 @@
 While F of a (stage, microbatch) pair runs, ``saved_tensors_hooks`` (put
 around F with :func:`~pipeloom.runtime.handlers.around`) capture the tensors
 autograd saves for its backward. Parameters, their views and tensors of at
-most :data:`SMALL` elements pass through. A saved tensor is held as a range of
-its storage; one that lies in a range the pair captured already is kept as a
-view of it (offset, size, stride), so shared memory is copied once.
+most :data:`SMALL` elements pass through. The saved tensors that share a
+storage are offloaded as one range of it, the span of them all, and each comes
+back as a view of that range (offset, size, stride): memory is copied once,
+and views stay views.
 
 OFFLOAD (:mod:`pipeloom.schedule.transforms.offload` places it after F)
 copies the pair's ranges into host buffers from a :class:`HostPool` reused
@@ -97,14 +98,14 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 class _Range:
-    """Elements ``start:end`` of a storage (``key``: its address) that a pair's saved tensors use:
-    ``tensor`` on the device (None while offloaded), ``host`` while offloaded, ``ready`` the
-    CUDA event of its reload."""
+    """Elements ``start:end`` of a storage that a pair's saved tensors of one dtype use: ``tensor``
+    on the device (None while offloaded), ``host`` while offloaded, ``ready`` the CUDA event of
+    its reload."""
 
-    __slots__ = ("key", "start", "end", "tensor", "host", "ready")
+    __slots__ = ("start", "end", "tensor", "host", "ready")
 
-    def __init__(self, key: int, start: int, end: int, tensor: torch.Tensor):
-        self.key, self.start, self.end, self.tensor = key, start, end, tensor
+    def __init__(self, start: int, end: int, tensor: torch.Tensor):
+        self.start, self.end, self.tensor = start, end, tensor
         self.host = self.ready = None
 
 
@@ -113,9 +114,14 @@ class _Saved:
 
     __slots__ = ("tensor", "range", "offset", "size", "stride")
 
-    def __init__(self, tensor: torch.Tensor, where: _Range):
-        self.tensor, self.range = tensor, where
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.range = tensor, None
+
+    def place(self, where: _Range) -> None:
+        """Let go of the tensor, keeping where it lies in ``where``."""
+        tensor, self.range = self.tensor, where
         self.offset, self.size, self.stride = tensor.storage_offset() - where.start, tensor.size(), tensor.stride()
+        self.tensor = None
 
     def unpack(self) -> torch.Tensor:
         if self.tensor is None:
@@ -129,28 +135,38 @@ class _Saved:
         return self.tensor
 
 
+def _extent(tensor: torch.Tensor) -> tuple[int, int]:
+    """The elements ``start:end`` of its storage that ``tensor`` spans."""
+    start = tensor.storage_offset()
+    return start, start + 1 + sum((n - 1) * s for n, s in zip(tensor.size(), tensor.stride()))
+
+
 class _Capture:
-    """What one pair's F saved: its ranges, and each saved tensor in one of them."""
+    """What one pair's F saved, by (storage address, dtype); its ranges once offloaded: one
+    per storage and dtype, spanning every saved tensor in it."""
 
     def __init__(self):
+        self.saved: dict[tuple[int, torch.dtype], list[_Saved]] = {}
         self.ranges: list[_Range] = []
-        self.saved: list[_Saved] = []
-        self.by_storage: dict[int, list[_Range]] = {}
 
     def save(self, tensor: torch.Tensor) -> _Saved:
-        key, start = tensor.untyped_storage().data_ptr(), tensor.storage_offset()
-        end = start + 1 + sum((n - 1) * s for n, s in zip(tensor.size(), tensor.stride()))
-        same = self.by_storage.setdefault(key, [])
-        for where in same:
-            if where.start <= start and end <= where.end and where.tensor.dtype == tensor.dtype:
-                break
-        else:
-            where = _Range(key, start, end, tensor.detach().as_strided((end - start,), (1,), start))
-            self.ranges.append(where)
-            same.append(where)
-        saved = _Saved(tensor, where)
-        self.saved.append(saved)
+        saved = _Saved(tensor)
+        self.saved.setdefault((tensor.untyped_storage().data_ptr(), tensor.dtype), []).append(saved)
         return saved
+
+    def gather(self, kept: set[int]) -> list[_Range]:
+        """The ranges of the saved tensors but those in the storages ``kept``; each saved tensor
+        in one lets go of its device tensor."""
+        for (key, _), group in self.saved.items():
+            if key in kept:
+                continue
+            extents = [_extent(saved.tensor) for saved in group]
+            start, end = min(a for a, _ in extents), max(b for _, b in extents)
+            where = _Range(start, end, group[0].tensor.detach().as_strided((end - start,), (1,), start))
+            for saved in group:
+                saved.place(where)
+            self.ranges.append(where)
+        return self.ranges
 
 
 class Offloader:
@@ -218,7 +234,7 @@ class Offloader:
         pair = action.stage, action.microbatch
         capture, slot = self.captures[pair], self.context.step.slots[pair]
         kept = {t.untyped_storage().data_ptr() for t in (slot.input, slot.output) if t is not None}
-        moving = [where for where in capture.ranges if where.key not in kept]
+        moving = capture.gather(kept)
         if self.cuda and moving:
             ready = torch.cuda.Event()
             ready.record()  # after F, on the compute stream
@@ -231,14 +247,11 @@ class Offloader:
                     where.tensor.record_stream(self.stream)
                 self.stats.offloaded += _nbytes(where.host)
                 where.tensor = None
-        for saved in capture.saved:
-            if saved.range.tensor is None:
-                saved.tensor = None
 
     def reload(self, action) -> None:
         """Copy the pair's offloaded ranges back to new device tensors; their buffers go back to the pool."""
         capture = self.captures.pop((action.stage, action.microbatch))
-        back = [where for where in capture.ranges if where.host is not None]
+        back = capture.ranges
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
         with self._on_copy_stream():
             for where in back:
