@@ -22,33 +22,14 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import added_peak, write_results  # noqa: E402
 from pipeloom.modes import Attention  # noqa: E402
 from pipeloom.runtime.local import spawn  # noqa: E402
 
 KINDS = [a.value for a in Attention]
-
-
-def _added_peak(fn) -> tuple[int, float]:
-    """(bytes of resident memory ``fn()`` added at its peak, seconds it took)."""
-    import gc
-
-    gc.collect()
-    status = Path("/proc/self/status")
-
-    def field(name: str) -> int:
-        line = next(x for x in status.read_text().splitlines() if x.startswith(name + ":"))
-        return int(line.split()[1]) * 1024
-
-    Path("/proc/self/clear_refs").write_text("5")
-    before = field("VmRSS")
-    start = time.perf_counter()
-    fn()
-    return field("VmHWM") - before, time.perf_counter() - start
 
 
 def _attention(seq: int, args, kind: str, group, rank: int, n: int):
@@ -64,7 +45,7 @@ def _attention(seq: int, args, kind: str, group, rank: int, n: int):
         out = sequence_parallel_attention(q, k, v, group if n > 1 else None, layout, causal=True, kind=kind)
         out.backward(torch.ones_like(out))
 
-    return _added_peak(run)
+    return added_peak(run)
 
 
 def _step(seq: int, args, kind: str, n: int):
@@ -80,7 +61,7 @@ def _step(seq: int, args, kind: str, n: int):
     data = torch.randint(0, 256, (1, seq + 1), generator=torch.Generator().manual_seed(1))
     pipe.step(data[:, :-1], data[:, 1:])  # warm up
     pipe.zero_grad()
-    return _added_peak(lambda: pipe.step(data[:, :-1], data[:, 1:]))
+    return added_peak(lambda: pipe.step(data[:, :-1], data[:, 1:]))
 
 
 def _fits(seq, args, kind, group, rank, n) -> bool:

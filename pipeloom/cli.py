@@ -556,6 +556,12 @@ def _add_train(sub) -> None:
                    help="split the token embedding and the LM head by vocabulary over the pipeline ranks with "
                         "this algorithm (default none: embedding on the first stage, head on the last; redis: "
                         "transformer layers moved off those stages instead)")
+    g.add_argument("--offload", choices=("none", "full", "selective"), default="none",
+                   help="PipeOffload: copy activations to host memory after each forward and back before its "
+                        "backward, for every pair with room (full) or the longest-lived until each rank's peak "
+                        "falls by --offload-ratio (selective); default none")
+    g.add_argument("--offload-ratio", type=float, metavar="R",
+                   help="with --offload selective: the share of each rank's activation peak to move, in (0, 1]")
     g.add_argument("--precision", choices=("fp32", "bf16"), help="bf16 autocast (default on cuda) or fp32 (default on cpu)")
     g.add_argument("--timeout", type=float, default=60.0,
                    help="seconds a rank waits for a peer before it checks the peer's heartbeat: it stops, naming "

@@ -28,7 +28,7 @@ from statistics import median
 from .data import load_data
 from .errors import PipeloomError, first_line
 from .paths import prepare_output, prepare_output_dir
-from .schedule import FAMILIES, build
+from .schedule import FAMILIES, Offload, build
 from .sim.plot import SUFFIXES
 
 #: Steps whose timelines feed ``--report`` (the last ones of the run).
@@ -99,7 +99,8 @@ def check(args, world: int):
 
         read_meta(args.resume)
     vocab = None if args.vocab_parallel == "none" else args.vocab_parallel
-    schedule = build(args.schedule, args.pp, args.microbatches, **({"vocab_parallel": vocab} if vocab else {}))
+    schedule = build(args.schedule, args.pp, args.microbatches, transforms=[Offload(args.offload, args.offload_ratio)],
+                     **({"vocab_parallel": vocab} if vocab else {}))
     layout.supports(schedule)
     if args.steps % schedule.steps:
         raise PipeloomError(f"{args.schedule} runs {schedule.steps} steps per call without a flush; "
@@ -256,9 +257,11 @@ class Trainer:
         if self.rank == 0:
             sp = f", sp={args.sp} ({self.pipe.attention})" if args.sp > 1 else ""
             vocab_parallel = f", vocab-parallel {vocab}" if vocab else ""
+            offload = f", offload {args.offload}" if args.offload != "none" else ""
+            offload += f" {args.offload_ratio:g}" if args.offload_ratio is not None else ""
             micro = f"{args.microbatches} microbatch{'es' if args.microbatches > 1 else ''}"
             print(f"pipeloom train: {args.model} ({_count(self.n_params)} parameters), {args.schedule}, pp={args.pp}, "
-                  f"dp={dp}{sp}{vocab_parallel}, {micro} of {args.microbatch_size} x {args.seq} tokens, "
+                  f"dp={dp}{sp}{vocab_parallel}{offload}, {micro} of {args.microbatch_size} x {args.seq} tokens, "
                   f"{precision} on {device.type}; data: {self.data.source}", file=sys.stderr, flush=True)
         self.start = self._resume() if args.resume else 0
 

@@ -69,10 +69,11 @@ def max_rel_error(grads, ref):
     return max(((grads[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-12)).item() for n in ref)
 
 
-def parity_worker(rank, cases, config_overrides, batch, seq, model_device=None):
+def parity_worker(rank, cases, config_overrides, batch, seq, model_device=None, observe=None):
     """For each (label, Pipeline keyword arguments): the relative errors of one step's
     loss and of every gradient against :func:`reference`, the pipeline made from
-    ``GPT(config, device=model_device)`` (``"meta"``: each rank materialises its own stages)."""
+    ``GPT(config, device=model_device)`` (``"meta"``: each rank materialises its own stages);
+    with ``observe`` (module-level), ``observe(pipe)`` after the step as a third item."""
     import pipeloom
     from pipeloom.nn import GPT, GPTConfig
 
@@ -85,11 +86,13 @@ def parity_worker(rank, cases, config_overrides, batch, seq, model_device=None):
         pipe = pipeloom.Pipeline(GPT(config, device=model_device), **options)
         loss = pipe.step(tokens, targets)
         out[label] = (abs(loss - ref_loss) / abs(ref_loss), max_rel_error(pipe.gather_grads(), ref_grads))
+        if observe:
+            out[label] += (observe(pipe),)
     return out
 
 
 def check(results):
     """Every rank's every case: loss within 1e-5 and every gradient within 1e-4 (relative)."""
     for rank_result in results:
-        for case, (loss_err, grad_err) in rank_result.items():
+        for case, (loss_err, grad_err, *_) in rank_result.items():
             assert loss_err < 1e-5 and grad_err < 1e-4, (case, loss_err, grad_err)

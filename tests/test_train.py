@@ -95,6 +95,8 @@ def test_text_file_and_token_file(tmp_path):
     (["--trace", "a.txt/t.json"], "--trace a.txt/t.json: a.txt is a file, not a directory"),
     (["--metrics", "."], "--metrics .: is a directory"),
     (["--checkpoint-dir", "a.txt"], "--checkpoint-dir a.txt: is a file, not a directory"),
+    (["--offload", "full", "--offload-ratio", "0.5"], "an offload ratio (0.5) goes with the selective policy"),
+    (["--offload", "selective", "--offload-ratio", "2"], "offload ratio 2.0: must be in (0, 1]"),
 ])
 @pytest.mark.timeout(60)
 def test_bad_arguments_stop_before_any_worker_starts(tmp_path, args, message):
@@ -116,6 +118,16 @@ def test_outputs_into_missing_directories_are_created_before_training(tmp_path):
     assert (tmp_path / "b" / "c" / "t.json").stat().st_size and (tmp_path / "d" / "p.png").stat().st_size
     assert (tmp_path / "e" / "ck" / "step_0000002" / "pipeloom.json").is_file()
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_offload_trains_as_without_it(tmp_path):
+    for offload in (["none"], ["selective", "--offload-ratio", "0.5"]):
+        done = train("--steps", "3", "--seq", "64", "--offload", *offload, "--metrics", f"{offload[0]}.jsonl",
+                     cwd=tmp_path)
+    assert "offload selective 0.5" in done.stderr
+    plain, offloaded = (metrics(tmp_path / f"{name}.jsonl") for name in ("none", "selective"))
+    assert [r["loss"] for r in offloaded] == pytest.approx([r["loss"] for r in plain], rel=1e-5)
 
 
 @pytest.mark.timeout(TIMEOUT)

@@ -1,16 +1,18 @@
 """The executor: one rank's action list, each action run by the handler of its kind and timed.
 
-Nothing here names a kind: :mod:`.handlers` maps each kind to its work. A
-handler's ``prepare`` (waiting for the action's inputs) runs before the
+Nothing here names a kind: :mod:`.handlers` maps each kind to its work, and
+the context managers a technique wraps around another kind's work
+(:func:`~.handlers.around`) are entered around ``run``. A handler's ``prepare`` (waiting for the action's inputs) runs before the
 action's start mark, so waiting for a peer does not count as the action's time.
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Callable, Mapping
 
 from .context import Context, Step
-from .handlers import handler_of
+from .handlers import AROUND, handler_of
 
 
 class Executor:
@@ -19,22 +21,33 @@ class Executor:
 
     def __init__(self, context: Context, actions):
         self.context, self.actions = context, tuple(actions)
-        self.plan = [(action, handler_of(action)) for action in self.actions]
+        self.plan = [(action, handler_of(action), tuple(AROUND.get(action.kind, ()))) for action in self.actions]
 
     def run(self, step: Step, after: Mapping[int, list[Callable[[], None]]]) -> None:
         """Run the actions in order for ``step``; after action ``k``, the calls ``after[k]``."""
         context = self.context
         context.step = step
         clock, marks, heartbeat = step.clock, step.marks, context.channel.heartbeat
-        for k, (action, handler) in enumerate(self.plan):
+        for k, (action, handler, wrappers) in enumerate(self.plan):
             if handler.prepare:
                 handler.prepare(action, context)  # waiting for a peer is not the action's time
             heartbeat.running(action)  # for peers that wait for this rank meanwhile
-            if handler.timed:
-                start = clock.mark()
-                handler.run(action, context)
-                marks.append((action, start, clock.mark()))
+            start = clock.mark() if handler.timed else None
+            if wrappers:
+                _run_wrapped(handler, action, context, wrappers)
             else:
                 handler.run(action, context)
+            if handler.timed:
+                marks.append((action, start, clock.mark()))
             for call in after.get(k, ()):
                 call()
+
+
+def _run_wrapped(handler, action, context: Context, wrappers) -> None:
+    """``handler.run`` inside the context managers the ``wrappers`` give for ``action``."""
+    with ExitStack() as stack:
+        for factory in wrappers:
+            manager = factory(action, context)
+            if manager is not None:
+                stack.enter_context(manager)
+        handler.run(action, context)

@@ -7,6 +7,7 @@ groups), :mod:`.context` (what the handlers share), :mod:`.executor` and
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import Callable, Iterable
 
@@ -16,13 +17,14 @@ from torch import nn
 
 from ..errors import PipeloomError
 from ..modes import Attention
-from ..schedule import Schedule, build, lower, validate
+from ..schedule import Offload, Schedule, build, lower, validate
 from .batches import Batches
 from .clock import StepClock
 from .context import Context, Step
 from .device import pipeline_device
 from .executor import Executor
 from .grads import Gradients, finals
+from .handlers.offload import Offloader
 from .handlers.vocab import GROUPS, VocabPasses
 from .mesh import Layout, Mesh
 from .p2p import Channel
@@ -67,6 +69,13 @@ class Pipeline:
     stages run; by default the backend's (a GPU for NCCL, ``LOCAL_RANK``'s;
     the CPU for gloo), see :mod:`pipeloom.runtime.device`. ``loss_fn(logits, targets)``:
     the last stage's mean loss, by default the model's ``loss``.
+    ``offload``: "none", "full" or "selective" (with ``offload_ratio`` in (0, 1])
+    builds the schedule with the :class:`~pipeloom.schedule.Offload` transform:
+    the activations of its offloaded pairs go to host memory after F and come
+    back before their backward (:mod:`pipeloom.runtime.handlers.offload`); with
+    any of them, "none" too, :meth:`offload_stats` counts the activation bytes.
+    A given :class:`~pipeloom.schedule.Schedule` built with ``Offload`` runs
+    its copies as they are (give no ``offload`` then).
     """
 
     def __init__(
@@ -87,11 +96,14 @@ class Pipeline:
         attention: str | None = None,
         device: str | torch.device | None = None,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        offload: str | None = None,
+        offload_ratio: float | None = None,
         **schedule_options,
     ):
         if not dist.is_available() or not dist.is_initialized():
             raise PipeloomError("Pipeline needs torch.distributed initialised: launch with torchrun")
-        self.schedule = _schedule(schedule, pp, microbatches, chunks, vocab_parallel, schedule_options)
+        self.schedule = _schedule(schedule, pp, microbatches, chunks, vocab_parallel,
+                                  _offload(schedule, offload, offload_ratio), schedule_options)
         self.layout = Layout(dp, self.schedule.pp, sp).check(dist.get_world_size()).supports(self.schedule)
         self.dp, self.pp, self.sp = dp, self.schedule.pp, sp
         self.attention = str(Attention.of(attention)) if attention is not None else "ring" if sp > 1 else None
@@ -114,6 +126,8 @@ class Pipeline:
             recompute=frozenset(self.stages if recompute is True else recompute or ()), loss_fn=loss_fn,
             hidden=getattr(getattr(model, "config", None), "n_embd", None), versions=self.versions)
         self.vocab = VocabPasses(self.context, model, algorithm) if algorithm else None
+        counting = offload is not None or self.schedule.options.get("offload")
+        self.offloader = Offloader(self.context) if counting else None
         self.grads = Gradients(self.context, self.vocab)
         _free_unused(model, self.grads.params)
         self.names = self.grads.names
@@ -211,8 +225,28 @@ class Pipeline:
         (disabled without ``autocast``)."""
         return self.context.autocasting()
 
+    def offload_stats(self) -> dict[str, int]:
+        """This rank's activation bytes (:class:`~pipeloom.runtime.handlers.offload.OffloadStats`):
+        on the device and on the host, now and at their peaks since the last step began."""
+        if self.offloader is None:
+            raise PipeloomError("offload_stats() counts with offload given: "
+                                "Pipeline(..., offload='none'|'full'|'selective')")
+        return dataclasses.asdict(self.offloader.stats)
 
-def _schedule(schedule, pp, microbatches, chunks, vocab_parallel, options) -> Schedule:
+
+def _offload(schedule, policy: str | None, ratio: float | None) -> Offload | None:
+    """The offload transform that ``policy`` and ``ratio`` ask for (checked), if any."""
+    if policy is None:
+        if ratio is not None:
+            raise PipeloomError(f"offload_ratio={ratio!r} goes with offload='selective'")
+        return None
+    if isinstance(schedule, Schedule):
+        raise PipeloomError(f"offload={policy!r} goes with a family name: build a given Schedule with "
+                            "transforms=[Offload(...)] instead")
+    return Offload(policy, ratio)
+
+
+def _schedule(schedule, pp, microbatches, chunks, vocab_parallel, offload, options) -> Schedule:
     """The validated schedule: ``schedule`` itself if one is given, else the family it names, built."""
     if isinstance(schedule, Schedule):
         if (pp or schedule.pp, microbatches or schedule.microbatches) != (schedule.pp, schedule.microbatches):
@@ -223,6 +257,8 @@ def _schedule(schedule, pp, microbatches, chunks, vocab_parallel, options) -> Sc
         raise PipeloomError("give pp and microbatches with a schedule name")
     if vocab_parallel is not None:
         options["vocab_parallel"] = vocab_parallel
+    if offload is not None:
+        options["transforms"] = [*options.get("transforms", ()), offload]
     return build(schedule, pp, microbatches, chunks, **options)
 
 

@@ -10,6 +10,12 @@ adds its kind with :func:`register`::
 
     @pipeloom.runtime.handlers.register("NOOP")
     def noop(action, context): ...
+
+A technique can also wrap the actions of another kind with :func:`around`:
+``factory(action, context)`` returns a context manager, or None to leave that
+action alone; the executor enters it around the action's ``run`` (inside its
+time). :mod:`.offload` captures what F saves for backward this way. Kinds
+without a factory pay nothing for it.
 """
 
 from __future__ import annotations
@@ -44,6 +50,18 @@ def register(kind: str, run: Callable | None = None, *, prepare: Callable | None
     return run
 
 
+#: Factories of the context managers wrapped around the run of each kind's actions, by kind.
+AROUND: dict[str, list[Callable]] = {}
+
+
+def around(kind: str, factory: Callable) -> Callable:
+    """Wrap every ``run`` of an action of ``kind`` in ``factory(action, context)``, a
+    context manager, or None for none; factories of one kind nest in the order added
+    (the first outermost). Returns ``factory``."""
+    AROUND.setdefault(kind, []).append(factory)
+    return factory
+
+
 def handler_of(action) -> Handler:
     """The handler of ``action``'s kind; an unregistered kind raises, naming the registered ones."""
     handler = HANDLERS.get(action.kind)
@@ -53,4 +71,4 @@ def handler_of(action) -> Handler:
     return handler
 
 
-from . import comm, compute, vocab  # noqa: E402,F401  (register the built-in kinds)
+from . import comm, compute, offload, vocab  # noqa: E402,F401  (register the built-in kinds)

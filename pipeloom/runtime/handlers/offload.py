@@ -1,0 +1,286 @@
+"""PipeOffload in the runtime: the OFFLOAD and RELOAD actions and what F saves.
+
+While F of a (stage, microbatch) pair runs, ``saved_tensors_hooks`` (put
+around F with :func:`~pipeloom.runtime.handlers.around`) capture the tensors
+autograd saves for its backward. Parameters, their views and tensors of at
+most :data:`SMALL` elements pass through. The saved tensors that share a
+storage are offloaded as one range of it, the span of them all, and each comes
+back as a view of that range (offset, size, stride): memory is copied once,
+and views stay views.
+
+OFFLOAD (:mod:`pipeloom.schedule.transforms.offload` places it after F)
+copies the pair's ranges into host buffers from a :class:`HostPool` reused
+across steps and drops the device copies; ranges of the pair's slot input or
+output stay (the slot holds them: dropping them would free nothing). RELOAD
+copies them back into new device tensors, and the unpack hook (in B or BW)
+hands out each saved tensor again, a view rebuilt with ``as_strided``.
+
+On CUDA the host buffers are pinned and every copy runs on one side stream,
+in the schedule's order: an offload waits for an event recorded after F; a
+device tensor dropped after its offload is kept from reuse until the copy is
+done (``record_stream``); a reload's tensors are allocated on the side stream
+and marked used by the compute stream, which waits for the reload's event
+before the backward reads them. A host buffer goes back to the pool as its
+reload is issued: the next copy into it is queued later on the same stream.
+On the CPU the same path copies synchronously into a separate pool, so tests
+run it.
+
+:class:`OffloadStats` counts the bytes of captured activations on the device
+(each storage until it is freed: a linear layer's input that B keeps for W
+counts until W) and in host buffers, with peaks since the step began; a
+pipeline made with ``offload`` counts them even with the policy "none"
+(``Pipeline.offload_stats()``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ...errors import PipeloomError
+from ...schedule import OFFLOAD, RELOAD, F
+from . import around, register
+
+#: Saved tensors of at most this many elements stay on the device.
+SMALL = 1024
+#: The offloader's key in ``Context.extras``.
+NAME = "offload"
+
+
+@dataclass
+class OffloadStats:
+    """Bytes of one rank's captured activations: ``device`` and ``host`` now, their peaks since
+    the step began, ``offloaded`` copied to host in the step; the pool's ``host_pool`` bytes and
+    ``host_allocations`` (buffers allocated since the pipeline began)."""
+
+    device: int = 0
+    device_peak: int = 0
+    host: int = 0
+    host_peak: int = 0
+    offloaded: int = 0
+    host_pool: int = 0
+    host_allocations: int = 0
+
+    def new_step(self) -> None:
+        self.device_peak, self.host_peak, self.offloaded = self.device, self.host, 0
+
+
+class HostPool:
+    """Host buffers by (dtype, elements), reused across steps; pinned for copies from a GPU."""
+
+    def __init__(self, pinned: bool, stats: OffloadStats):
+        self.pinned, self.stats = pinned, stats
+        self.free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+
+    def take(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        stats, free = self.stats, self.free.get((dtype, numel))
+        if free:
+            buffer = free.pop()
+        else:
+            buffer = torch.empty(numel, dtype=dtype, pin_memory=self.pinned)
+            stats.host_allocations += 1
+            stats.host_pool += _nbytes(buffer)
+        stats.host += _nbytes(buffer)
+        stats.host_peak = max(stats.host_peak, stats.host)
+        return buffer
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self.stats.host -= _nbytes(buffer)
+        self.free.setdefault((buffer.dtype, buffer.numel()), []).append(buffer)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class _Range:
+    """Elements ``start:end`` of a storage that a pair's saved tensors of one dtype use: ``tensor``
+    on the device (None while offloaded), ``host`` while offloaded, ``ready`` the CUDA event of
+    its reload."""
+
+    __slots__ = ("start", "end", "tensor", "host", "ready")
+
+    def __init__(self, start: int, end: int, tensor: torch.Tensor):
+        self.start, self.end, self.tensor = start, end, tensor
+        self.host = self.ready = None
+
+
+class _Saved:
+    """One saved tensor: itself until offloaded, then its place in its range."""
+
+    __slots__ = ("tensor", "range", "offset", "size", "stride")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.range = tensor, None
+
+    def place(self, where: _Range) -> None:
+        """Let go of the tensor, keeping where it lies in ``where``."""
+        tensor, self.range = self.tensor, where
+        self.offset, self.size, self.stride = tensor.storage_offset() - where.start, tensor.size(), tensor.stride()
+        self.tensor = None
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor is None:
+            where = self.range
+            if where.tensor is None:
+                raise PipeloomError("a backward read activations that were offloaded and not reloaded "
+                                    "(its pair has an OFFLOAD and no RELOAD before the backward)")
+            if where.ready is not None:
+                torch.cuda.current_stream(where.tensor.device).wait_event(where.ready)
+            self.tensor = where.tensor.as_strided(self.size, self.stride, self.offset)
+        return self.tensor
+
+
+def _extent(tensor: torch.Tensor) -> tuple[int, int]:
+    """The elements ``start:end`` of its storage that ``tensor`` spans."""
+    start = tensor.storage_offset()
+    return start, start + 1 + sum((n - 1) * s for n, s in zip(tensor.size(), tensor.stride()))
+
+
+class _Capture:
+    """What one pair's F saved, by (storage address, dtype); its ranges once offloaded: one
+    per storage and dtype, spanning every saved tensor in it."""
+
+    def __init__(self):
+        self.saved: dict[tuple[int, torch.dtype], list[_Saved]] = {}
+        self.ranges: list[_Range] = []
+
+    def save(self, tensor: torch.Tensor) -> _Saved:
+        saved = _Saved(tensor)
+        self.saved.setdefault((tensor.untyped_storage().data_ptr(), tensor.dtype), []).append(saved)
+        return saved
+
+    def gather(self, kept: set[int]) -> list[_Range]:
+        """The ranges of the saved tensors but those in the storages ``kept``; each saved tensor
+        in one lets go of its device tensor."""
+        for (key, _), group in self.saved.items():
+            if key in kept:
+                continue
+            extents = [_extent(saved.tensor) for saved in group]
+            start, end = min(a for a, _ in extents), max(b for _, b in extents)
+            where = _Range(start, end, group[0].tensor.detach().as_strided((end - start,), (1,), start))
+            for saved in group:
+                saved.place(where)
+            self.ranges.append(where)
+        return self.ranges
+
+
+class Offloader:
+    """One rank's offload state (in ``context.extras[NAME]``): the captures of the pairs its
+    schedule offloads, from F to their RELOAD, the host pool, the side stream and the stats."""
+
+    def __init__(self, context):
+        self.context, self.device = context, context.device
+        rank = context.schedule.ranks[context.mesh.pp_rank]
+        self.offloaded = frozenset((a.stage, a.microbatch) for a in rank if a.kind == RELOAD)
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.stats = OffloadStats()
+        self.pool = HostPool(self.cuda, self.stats)
+        self.captures: dict[tuple[int, int], _Capture] = {}
+        self.held: dict[int, int] = {}  # address -> bytes of each device storage counted
+        self.step = None
+        context.extras[NAME] = self
+
+    def hooks(self, action) -> torch.autograd.graph.saved_tensors_hooks:
+        """The hooks of F ``action``: count what it saves; capture it if its pair is offloaded."""
+        if self.context.step is not self.step:
+            self._new_step()
+        pair = action.stage, action.microbatch
+        capture = _Capture() if pair in self.offloaded else None
+        if capture is not None:
+            self.captures[pair] = capture
+        device_type = self.device.type
+
+        def pack(tensor):
+            if (tensor.numel() <= SMALL or isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
+                    or tensor.device.type != device_type or tensor.layout is not torch.strided):
+                return tensor
+            self.hold(tensor.untyped_storage())
+            return tensor if capture is None else capture.save(tensor)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
+
+    def hold(self, storage) -> None:
+        """Count ``storage`` as activation bytes on the device until it is freed."""
+        key = storage.data_ptr()
+        if key in self.held:
+            return
+        stats = self.stats
+        self.held[key] = size = storage.nbytes()
+        stats.device += size
+        stats.device_peak = max(stats.device_peak, stats.device)
+        weakref.finalize(storage, self._freed, key)
+
+    def _freed(self, key: int) -> None:
+        self.stats.device -= self.held.pop(key)
+
+    def _new_step(self) -> None:
+        """Hand back the buffers of captures a failed step left, and start the step's peaks."""
+        for capture in self.captures.values():
+            for where in capture.ranges:
+                if where.host is not None:
+                    self.pool.give(where.host)
+        self.captures.clear()
+        self.stats.new_step()
+        self.step = self.context.step
+
+    def offload(self, action) -> None:
+        """Copy the pair's ranges (but those its slot holds) to host buffers; drop the device copies."""
+        pair = action.stage, action.microbatch
+        capture, slot = self.captures[pair], self.context.step.slots[pair]
+        kept = {t.untyped_storage().data_ptr() for t in (slot.input, slot.output) if t is not None}
+        moving = capture.gather(kept)
+        if self.cuda and moving:
+            ready = torch.cuda.Event()
+            ready.record()  # after F, on the compute stream
+            self.stream.wait_event(ready)
+        with self._on_copy_stream():
+            for where in moving:
+                where.host = self.pool.take(where.tensor.dtype, where.tensor.numel())
+                where.host.copy_(where.tensor, non_blocking=self.cuda)
+                if self.cuda:
+                    where.tensor.record_stream(self.stream)
+                self.stats.offloaded += _nbytes(where.host)
+                where.tensor = None
+
+    def reload(self, action) -> None:
+        """Copy the pair's offloaded ranges back to new device tensors; their buffers go back to the pool."""
+        capture = self.captures.pop((action.stage, action.microbatch))
+        back = capture.ranges
+        compute = torch.cuda.current_stream(self.device) if self.cuda else None
+        with self._on_copy_stream():
+            for where in back:
+                where.tensor = torch.empty_like(where.host, device=self.device)
+                where.tensor.copy_(where.host, non_blocking=self.cuda)
+                self.hold(where.tensor.untyped_storage())
+                if self.cuda:
+                    where.tensor.record_stream(compute)  # read and freed there
+                self.pool.give(where.host)
+                where.host = None
+        if self.cuda and back:
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            for where in back:
+                where.ready = done
+
+    def _on_copy_stream(self):
+        return torch.cuda.stream(self.stream) if self.cuda else nullcontext()
+
+
+def _unpack(saved):
+    return saved.unpack() if isinstance(saved, _Saved) else saved
+
+
+def _hooks(action, context):
+    offloader = context.extras.get(NAME)
+    return offloader.hooks(action) if offloader is not None else None
+
+
+around(F, _hooks)
+register(OFFLOAD, lambda action, context: context.extras[NAME].offload(action))
+register(RELOAD, lambda action, context: context.extras[NAME].reload(action))

@@ -1,0 +1,216 @@
+"""PipeOffload in the runtime: the saved-tensor hooks on one process, and parity of offloaded pipelines."""
+
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+
+from parity import autocast_reference, check, make_batch, max_rel_error, parity_worker  # noqa: E402
+from pipeloom.errors import PipeloomError  # noqa: E402
+from pipeloom.nn.linear import Linear, WeightGradStore, defer_weight_grads  # noqa: E402
+from pipeloom.runtime.handlers.offload import SMALL, Offloader, _unpack  # noqa: E402
+from pipeloom.runtime.local import spawn  # noqa: E402
+from pipeloom.schedule import OFFLOAD, RELOAD, Action, F  # noqa: E402
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+PAIR = (0, 0)
+
+
+def _offloader(device="cpu"):
+    """An offloader of one rank whose schedule offloads (stage 0, microbatch 0), on a bare context."""
+    context = SimpleNamespace(schedule=SimpleNamespace(ranks=[(Action(F, *PAIR), Action(RELOAD, *PAIR))]),
+                              mesh=SimpleNamespace(pp_rank=0), device=torch.device(device), extras={})
+    offloader = Offloader(context)
+    _new_step(offloader)
+    return offloader
+
+
+def _new_step(offloader, x=None):
+    offloader.context.step = SimpleNamespace(slots={PAIR: SimpleNamespace(input=x, output=None)})
+
+
+def _block(device):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.LayerNorm(64), Linear(64, 256), torch.nn.GELU(approximate="tanh"),
+                               Linear(256, 64)).to(device)
+
+
+def _grads(block, x, offloader=None, split=False, recompute=False):
+    """Gradients of the block's parameters and of ``x`` for one step, through ``offloader``'s
+    F, OFFLOAD, RELOAD and backward (with the B/W split: W after the hooks let go; with
+    ``recompute``: the block checkpointed, its input offloaded and read again to recompute it)."""
+    x = x.clone().requires_grad_()
+
+    def forward():
+        h = x * 2
+        return checkpoint(block, h, use_reentrant=False) if recompute else block(h)
+
+    if offloader:
+        _new_step(offloader, x)
+        with offloader.hooks(Action(F, *PAIR)):
+            y = forward()
+        offloader.offload(Action(OFFLOAD, *PAIR))
+        offloader.reload(Action(RELOAD, *PAIR))
+    else:
+        y = forward()
+    store = WeightGradStore(eager=not split)
+    with defer_weight_grads(store):
+        y.square().sum().backward()
+    store.run()
+    grads = [p.grad.clone() for p in block.parameters()] + [x.grad]
+    block.zero_grad()
+    if offloader:
+        offloader.context.step.slots.clear()  # as the runtime lets go of the input after the backward
+    return grads
+
+
+def test_parameters_and_small_tensors_pass_through():
+    offloader = _offloader()
+    weight = torch.nn.Parameter(torch.randn(64, 64))
+    pack = offloader.hooks(Action(F, *PAIR)).pack_hook
+    small = torch.randn(SMALL)
+    assert pack(weight) is weight and pack(weight.t())._base is weight and pack(small) is small
+    assert offloader.stats.device == 0 and not offloader.captures[PAIR].ranges
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_view_comes_back_as_a_view_of_its_reloaded_base(device):
+    offloader = _offloader(device)
+    base = torch.randn(64, 48, device=device)
+    pack = offloader.hooks(Action(F, *PAIR)).pack_hook
+    packed = [pack(base[8:40, 1:]), pack(base.t()), pack(base)]  # views first, the whole last
+    offloader.offload(Action(OFFLOAD, *PAIR))
+    assert len(offloader.captures[PAIR].ranges) == 1  # one copy of the storage
+    offloader.reload(Action(RELOAD, *PAIR))
+    *views, whole = (_unpack(p) for p in packed)
+    assert whole.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+    for view, expected in zip(views, (base[8:40, 1:], base.t())):
+        assert view.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+        assert view.stride() == expected.stride() and torch.equal(view, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bytes_leave_the_device_with_offload_and_come_back_with_reload(device):
+    offloader = _offloader(device)
+    stats = offloader.stats
+    with offloader.hooks(Action(F, *PAIR)):
+        y = torch.randn(64, 64, device=device, requires_grad=True).exp().sum()  # exp saves its output, held there only
+    size = 64 * 64 * 4
+    assert (stats.device, stats.host) == (size, 0)
+    offloader.offload(Action(OFFLOAD, *PAIR))
+    assert (stats.device, stats.host, stats.offloaded) == (0, size, size)
+    offloader.reload(Action(RELOAD, *PAIR))
+    assert (stats.device, stats.host, stats.device_peak, stats.host_peak) == (size, 0, size, size)
+    y.backward()
+    del y
+    assert stats.device == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_as_without_hooks_and_the_pool_reused_across_steps(device):
+    block, x = _block(device), torch.randn(4, 32, 64, device=device)
+    plain = _grads(block, x)
+    offloader = _offloader(device)
+    assert all(torch.allclose(a, b) for a, b in zip(_grads(block, x, offloader), plain))
+    allocations = offloader.stats.host_allocations
+    assert allocations > 0
+    assert all(torch.allclose(a, b) for a, b in zip(_grads(block, x, offloader, split=True), plain))
+    assert offloader.stats.host_allocations == allocations  # the second step took every buffer from the pool
+    assert all(torch.allclose(a, b) for a, b in zip(_grads(block, x, offloader, recompute=True), plain))
+    assert offloader.stats.offloaded == x.numel() * 4  # the checkpoint's input, read again to recompute
+    assert offloader.stats.offloaded > 0 and offloader.stats.device == offloader.stats.host == 0
+
+
+def test_a_backward_without_its_reload_is_named():
+    offloader = _offloader()
+    with offloader.hooks(Action(F, *PAIR)):
+        y = torch.randn(64, 64, requires_grad=True).exp()
+    offloader.offload(Action(OFFLOAD, *PAIR))
+    with pytest.raises(PipeloomError, match="not reloaded"):
+        y.sum().backward()
+
+
+# -- parity on gloo ranks ------------------------------------------------------------------------
+def _stats(pipe):
+    return pipe.offload_stats()
+
+
+def _offload_cases(pp, cases):
+    """(label, Pipeline options) of each (family, policy, other options): 4 microbatches, "selective" at 0.5."""
+    return [(f"{family} {policy} {extra}", dict(schedule=family, pp=pp, microbatches=4, timeout=30, offload=policy,
+                                                offload_ratio=0.5 if policy == "selective" else None, **extra))
+            for family, policy, extra in cases]
+
+
+def _check_offloaded(results):
+    """Parity, and every case moved bytes to host (but with recompute: a recomputed stage saves only
+    its input, which its slot keeps) and brought them all back."""
+    check(results)
+    for case in results[0]:
+        assert ("recompute" in case) == (sum(rank[case][2]["offloaded"] for rank in results) == 0), case
+        assert all(rank[case][2]["host"] == 0 for rank in results), case
+
+
+@pytest.mark.timeout(200)
+def test_two_ranks_match_one_process():
+    cases = [("1f1b", "full", {}), ("zb-v", "full", {}), ("v-half", "selective", {}),
+             ("1f1b", "full", {"recompute": True}), ("1f1b", "full", {"vocab_parallel": "vocab-2"}),
+             ("zb-v", "selective", {"vocab_parallel": "vocab-2"})]
+    _check_offloaded(spawn(2, parity_worker, _offload_cases(2, cases), {}, 8, 32, None, _stats, timeout=150))
+
+
+@pytest.mark.timeout(200)
+def test_four_ranks_match_one_process():
+    cases = [("1f1b", "full", {}), ("zb-v", "full", {}), ("v-half", "selective", {})]
+    _check_offloaded(spawn(4, parity_worker, _offload_cases(4, cases), {"n_layer": 8}, 8, 32, None, _stats,
+                           timeout=150))
+
+
+def _autocast_worker(rank):
+    """A bf16-autocast step with full offload against the one-process model under the same autocast."""
+    import pipeloom
+    from pipeloom.nn import GPT, GPTConfig
+
+    config = GPTConfig.preset("tiny")
+    tokens, targets = make_batch(config, 8, 32)
+    ref_loss, ref_grads = autocast_reference(config, tokens, targets)
+    torch.manual_seed(0)
+    pipe = pipeloom.Pipeline(GPT(config), schedule="1f1b", pp=2, microbatches=4, autocast=torch.bfloat16,
+                             offload="full", timeout=30)
+    loss = pipe.step(tokens, targets)
+    return abs(loss - ref_loss) / ref_loss, max_rel_error(pipe.gather_grads(), ref_grads), pipe.offload_stats()
+
+
+@pytest.mark.timeout(120)
+def test_bf16_autocast_with_offload():
+    results = spawn(2, _autocast_worker, timeout=90)
+    for loss_err, grad_err, _ in results:
+        assert loss_err < 2e-2 and grad_err < 5e-2, (loss_err, grad_err)
+    assert results[0][2]["offloaded"] > 0
+
+
+def _errors_worker(rank):
+    import pipeloom
+    from pipeloom.nn import GPT, GPTConfig
+    from pipeloom.schedule import build
+
+    model = GPT(GPTConfig.preset("tiny"))
+    messages = []
+    for options in (dict(offload="most"), dict(offload="full", offload_ratio=0.5), dict(offload_ratio=0.5),
+                    dict(offload="selective", offload_ratio=1.5), dict(schedule=build("1f1b", 2, 4), offload="full")):
+        try:
+            pipeloom.Pipeline(model, **{"schedule": "1f1b", "pp": 2, "microbatches": 4, **options})
+        except PipeloomError as err:
+            messages.append(str(err))
+    return messages
+
+
+@pytest.mark.timeout(60)
+def test_bad_offload_options_are_named():
+    messages = spawn(1, _errors_worker, timeout=45)[0]  # refused before the mesh is checked
+    assert len(messages) == 5
+    for message, named in zip(messages, ("'most'", "0.5", "0.5", "1.5", "'full'")):
+        assert named in message and "\n" not in message, message
