@@ -146,18 +146,18 @@ def _offload_cases(pp, cases):
 
 
 def _check_offloaded(results):
-    """Parity, and every case moved bytes to host (but with recompute: a recomputed stage saves only
-    its input, which its slot keeps) and brought them all back."""
+    """Parity, and every case moved bytes to host (with recompute: the stage inputs, all a
+    recomputed stage saves) and brought them all back."""
     check(results)
     for case in results[0]:
-        assert ("recompute" in case) == (sum(rank[case][2]["offloaded"] for rank in results) == 0), case
+        assert sum(rank[case][2]["offloaded"] for rank in results) > 0, case
         assert all(rank[case][2]["host"] == 0 for rank in results), case
 
 
 @pytest.mark.timeout(200)
 def test_two_ranks_match_one_process():
     cases = [("1f1b", "full", {}), ("zb-v", "full", {}), ("v-half", "selective", {}),
-             ("1f1b", "full", {"recompute": True}), ("1f1b", "full", {"vocab_parallel": "vocab-2"}),
+             ("interleaved-1f1b", "full", {"recompute": True}), ("1f1b", "full", {"vocab_parallel": "vocab-2"}),
              ("zb-v", "selective", {"vocab_parallel": "vocab-2"})]
     _check_offloaded(spawn(2, parity_worker, _offload_cases(2, cases), {}, 8, 32, None, _stats, timeout=150))
 

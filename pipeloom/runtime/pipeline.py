@@ -69,13 +69,9 @@ class Pipeline:
     stages run; by default the backend's (a GPU for NCCL, ``LOCAL_RANK``'s;
     the CPU for gloo), see :mod:`pipeloom.runtime.device`. ``loss_fn(logits, targets)``:
     the last stage's mean loss, by default the model's ``loss``.
-    ``offload``: "none", "full" or "selective" (with ``offload_ratio`` in (0, 1])
-    builds the schedule with the :class:`~pipeloom.schedule.Offload` transform:
-    the activations of its offloaded pairs go to host memory after F and come
-    back before their backward (:mod:`pipeloom.runtime.handlers.offload`); with
-    any of them, "none" too, :meth:`offload_stats` counts the activation bytes.
-    A given :class:`~pipeloom.schedule.Schedule` built with ``Offload`` runs
-    its copies as they are (give no ``offload`` then).
+    ``offload``: "none", "full" or "selective" (``offload_ratio`` in (0, 1]) builds
+    the schedule with :class:`~pipeloom.schedule.Offload` (a given schedule runs its
+    own copies; :mod:`pipeloom.runtime.handlers.offload`); :meth:`offload_stats` counts.
     """
 
     def __init__(
@@ -102,8 +98,8 @@ class Pipeline:
     ):
         if not dist.is_available() or not dist.is_initialized():
             raise PipeloomError("Pipeline needs torch.distributed initialised: launch with torchrun")
-        self.schedule = _schedule(schedule, pp, microbatches, chunks, vocab_parallel,
-                                  _offload(schedule, offload, offload_ratio), schedule_options)
+        self.schedule = _schedule(schedule, pp, microbatches, chunks, vocab_parallel, (offload, offload_ratio),
+                                  schedule_options)
         self.layout = Layout(dp, self.schedule.pp, sp).check(dist.get_world_size()).supports(self.schedule)
         self.dp, self.pp, self.sp = dp, self.schedule.pp, sp
         self.attention = str(Attention.of(attention)) if attention is not None else "ring" if sp > 1 else None
@@ -126,8 +122,7 @@ class Pipeline:
             recompute=frozenset(self.stages if recompute is True else recompute or ()), loss_fn=loss_fn,
             hidden=getattr(getattr(model, "config", None), "n_embd", None), versions=self.versions)
         self.vocab = VocabPasses(self.context, model, algorithm) if algorithm else None
-        counting = offload is not None or self.schedule.options.get("offload")
-        self.offloader = Offloader(self.context) if counting else None
+        self.offloader = Offloader(self.context) if offload or self.schedule.options.get("offload") else None
         self.grads = Gradients(self.context, self.vocab)
         _free_unused(model, self.grads.params)
         self.names = self.grads.names
@@ -226,29 +221,23 @@ class Pipeline:
         return self.context.autocasting()
 
     def offload_stats(self) -> dict[str, int]:
-        """This rank's activation bytes (:class:`~pipeloom.runtime.handlers.offload.OffloadStats`):
-        on the device and on the host, now and at their peaks since the last step began."""
+        """This rank's activation bytes on the device and the host, now and at their peaks since
+        the step began (:class:`~pipeloom.runtime.handlers.offload.OffloadStats`)."""
         if self.offloader is None:
-            raise PipeloomError("offload_stats() counts with offload given: "
-                                "Pipeline(..., offload='none'|'full'|'selective')")
+            raise PipeloomError("offload_stats() counts with Pipeline(..., offload='none'|'full'|'selective')")
         return dataclasses.asdict(self.offloader.stats)
 
 
-def _offload(schedule, policy: str | None, ratio: float | None) -> Offload | None:
-    """The offload transform that ``policy`` and ``ratio`` ask for (checked), if any."""
-    if policy is None:
-        if ratio is not None:
-            raise PipeloomError(f"offload_ratio={ratio!r} goes with offload='selective'")
-        return None
-    if isinstance(schedule, Schedule):
-        raise PipeloomError(f"offload={policy!r} goes with a family name: build a given Schedule with "
-                            "transforms=[Offload(...)] instead")
-    return Offload(policy, ratio)
-
-
 def _schedule(schedule, pp, microbatches, chunks, vocab_parallel, offload, options) -> Schedule:
-    """The validated schedule: ``schedule`` itself if one is given, else the family it names, built."""
+    """The validated schedule: ``schedule`` itself if one is given, else the family it names, built
+    (with ``offload``'s (policy, ratio) transform)."""
+    policy, ratio = offload
+    if policy is None and ratio is not None:
+        raise PipeloomError(f"offload_ratio={ratio!r} goes with offload='selective'")
     if isinstance(schedule, Schedule):
+        if policy is not None:
+            raise PipeloomError(f"offload={policy!r} goes with a family name: build a given Schedule with "
+                                "transforms=[Offload(...)] instead")
         if (pp or schedule.pp, microbatches or schedule.microbatches) != (schedule.pp, schedule.microbatches):
             raise PipeloomError(f"the schedule is for pp={schedule.pp}, microbatches={schedule.microbatches}; "
                                 f"got pp={pp}, microbatches={microbatches}")
@@ -257,8 +246,8 @@ def _schedule(schedule, pp, microbatches, chunks, vocab_parallel, offload, optio
         raise PipeloomError("give pp and microbatches with a schedule name")
     if vocab_parallel is not None:
         options["vocab_parallel"] = vocab_parallel
-    if offload is not None:
-        options["transforms"] = [*options.get("transforms", ()), offload]
+    if policy is not None:
+        options["transforms"] = [*options.get("transforms", ()), Offload(policy, ratio)]
     return build(schedule, pp, microbatches, chunks, **options)
 
 

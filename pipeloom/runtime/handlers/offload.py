@@ -10,10 +10,13 @@ and views stay views.
 
 OFFLOAD (:mod:`pipeloom.schedule.transforms.offload` places it after F)
 copies the pair's ranges into host buffers from a :class:`HostPool` reused
-across steps and drops the device copies; ranges of the pair's slot input or
-output stay (the slot holds them: dropping them would free nothing). RELOAD
-copies them back into new device tensors, and the unpack hook (in B or BW)
-hands out each saved tensor again, a view rebuilt with ``as_strided``.
+across steps and drops the device copies. The stage's input, a leaf the slot
+keeps for its gradient, goes too: its ``data`` becomes a one-element
+placeholder of its shape until RELOAD puts the reloaded view back (with
+recomputation it is all a stage saves). The stage's output stays (the slot
+holds it as the root of the backward). RELOAD copies the ranges back into
+new device tensors, and the unpack hook (in B or BW) hands out each saved
+tensor again, a view rebuilt with ``as_strided``.
 
 On CUDA the host buffers are pinned and every copy runs on one side stream,
 in the schedule's order: an offload waits for an event recorded after F; a
@@ -148,23 +151,31 @@ class _Capture:
     def __init__(self):
         self.saved: dict[tuple[int, torch.dtype], list[_Saved]] = {}
         self.ranges: list[_Range] = []
+        self.leaf: _Saved | None = None
 
     def save(self, tensor: torch.Tensor) -> _Saved:
         saved = _Saved(tensor)
         self.saved.setdefault((tensor.untyped_storage().data_ptr(), tensor.dtype), []).append(saved)
         return saved
 
-    def gather(self, kept: set[int]) -> list[_Range]:
+    def gather(self, kept: set[int], leaf: torch.Tensor | None) -> list[_Range]:
         """The ranges of the saved tensors but those in the storages ``kept``; each saved tensor
-        in one lets go of its device tensor."""
+        in one lets go of its device tensor. ``leaf`` (the stage input), when its storage is
+        among them, is placed in its range too (:attr:`leaf`) and lets go of its data."""
+        self.leaf = None
         for (key, _), group in self.saved.items():
             if key in kept:
                 continue
-            extents = [_extent(saved.tensor) for saved in group]
+            lent = leaf is not None and leaf.untyped_storage().data_ptr() == key
+            extents = [_extent(t) for t in [saved.tensor for saved in group] + ([leaf] if lent else [])]
             start, end = min(a for a, _ in extents), max(b for _, b in extents)
             where = _Range(start, end, group[0].tensor.detach().as_strided((end - start,), (1,), start))
             for saved in group:
                 saved.place(where)
+            if lent:
+                self.leaf = _Saved(leaf.detach())
+                self.leaf.place(where)
+                leaf.data = torch.zeros((), dtype=leaf.dtype, device=leaf.device).expand(leaf.shape)
             self.ranges.append(where)
         return self.ranges
 
@@ -230,11 +241,12 @@ class Offloader:
         self.step = self.context.step
 
     def offload(self, action) -> None:
-        """Copy the pair's ranges (but those its slot holds) to host buffers; drop the device copies."""
+        """Copy the pair's ranges (but its output's) to host buffers; drop the device copies."""
         pair = action.stage, action.microbatch
         capture, slot = self.captures[pair], self.context.step.slots[pair]
-        kept = {t.untyped_storage().data_ptr() for t in (slot.input, slot.output) if t is not None}
-        moving = capture.gather(kept)
+        kept = {slot.output.untyped_storage().data_ptr()} if slot.output is not None else set()
+        leaf = slot.input if slot.input is not None and slot.input.is_floating_point() else None
+        moving = capture.gather(kept, leaf)
         if self.cuda and moving:
             ready = torch.cuda.Event()
             ready.record()  # after F, on the compute stream
@@ -267,6 +279,8 @@ class Offloader:
             done.record(self.stream)
             for where in back:
                 where.ready = done
+        if capture.leaf is not None:  # the stage input's data again, a view of its reloaded range
+            self.context.step.slots[action.stage, action.microbatch].input.data = capture.leaf.unpack()
 
     def _on_copy_stream(self):
         return torch.cuda.stream(self.stream) if self.cuda else nullcontext()
