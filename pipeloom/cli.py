@@ -279,7 +279,9 @@ def _costs(args, family, chunks):
 
 def _recompute(args) -> bool | str:
     """--recompute as :func:`~pipeloom.sim.model.costs_from_model` takes it."""
-    return {None: False, "none": False, "cheap": "cheap", "full": True}[args.recompute]
+    from .modes import RECOMPUTE
+
+    return RECOMPUTE[args.recompute or "none"]
 
 
 def _sp(args) -> int:
@@ -562,6 +564,9 @@ def _add_train(sub) -> None:
                         "falls by --offload-ratio (selective); default none")
     g.add_argument("--offload-ratio", type=float, metavar="R",
                    help="with --offload selective: the share of each rank's activation peak to move, in (0, 1]")
+    g.add_argument("--recompute", choices=("none", "cheap", "full"), default="none",
+                   help="rerun in the backward whole stages (full) or only the norms and GELU, whose outputs are "
+                        "then not kept (cheap); default none")
     g.add_argument("--precision", choices=("fp32", "bf16"), help="bf16 autocast (default on cuda) or fp32 (default on cpu)")
     g.add_argument("--timeout", type=float, default=60.0,
                    help="seconds a rank waits for a peer before it checks the peer's heartbeat: it stops, naming "

@@ -59,3 +59,8 @@ class Attention(_Choice):
 
 
 Attention._what = "attention"
+
+#: The ``--recompute`` names and the ``recompute`` that the cost model
+#: (:func:`~pipeloom.sim.model.costs_from_model`) and ``Pipeline`` take for each:
+#: nothing, the norms and activation functions, or whole stages (layers in the cost model).
+RECOMPUTE = {"none": False, "cheap": "cheap", "full": True}

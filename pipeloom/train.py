@@ -27,6 +27,7 @@ from statistics import median
 
 from .data import load_data
 from .errors import PipeloomError, first_line
+from .modes import RECOMPUTE
 from .paths import prepare_output, prepare_output_dir
 from .schedule import FAMILIES, Offload, build
 from .sim.plot import SUFFIXES
@@ -102,6 +103,9 @@ def check(args, world: int):
     schedule = build(args.schedule, args.pp, args.microbatches, transforms=[Offload(args.offload, args.offload_ratio)],
                      **({"vocab_parallel": vocab} if vocab else {}))
     layout.supports(schedule)
+    if args.recompute == "cheap" and schedule.weight_versions > 1:
+        raise PipeloomError("--recompute cheap reruns norms with the current weights; 2bw keeps older weight "
+                            "versions: use --recompute full")
     if args.steps % schedule.steps:
         raise PipeloomError(f"{args.schedule} runs {schedule.steps} steps per call without a flush; "
                             f"use a --steps that is a multiple of {schedule.steps}")
@@ -245,7 +249,7 @@ class Trainer:
         self.n_params = sum(p.numel() for p in model.parameters())
         vocab = None if args.vocab_parallel == "none" else args.vocab_parallel
         self.pipe = Pipeline(model, schedule, dp=dp, sp=layout.sp, attention=args.attention, timeout=args.timeout,
-                             autocast=autocast, device=device,
+                             autocast=autocast, device=device, recompute=RECOMPUTE[args.recompute],
                              layers_per_stage=_redistributed(self.config, args, schedule) if vocab == "redis" else None)
         params = self.pipe.parameters()
         self.optimizer = torch.optim.AdamW(

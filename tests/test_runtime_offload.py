@@ -133,6 +133,33 @@ def test_a_backward_without_its_reload_is_named():
         y.sum().backward()
 
 
+def test_cheap_recompute_keeps_less_and_gives_the_same_gradients():
+    """A GPT block with the norms' and GELU's outputs rebuilt in the backward: the same
+    gradients, bit for bit, and exactly those three outputs fewer bytes kept."""
+    from pipeloom.nn.gpt import Block, GPTConfig
+
+    torch.manual_seed(0)
+    block = Block(GPTConfig(n_layer=1, n_embd=64, n_head=4, vocab_size=16, block_size=32))
+    x = torch.randn(2, 32, 64)
+
+    def run(cheap):
+        context = SimpleNamespace(schedule=SimpleNamespace(ranks=[(Action(F, *PAIR),)]), step=None,
+                                  mesh=SimpleNamespace(pp_rank=0), device=torch.device("cpu"), extras={})
+        offloader = Offloader(context, cheap)
+        leaf = x.clone().requires_grad_()
+        with offloader.forward(Action(F, *PAIR)):
+            y = block(leaf)
+        kept = offloader.stats.device
+        y.square().sum().backward()
+        grads = [p.grad.clone() for p in block.parameters()] + [leaf.grad]
+        block.zero_grad()
+        return kept, grads
+
+    (kept, plain), (kept_cheap, rebuilt) = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, rebuilt))
+    assert kept - kept_cheap == 4 * 2 * 32 * (64 + 64 + 4 * 64)  # ln_1, ln_2 and GELU outputs, fp32
+
+
 # -- parity on gloo ranks ------------------------------------------------------------------------
 def _stats(pipe):
     return pipe.offload_stats()
@@ -158,6 +185,7 @@ def _check_offloaded(results):
 def test_two_ranks_match_one_process():
     cases = [("1f1b", "full", {}), ("zb-v", "full", {}), ("v-half", "selective", {}),
              ("interleaved-1f1b", "full", {"recompute": True}), ("1f1b", "full", {"vocab_parallel": "vocab-2"}),
+             ("zb-v", "full", {"recompute": "cheap"}),
              ("zb-v", "selective", {"vocab_parallel": "vocab-2"})]
     _check_offloaded(spawn(2, parity_worker, _offload_cases(2, cases), {}, 8, 32, None, _stats, timeout=150))
 

@@ -31,6 +31,7 @@ from ..errors import PipeloomError
 from ..partition import split_layers
 from ..presets import SIZES
 from .linear import Linear
+from .recompute import mark
 
 #: Config presets by name: the sizes of :data:`pipeloom.presets.SIZES` that have a block_size.
 PRESETS: dict[str, dict] = {
@@ -112,7 +113,8 @@ class MLP(nn.Module):
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(self.gelu(self.fc(x))))
+        h = self.fc(x)
+        return self.drop(self.proj(mark(self.gelu(h), self.gelu, h)))
 
 
 class Block(nn.Module):
@@ -126,8 +128,9 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        """Under :func:`~pipeloom.nn.recompute.cheap_recompute` the norms' outputs are marked rebuildable."""
+        x = x + self.attn(mark(self.ln_1(x), self.ln_1, x))
+        return x + self.mlp(mark(self.ln_2(x), self.ln_2, x))
 
 
 def _embed(module: nn.Module, tokens: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .recompute import mark, recipe
+
 
 class WeightGradStore:
     """Weight-gradient work of one (stage, microbatch) backward: queued until
@@ -69,6 +71,15 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad += grad
 
 
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``; a rebuildable ``x`` (:mod:`.recompute`) stays rebuildable."""
+    y, found = x.to(dtype), recipe(x)
+    if found is not None and y is not x:
+        rebuild, inputs = found
+        mark(y, lambda *a: rebuild(*a).to(dtype), *inputs)
+    return y
+
+
 class _LinearFunction(torch.autograd.Function):
     """Under autocast the product runs in the autocast dtype: the saved input
     and the backward GEMMs use it too, and each gradient comes back in the
@@ -78,7 +89,7 @@ class _LinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         ctx.input_dtype = x.dtype
         if torch.is_autocast_enabled(x.device.type):  # cast once, for the product and to save
-            x = x.to(torch.get_autocast_dtype(x.device.type))
+            x = _cast(x, torch.get_autocast_dtype(x.device.type))
         out = nn.functional.linear(x, weight, bias)
         ctx.save_for_backward(x.to(out.dtype))
         ctx.weight, ctx.bias = weight, bias  # parameters: leaves, safe to hold

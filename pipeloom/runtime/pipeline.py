@@ -24,6 +24,7 @@ from .context import Context, Step
 from .device import pipeline_device
 from .executor import Executor
 from .grads import Gradients, finals
+from .handlers.compute import recomputed
 from .handlers.offload import Offloader
 from .handlers.vocab import GROUPS, VocabPasses
 from .mesh import Layout, Mesh
@@ -45,7 +46,8 @@ class Pipeline:
     e.g. ``costs`` and ``memory_limit`` for zb-auto) or any valid
     :class:`~pipeloom.schedule.Schedule`; each rank runs its list of the schedule
     lowered to communication (:func:`pipeloom.schedule.lower`). ``recompute``: True, or the stages
-    whose activations are recomputed in their backward. ``autocast``: a dtype
+    whose activations are recomputed in their backward; "cheap" rebuilds only the
+    norms' and GELU's outputs (:mod:`pipeloom.nn.recompute`). ``autocast``: a dtype
     such as ``torch.bfloat16`` for mixed precision (weights, gradients and the
     hidden states sent between ranks stay in the weights' dtype). ``timeout``:
     seconds a receive or collective waits for a peer before it looks at the
@@ -84,7 +86,7 @@ class Pipeline:
         chunks: int | None = None,
         *,
         layers_per_stage=None,
-        recompute: bool | Iterable[int] = False,
+        recompute: bool | str | Iterable[int] = False,
         autocast: torch.dtype | None = None,
         timeout: float = 300.0,
         vocab_parallel: str | None = None,
@@ -119,10 +121,12 @@ class Pipeline:
         self.versions = WeightVersions(self.stages, self.schedule.weight_versions) if multi_step else None
         self.context = Context(
             self.schedule, self.mesh, self.stages, self.channel, self.device, dtype, autocast,
-            recompute=frozenset(self.stages if recompute is True else recompute or ()), loss_fn=loss_fn,
+            recompute=recomputed(recompute, self.stages, multi_step), loss_fn=loss_fn,
             hidden=getattr(getattr(model, "config", None), "n_embd", None), versions=self.versions)
         self.vocab = VocabPasses(self.context, model, algorithm) if algorithm else None
-        self.offloader = Offloader(self.context) if offload or self.schedule.options.get("offload") else None
+        cheap = recompute == "cheap"
+        counting = offload or cheap or self.schedule.options.get("offload")
+        self.offloader = Offloader(self.context, cheap) if counting else None
         self.grads = Gradients(self.context, self.vocab)
         _free_unused(model, self.grads.params)
         self.names = self.grads.names

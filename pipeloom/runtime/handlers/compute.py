@@ -16,6 +16,7 @@ import warnings
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ...errors import PipeloomError
 from ...nn.linear import WeightGradStore, defer_weight_grads
 from ...schedule import BW, B, F, W
 from ..context import ACTIVATION, GRADIENT
@@ -89,6 +90,19 @@ def _backward(action, context) -> None:
 def _weights(action, context) -> None:
     key = action.stage, action.microbatch
     context.step.slots.pop(key).weights.run()
+
+
+def recomputed(recompute, stages, multi_step: bool) -> frozenset[int]:
+    """The stages whose forward reruns in backward (none for "cheap"); "cheap" refused with 2bw's
+    weight versions (it reruns norms with the current weights)."""
+    if isinstance(recompute, str):
+        if recompute != "cheap":
+            raise PipeloomError(f"recompute={recompute!r}: give True, the stages, or 'cheap'")
+        if multi_step:
+            raise PipeloomError("recompute='cheap' reruns norms with the current weights; 2bw keeps older "
+                                "weight versions: use recompute=True")
+        return frozenset()
+    return frozenset(stages if recompute is True else recompute or ())
 
 
 register(F, _forward, prepare=_forward_input)

@@ -28,6 +28,10 @@ reload is issued: the next copy into it is queued later on the same stream.
 On the CPU the same path copies synchronously into a separate pool, so tests
 run it.
 
+With ``Pipeline(recompute="cheap")`` the same hooks save the recipe of a
+tensor the model marked rebuildable (:mod:`pipeloom.nn.recompute`: the
+norms' and GELU's outputs) instead of the tensor, and unpacking reruns it.
+
 :class:`OffloadStats` counts the bytes of captured activations on the device
 (each storage until it is freed: a linear layer's input that B keeps for W
 counts until W) and in host buffers, with peaks since the step began; a
@@ -38,13 +42,14 @@ pipeline made with ``offload`` counts them even with the policy "none"
 from __future__ import annotations
 
 import weakref
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ...errors import PipeloomError
+from ...nn.recompute import cheap_recompute, recipe
 from ...schedule import OFFLOAD, RELOAD, F
 from . import around, register
 
@@ -110,6 +115,22 @@ class _Range:
     def __init__(self, start: int, end: int, tensor: torch.Tensor):
         self.start, self.end, self.tensor = start, end, tensor
         self.host = self.ready = None
+
+
+class _Rebuilt:
+    """A saved tensor kept as its recipe: ``rebuild`` run on the (packed) ``inputs`` when unpacked;
+    ``hold`` counts the rebuilt tensor's storage."""
+
+    __slots__ = ("rebuild", "inputs", "hold")
+
+    def __init__(self, rebuild, inputs: tuple, hold):
+        self.rebuild, self.inputs, self.hold = rebuild, inputs, hold
+
+    def unpack(self) -> torch.Tensor:
+        with torch.no_grad():
+            tensor = self.rebuild(*(_unpack(saved) for saved in self.inputs))
+        self.hold(tensor.untyped_storage())
+        return tensor
 
 
 class _Saved:
@@ -184,8 +205,8 @@ class Offloader:
     """One rank's offload state (in ``context.extras[NAME]``): the captures of the pairs its
     schedule offloads, from F to their RELOAD, the host pool, the side stream and the stats."""
 
-    def __init__(self, context):
-        self.context, self.device = context, context.device
+    def __init__(self, context, cheap: bool = False):
+        self.context, self.device, self.cheap = context, context.device, cheap
         rank = context.schedule.ranks[context.mesh.pp_rank]
         self.offloaded = frozenset((a.stage, a.microbatch) for a in rank if a.kind == RELOAD)
         self.cuda = self.device.type == "cuda"
@@ -197,24 +218,34 @@ class Offloader:
         self.step = None
         context.extras[NAME] = self
 
+    @contextmanager
+    def forward(self, action):
+        """Around F ``action``: its hooks, and with ``cheap`` the model's rebuildable marks."""
+        with self.hooks(action), cheap_recompute() if self.cheap else nullcontext():
+            yield
+
     def hooks(self, action) -> torch.autograd.graph.saved_tensors_hooks:
-        """The hooks of F ``action``: count what it saves; capture it if its pair is offloaded."""
+        """The hooks of F ``action``: count what it saves; capture it if its pair is offloaded;
+        with ``cheap``, keep the recipes of rebuildable tensors instead of them."""
         if self.context.step is not self.step:
             self._new_step()
         pair = action.stage, action.microbatch
         capture = _Capture() if pair in self.offloaded else None
         if capture is not None:
             self.captures[pair] = capture
-        device_type = self.device.type
+        return torch.autograd.graph.saved_tensors_hooks(lambda tensor: self._pack(tensor, capture), _unpack)
 
-        def pack(tensor):
-            if (tensor.numel() <= SMALL or isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
-                    or tensor.device.type != device_type or tensor.layout is not torch.strided):
-                return tensor
-            self.hold(tensor.untyped_storage())
-            return tensor if capture is None else capture.save(tensor)
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
+    def _pack(self, tensor: torch.Tensor, capture: _Capture | None):
+        """What autograd keeps of ``tensor``: itself (counted), its capture, or its recipe."""
+        found = recipe(tensor) if self.cheap else None
+        if found is not None:
+            rebuild, inputs = found
+            return _Rebuilt(rebuild, tuple(self._pack(i, capture) for i in inputs), self.hold)
+        if (tensor.numel() <= SMALL or isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
+                or tensor.device.type != self.device.type or tensor.layout is not torch.strided):
+            return tensor
+        self.hold(tensor.untyped_storage())
+        return tensor if capture is None else capture.save(tensor)
 
     def hold(self, storage) -> None:
         """Count ``storage`` as activation bytes on the device until it is freed."""
@@ -287,12 +318,12 @@ class Offloader:
 
 
 def _unpack(saved):
-    return saved.unpack() if isinstance(saved, _Saved) else saved
+    return saved.unpack() if isinstance(saved, (_Saved, _Rebuilt)) else saved
 
 
 def _hooks(action, context):
     offloader = context.extras.get(NAME)
-    return offloader.hooks(action) if offloader is not None else None
+    return offloader.forward(action) if offloader is not None else None
 
 
 around(F, _hooks)
