@@ -339,6 +339,8 @@ class Trainer:
         import numpy as np
         import torch
 
+        from .runtime.p2p import PeerTimeout
+
         args, pipe = self.args, self.pipe
         steps = range(first, first + pipe.schedule.steps)
         lr = learning_rate(first, args)
@@ -357,7 +359,9 @@ class Trainer:
             raise PipeloomError(f"step {first + 1}: the loss is {loss}; the update was not applied. {hint}")
         try:
             norm = pipe.optimizer_step(self.optimizer, max_norm=args.clip or None)  # 0: no clipping
-        except PipeloomError as err:
+        except PeerTimeout:
+            raise
+        except PipeloomError as err:  # a non-finite gradient norm
             raise PipeloomError(f"step {first + 1}: {err}. {hint}") from None
         return [{"step": first + 1, "loss": round(loss, 6), "lr": lr,
                  **({"grad_norm": round(norm, 6)} if norm is not None else {})}]

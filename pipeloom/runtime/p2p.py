@@ -93,8 +93,10 @@ class Channel:
             # gloo's own timeout would close the link: watched, the wait is bounded by the group's
             finished = work.wait() if self.watched else work.wait(timeout=timedelta(seconds=self.timeout))
         except RuntimeError as err:
-            raise PeerTimeout(self.heartbeat.why_ended(state) or f"rank {self.rank}: {what}, and it failed after "
-                              f"{time.monotonic() - start:.0f} s: {_reason(err)}") from None
+            others = [r for r in dist.get_process_group_ranks(group) if r != self.rank]
+            peers = f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}"
+            raise PeerTimeout(self.heartbeat.why_ended(state) or f"rank {self.rank}: {what} (from {peers}), and it "
+                              f"failed after {time.monotonic() - start:.0f} s: {_reason(err)}") from None
         finally:
             self.heartbeat.now = previous
         if finished is False:
