@@ -94,7 +94,8 @@ def asap(
     placement = schedule.placement
     by_rank = frozenset(name for name, kind in KINDS.items() if kind.owner == RANK)
     reduced = frozenset(name for name, kind in KINDS.items() if kind.reduced)
-    side = {name: kind.stream for name, kind in KINDS.items() if kind.stream}
+    present = {a[0] for actions in schedule.ranks for a in actions}
+    side = {name: kind.stream for name, kind in KINDS.items() if kind.stream and name in present}
     streams: list[dict[str, float]] = [{} for _ in range(len(schedule.ranks))]
     lists = schedule.ranks
     p = len(lists)

@@ -79,15 +79,16 @@ class Result:
         (per rank, in list order): simulated, or measured on the runtime;
         ``exposed``: per rank, the time compute waited for side streams."""
         makespan = max((max(e) for e in ends if e), default=0.0)
-        side = frozenset(name for name, kind in KINDS.items() if kind.stream)
-        hosted = frozenset(name for name, kind in KINDS.items() if kind.host)
+        present = {a[0] for actions in schedule.ranks for a in actions}
+        side = frozenset(name for name, kind in KINDS.items() if kind.stream and name in present)
+        hosted = frozenset(name for name, kind in KINDS.items() if kind.host and name in present)
         stats = []
         for rank, actions in enumerate(schedule.ranks):
-            compute = [(s, e) for a, s, e in zip(actions, starts[rank], ends[rank]) if a[0] not in side]
+            times = list(zip(actions, starts[rank], ends[rank]))
+            compute = [(s, e) for a, s, e in times if a[0] not in side] if side else [(s, e) for _, s, e in times]
             busy = sum(e - s for s, e in compute)
             span = compute[-1][1] - compute[0][0] if compute else 0.0
-            times = list(zip(actions, starts[rank], ends[rank]))
-            host = [t for t in times if t[0][0] in hosted]
+            host = [t for t in times if t[0][0] in hosted] if hosted else []
             stats.append(RankStats(
                 busy=busy, idle=span - busy, span=span, makespan=makespan,
                 peak_activation=max(level for _, level in _levels(times, costs.memory_delta)),
