@@ -1,6 +1,6 @@
 """PipeOffload measured: activation memory per rank with no, selective (0.5) and full offload.
 
-    python bench/offload.py [--pp 2] [--schedules 1f1b,zb-v] [--microbatches 8] [--layers 4] [--hidden 768]
+    python bench/offload.py [--pp 2] [--schedules 1f1b,zb-v,v-half] [--microbatches 8] [--layers 4] [--hidden 768]
                             [--heads 12] [--vocab 8192] [--seq 256] [--steps 2] [--out FILE]
 
 For each schedule and policy, ``pp`` gloo processes (one thread each) train a GPT through
@@ -123,7 +123,7 @@ def _family(family, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--schedules", default="1f1b,zb-v")
+    parser.add_argument("--schedules", default="1f1b,zb-v,v-half")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=768)
