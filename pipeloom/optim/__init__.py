@@ -1,0 +1,5 @@
+"""Optimizers: K-FAC preconditioning of linear layers around a base optimizer (PipeFisher's core)."""
+
+from .kfac import KFAC, KFACLayer
+
+__all__ = ["KFAC", "KFACLayer"]
