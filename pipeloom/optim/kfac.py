@@ -40,6 +40,8 @@ keeps the output gradient in the backward's B part, so the capture works
 when :func:`~pipeloom.nn.defer_weight_grads` delays the weight gradients.
 Each forward (and each backward) of a layer is one capture, numbered from 0
 in call order since the layer's last reduction: microbatch ``j`` of a step.
+A forward with no backward (evaluation) should run under ``torch.no_grad()``
+or with ``capturing`` off, or its inputs count in the next refresh.
 
 Pieces, for a pipeline to schedule one at a time: :meth:`KFAC.curvature`
 (one factor of one layer from one capture), :meth:`KFAC.reduce` (one factor
@@ -128,8 +130,8 @@ class KFAC:
             raise PipeloomError(f"KFAC: exclude names {unknown[0]!r}, not a linear layer of the model; "
                                 f"its linear layers are {linear}")
         tied = {id(m.weight) for m in modules.values() if isinstance(m, nn.Embedding)}
-        layers = {name: KFACLayer(modules[name]) for name in linear
-                  if name not in exclude and id(modules[name].weight) not in tied and modules[name].weight.requires_grad}
+        layers = {name: KFACLayer(modules[name]) for name in linear if name not in exclude
+                  and id(modules[name].weight) not in tied and modules[name].weight.requires_grad}
         if not layers:
             raise PipeloomError(f"KFAC: model {type(model).__name__} has no linear layer to precondition "
                                 f"(linear layers {linear}, excluded {sorted(exclude)}); K-FAC needs at least one "
