@@ -155,8 +155,12 @@ class _Saved:
                                     "(its pair has an OFFLOAD and no RELOAD before the backward)")
             if where.ready is not None:
                 torch.cuda.current_stream(where.tensor.device).wait_event(where.ready)
-            self.tensor = where.tensor.as_strided(self.size, self.stride, self.offset)
+            self.tensor = self.view()
         return self.tensor
+
+    def view(self) -> torch.Tensor:
+        """Its view of the reloaded range, without waiting for the reload's copy."""
+        return self.range.tensor.as_strided(self.size, self.stride, self.offset)
 
 
 def _extent(tensor: torch.Tensor) -> tuple[int, int]:
@@ -310,8 +314,9 @@ class Offloader:
             done.record(self.stream)
             for where in back:
                 where.ready = done
-        if capture.leaf is not None:  # the stage input's data again, a view of its reloaded range
-            self.context.step.slots[action.stage, action.microbatch].input.data = capture.leaf.unpack()
+        if capture.leaf is not None:  # the stage input's data again, a view of its reloaded range: nothing
+            # reads it before the backward, whose unpack waits for the copy (so this action does not)
+            self.context.step.slots[action.stage, action.microbatch].input.data = capture.leaf.view()
 
     def _on_copy_stream(self):
         return torch.cuda.stream(self.stream) if self.cuda else nullcontext()
