@@ -227,7 +227,7 @@ def _wrote(path) -> None:
 
 def _simulate_one(args, name: str, compare: bool):
     """Build, validate and simulate one schedule; return (report dict, Result)."""
-    from .schedule import Costs, build, get_family, validate
+    from .schedule import build, get_family, validate
     from .sim import simulate
 
     family = get_family(name)

@@ -171,5 +171,4 @@ class StageCosts:
 
     def host_delta(self, action) -> float:
         """The action's change of its rank's host memory (its kind's ``host`` terms)."""
-        values, s = self.values, action.stage
-        return sum(coefficient * values[name][s] for coefficient, name in get(action.kind).host)
+        return memory_delta(action, lambda name, a: self.values[name][a.stage], "host")

@@ -63,10 +63,10 @@ class Dependencies:
         return self._facts[key]
 
 
-def memory_delta(action: Action, value: Callable[[str, Action], float]) -> float:
-    """Change of the rank's activation memory caused by ``action``: the sum of its
-    kind's ``memory`` terms, ``value(field, action)`` giving each cost field's value."""
-    return sum(coefficient * value(name, action) for coefficient, name in get(action.kind).memory)
+def memory_delta(action: Action, value: Callable[[str, Action], float], memory: str = "memory") -> float:
+    """Change of the rank's activation memory caused by ``action`` (``memory="host"``: of its
+    host memory): the sum of its kind's terms, ``value(field, action)`` giving each cost field's value."""
+    return sum(coefficient * value(name, action) for coefficient, name in getattr(get(action.kind), memory))
 
 
 def asap(

@@ -24,10 +24,11 @@ Policies (:class:`Offload`):
 
 Placement, on the timeline the costs give (the transform's ``costs``, or the
 unit costs with free copies): OFFLOAD right after its F; RELOAD issued where
-it can finish before its backward, at least one action before it, with
-time for one other copy queued ahead (a pair with no action left between
-its OFFLOAD and that point is not offloaded); then, while a simulated backward
-waits for its RELOAD, that RELOAD moves earlier by the wait (a few rounds).
+its own copy can finish before its backward, at least one action before it
+(a pair with no action left between its OFFLOAD and that point is not
+offloaded); then, as other copies queue ahead of it on the one stream,
+while a simulated backward waits for its RELOAD, that RELOAD moves earlier
+by the wait (a few rounds).
 Dependencies: OFFLOAD(s,i) after F(s,i); RELOAD(s,i) after OFFLOAD(s,i);
 the backward (B or BW) of an offloaded pair after its RELOAD.
 
@@ -124,8 +125,8 @@ class _Pairs:
         return self.ends[rank][f], self.starts[rank][b]
 
     def reload_at(self, pair) -> int:
-        """Where RELOAD goes first: before the latest action that leaves it time to finish,
-        with one other copy queued ahead, and at least one action before the backward."""
+        """Where RELOAD goes first: before the latest action that leaves its copy time to
+        finish before the backward, and at least one action before it."""
         rank, f, b = self.where[pair]
         latest = self.gap(pair)[1] - self.copy(pair)
         ends, k = self.ends[rank], b - 1
