@@ -13,7 +13,9 @@ by ``A ⊗ G``:
   while the empirical Fisher is made of per-example gradients: so by default
   (``grad_scale=None``) each captured gradient is multiplied by its own
   number of rows, which is right when the loss is the mean over the rows the
-  layer saw (a language model's mean over batch × time tokens). Otherwise
+  layer saw (a language model's mean over batch × time tokens), times
+  ``accumulation`` when that loss is further divided by that many equal
+  microbatches (a pipeline's; each capture holds one microbatch). Otherwise
   pass the factor (the batch size for a loss averaged over ``B`` sequences
   whose rows the layer sees as ``B × T`` rows; times ``m`` when the loss is
   further divided by ``m`` microbatches).
@@ -75,6 +77,7 @@ class KFACLayer:
     rows: dict[str, int] = field(default_factory=lambda: {"A": 0, "G": 0})
     factors: dict[str, torch.Tensor] = field(default_factory=dict)
     inverses: dict[str, torch.Tensor] = field(default_factory=dict)
+    pending: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -92,15 +95,18 @@ class KFAC:
     per step ``loss.backward(); opt.step(); opt.zero_grad()``. Factors refresh
     from the steps whose forward and backward ran while :attr:`capturing`
     (every ``update_every``-th step, from the first); inverses are recomputed
-    every ``invert_every``-th step from the factors of then. ``exclude``
+    every ``invert_every``-th step from the factors of then, and precondition
+    from ``delay`` steps later on (PipeFisher's refresh of k steps: ``delay``
+    k - 1, the step in which its pieces end). ``exclude``
     names linear layers (as in ``model.named_modules()``) to leave alone;
     ``group`` is the data-parallel process group the factors are summed over
-    (None: no reduction).
+    (None: no reduction). ``base`` None: no :meth:`step`; a pipeline runs the
+    pieces and the caller steps its own optimizer.
     """
 
-    def __init__(self, model: nn.Module, base: torch.optim.Optimizer, damping: float = 1e-3, decay: float = 0.95,
+    def __init__(self, model: nn.Module, base: torch.optim.Optimizer | None, damping: float = 1e-3, decay: float = 0.95,
                  update_every: int = 1, invert_every: int = 1, exclude=(), grad_scale: float | None = None,
-                 group: dist.ProcessGroup | None = None):
+                 group: dist.ProcessGroup | None = None, delay: int = 0):
         if not damping >= 0:
             raise PipeloomError(f"KFAC: damping {damping} is negative; use a value >= 0 (e.g. 1e-3)")
         if not 0 <= decay < 1:
@@ -108,15 +114,21 @@ class KFAC:
         for name, every in (("update_every", update_every), ("invert_every", invert_every)):
             if not isinstance(every, int) or every < 1:
                 raise PipeloomError(f"KFAC: {name} {every!r} is not a whole number of steps >= 1")
+        if not isinstance(delay, int) or not 0 <= delay < invert_every:
+            raise PipeloomError(f"KFAC: delay {delay!r} must be a whole number of steps in [0, invert_every="
+                                f"{invert_every})")
         if grad_scale is not None and not grad_scale > 0:
             raise PipeloomError(f"KFAC: grad_scale {grad_scale} is not positive; use None (the rows of each "
                                 "capture) or the factor that makes output gradients per-example")
         self.base, self.damping, self.decay, self.grad_scale, self.group = base, damping, decay, grad_scale, group
-        self.update_every, self.invert_every = update_every, invert_every
+        self.update_every, self.invert_every, self.delay = update_every, invert_every, delay
         self.layers = self._managed_layers(model, set(exclude))
-        self._check_base()
+        if base is not None:
+            self._check_base()
         for layer in self.layers.values():
             layer.module.register_forward_hook(self._forward_hook(layer))
+        #: The number of equal microbatches the loss is averaged over (with ``grad_scale`` None).
+        self.accumulation = 1
         #: Whether forwards and backwards capture curvature now (set by :meth:`step`; a pipeline may set it).
         self.capturing = True
         self.steps = 0
@@ -168,7 +180,7 @@ class KFAC:
         if factor == "A" and layer.module.bias is not None:
             rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
         if factor == "G":
-            rows = rows * (self.grad_scale or rows.shape[0])
+            rows = rows * (self.grad_scale or rows.shape[0] * self.accumulation)
         total = rows.t() @ rows
         layer.sums[factor] = total if factor not in layer.sums else layer.sums[factor] + total
         layer.rows[factor] += rows.shape[0]
@@ -200,7 +212,8 @@ class KFAC:
         layer.factors[factor] = new if old is None else self.decay * old + (1 - self.decay) * new
 
     def invert(self, name: str) -> None:
-        """Recompute layer ``name``'s damped inverses from its factors (π-split damping)."""
+        """Compute layer ``name``'s damped inverses from its factors (π-split damping); they
+        precondition once :meth:`publish` has run."""
         layer = self._layer(name)
         if len(layer.factors) < 2:
             raise PipeloomError(f"KFAC: layer {name!r} has factors {sorted(layer.factors)}, not both A and G; "
@@ -210,15 +223,22 @@ class KFAC:
         pi = torch.where((mean_a > 0) & (mean_g > 0), (mean_a / mean_g).sqrt(), torch.ones_like(mean_a))
         root = math.sqrt(self.damping)
         try:
-            layer.inverses = {"A": _damped_inverse(a, root * pi), "G": _damped_inverse(g, root / pi)}
+            layer.pending = {"A": _damped_inverse(a, root * pi), "G": _damped_inverse(g, root / pi)}
         except torch.linalg.LinAlgError:
             raise PipeloomError(f"KFAC: a damped factor of layer {name!r} is not positive definite with "
                                 f"damping {self.damping}; use a larger damping (e.g. 1e-3)") from None
 
-    def precondition(self) -> None:
-        """Replace every layer's gradient by ``G⁻¹ [∇W | ∇b] A⁻¹`` (layers with
-        no inverses yet or no weight gradient are left as they are)."""
-        for layer in self.layers.values():
+    def publish(self, names=None) -> None:
+        """Precondition with the inverses computed since the last publish, from now on
+        (the layers ``names``, default all)."""
+        for layer in self._chosen(names):
+            if layer.pending:
+                layer.inverses, layer.pending = layer.pending, {}
+
+    def precondition(self, names=None) -> None:
+        """Replace every layer's (or the layers ``names``') gradient by ``G⁻¹ [∇W | ∇b] A⁻¹``
+        (layers with no inverses yet or no weight gradient are left as they are)."""
+        for layer in self._chosen(names):
             w, b = layer.module.weight, layer.module.bias
             if not layer.inverses or w.grad is None:
                 continue
@@ -233,8 +253,10 @@ class KFAC:
 
     def step(self) -> None:
         """One plain training step: refresh the factors (if this step
-        captured), the inverses (every ``invert_every`` steps), precondition,
-        then the base optimizer's step."""
+        captured), the inverses (every ``invert_every`` steps, in use ``delay``
+        steps later), precondition, then the base optimizer's step."""
+        if self.base is None:
+            raise PipeloomError("KFAC: built without a base optimizer, it has no step(); run its pieces")
         if self.capturing:
             for name, layer in self.layers.items():
                 for factor in FACTORS:
@@ -245,14 +267,41 @@ class KFAC:
             for name, layer in self.layers.items():
                 if len(layer.factors) == 2:
                     self.invert(name)
+        if self.steps % self.invert_every == self.delay:
+            self.publish()
         self.precondition()
         self.base.step()
         self.steps += 1
         self.capturing = self.steps % self.update_every == 0
 
+    def state_dict(self) -> dict:
+        """The base optimizer's state, the step count and every layer's factors and inverses
+        (pending ones included), by layer name; captures in flight are not saved."""
+        layers = {name: {part: dict(getattr(layer, part)) for part in ("factors", "inverses", "pending")}
+                  for name, layer in self.layers.items()}
+        return {"base": self.base.state_dict() if self.base else None, "steps": self.steps, "layers": layers}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved (same managed layers)."""
+        saved = state["layers"]
+        if set(saved) != set(self.layers):
+            raise PipeloomError(f"KFAC: the state is for layers {sorted(saved)}, this optimizer manages "
+                                f"{sorted(self.layers)}")
+        if self.base is not None:
+            self.base.load_state_dict(state["base"])
+        self.steps = state["steps"]
+        self.capturing = self.steps % self.update_every == 0
+        for name, layer in self.layers.items():
+            device = layer.module.weight.device
+            for part, tensors in saved[name].items():
+                setattr(layer, part, {f: t.to(device) for f, t in tensors.items()})
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The base optimizer's ``zero_grad``."""
         self.base.zero_grad(set_to_none=set_to_none)
+
+    def _chosen(self, names) -> list[KFACLayer]:
+        return list(self.layers.values()) if names is None else [self._layer(name) for name in names]
 
     def _layer(self, name: str) -> KFACLayer:
         if name not in self.layers:

@@ -108,6 +108,7 @@ class Context:
     hidden: int | None  # the width of the hidden states (receive buffers)
     versions: WeightVersions | None = None
     steps_done: int = 0  # steps run so far (multi-version schedules)
+    calls: int = 0  # calls run so far (a K-FAC cycle's lists take turns)
     step: Step | None = None
     ends: Ends = field(default_factory=Ends)
     extras: dict = field(default_factory=dict)

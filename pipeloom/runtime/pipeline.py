@@ -25,6 +25,7 @@ from .device import pipeline_device
 from .executor import Executor
 from .grads import Gradients, finals
 from .handlers.compute import recomputed
+from .handlers.kfac import kfac_cycle, preconditioned
 from .handlers.offload import Offloader
 from .handlers.vocab import GROUPS, VocabPasses
 from .mesh import Layout, Mesh
@@ -74,6 +75,11 @@ class Pipeline:
     ``offload``: "none", "full" or "selective" (``offload_ratio`` in (0, 1]) builds
     the schedule with :class:`~pipeloom.schedule.Offload` (a given schedule runs its
     own copies; :mod:`pipeloom.runtime.handlers.offload`); :meth:`offload_stats` counts.
+    ``optimizer="kfac"``: PipeFisher; K-FAC's work runs in the bubbles (the schedule
+    through :class:`~pipeloom.schedule.Kfac`, placed with ``costs`` if given; ``kfac``:
+    ``damping``, ``decay``, ``every``, ``margin``) and each step's gradients come out
+    preconditioned (:attr:`kfac`; :mod:`pipeloom.runtime.handlers.kfac`): step your own
+    optimizer on them.
     """
 
     def __init__(
@@ -96,6 +102,8 @@ class Pipeline:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         offload: str | None = None,
         offload_ratio: float | None = None,
+        optimizer: str | None = None,
+        kfac: dict | None = None,
         **schedule_options,
     ):
         if not dist.is_available() or not dist.is_initialized():
@@ -130,10 +138,15 @@ class Pipeline:
         self.grads = Gradients(self.context, self.vocab)
         _free_unused(model, self.grads.params)
         self.names = self.grads.names
-        self.executor = Executor(self.context, lower(self.schedule).ranks[self.pp_rank])
-        self._finals = finals(self.executor.actions, self.schedule.microbatches)
-        self._averaging = self.grads.averaging(self._finals) if self.layout.replicas > 1 and not multi_step else {}
         self._batches = Batches(self.schedule, self.mesh, self.stages, self.device, self.attention)
+        calls = [lower(self.schedule).ranks[self.pp_rank]]
+        #: the K-FAC state of PipeFisher (``optimizer="kfac"``), else None
+        self.kfac = None
+        if optimizer is not None:
+            work, self.schedule, calls = kfac_cycle(self.context, optimizer, kfac, schedule_options.get("costs"))
+            self.kfac = work.kfac
+        averaged = self.layout.replicas > 1 and not multi_step
+        self._calls = [_Call(self.context, self.grads, actions, averaged, self.kfac is not None) for actions in calls]
         self.last_step: Step | None = None
         self.channel.heartbeat.idle()  # set up: a peer that waits for this rank now sees it outside a step
 
@@ -164,7 +177,7 @@ class Pipeline:
                 f"{self.schedule.family} runs {self.schedule.steps} steps per call with "
                 f"{self.schedule.weight_versions} weight versions: use run_steps(tokens, targets, optimizer)"
             )
-        return self._execute(tokens, targets, self._averaging)[0]
+        return self._execute(tokens, targets, None)[0]
 
     def run_steps(self, tokens: torch.Tensor, targets: torch.Tensor, optimizer: torch.optim.Optimizer) -> list[float]:
         """The schedule's ``steps`` training steps without a flush between them
@@ -177,19 +190,21 @@ class Pipeline:
             raise PipeloomError(f"{self.schedule.family} is synchronous: use step() and optimizer_step()")
         done = self.steps_done
         updates = {k: [partial(self.versions.update, s, done + t, optimizer, partial(self.grads.reduce_version, s))
-                       for s, t in pairs] for k, pairs in self._finals.items()}
+                       for s, t in pairs] for k, pairs in self._calls[0].finals.items()}
         return self._execute(tokens, targets, updates)
 
     def _execute(self, tokens, targets, after) -> list[float]:
         """Run this rank's actions on the batches, with the calls ``after`` each action
-        (by index); the mean loss of each step."""
+        (by index; None: the call's gradient averaging); the mean loss of each step."""
+        call = self._calls[self.context.calls % len(self._calls)]
         try:
             step = Step(self.pp_rank, StepClock(self.device), *self._batches.split(tokens, targets),
-                        loss=torch.zeros(self.schedule.steps, device=self.device))
-            self.executor.run(step, after)
+                        loss=torch.zeros(self.context.schedule.steps, device=self.device))
+            call.executor.run(step, call.averaging if after is None else after)
+            self.context.calls += 1
             self.channel.flush()
             if self.versions:
-                self.steps_done += self.schedule.steps
+                self.steps_done += self.context.schedule.steps
             else:
                 self.grads.finish()
             self.last_step = step
@@ -230,6 +245,16 @@ class Pipeline:
         if self.offloader is None:
             raise PipeloomError("offload_stats() counts with Pipeline(..., offload='none'|'full'|'selective')")
         return dataclasses.asdict(self.offloader.stats)
+
+
+class _Call:
+    """One call's actions (a K-FAC cycle has several), its executor, when each stage's gradient
+    is final (:func:`~.grads.finals`; with K-FAC after its preconditioning) and the averaging then."""
+
+    def __init__(self, context: Context, grads: Gradients, actions, averaged: bool, kfac: bool):
+        self.executor = Executor(context, actions)
+        self.finals = preconditioned(actions) if kfac else finals(actions, context.schedule.microbatches)
+        self.averaging = grads.averaging(self.finals) if averaged else {}
 
 
 def _schedule(schedule, pp, microbatches, chunks, vocab_parallel, offload, options) -> Schedule:

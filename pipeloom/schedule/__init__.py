@@ -9,6 +9,7 @@ from .kinds import KINDS, Kind
 from .lower import RECV_B, RECV_F, SEND_B, SEND_F, lower
 from .registry import FAMILIES, build, get_family
 from .transforms import Transform
+from .transforms.kfac import Kfac
 from .transforms.offload import OFFLOAD, RELOAD, Offload
 from .transforms.vocab import VOCAB_PASSES, VocabPasses, add_vocab_passes
 from .torch_csv import to_torch_csv, write_torch_csv
@@ -20,5 +21,5 @@ __all__ = [
     "FAMILIES", "build", "get_family", "validate", "looped_placement", "v_placement",
     "to_torch_csv", "write_torch_csv", "VOCAB_PASSES", "add_vocab_passes",
     "lower", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "KINDS", "Kind",
-    "Transform", "VocabPasses", "Offload", "OFFLOAD", "RELOAD",
+    "Transform", "VocabPasses", "Offload", "OFFLOAD", "RELOAD", "Kfac",
 ]

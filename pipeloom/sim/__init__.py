@@ -9,8 +9,9 @@ from .simulate import Event, RankStats, Result, simulate
 from .grid import text_grid
 from .plot import plot_rank_comparison, plot_schedule, plot_schedules
 from .trace import Transfer, chrome_trace, chrome_trace_events, transfers_of, write_chrome_trace
+from .kfac import kfac_report
 from .model import (
-    ATTENTIONS, BYTES_PER_PARAM, DEVICES, MODELS, Device, ModelSpec, SequenceParallelCosts, costs_from_model,
+    ATTENTIONS, BYTES_PER_PARAM, DEVICES, MODELS, Device, ModelSpec, SequenceParallelCosts, costs_from_model, kfac_costs,
     get_device, get_model, layer_flops, longest_sequence, peak_memory_bytes, sequence_parallel_costs, stage_layers,
     stage_parameters,
 )
@@ -18,9 +19,9 @@ from .model import (
 __all__ = ["Costs", "StageCosts", "Event", "RankStats", "Result", "simulate"]
 __all__ += [
     "BYTES_PER_PARAM", "DEVICES", "MODELS", "Device", "ModelSpec", "balanced_layers", "costs_from_model", "get_device",
-    "get_model",
+    "get_model", "kfac_costs",
     "layer_flops", "peak_memory_bytes", "split_layers", "stage_parameters",
-    "ATTENTIONS", "SequenceParallelCosts", "longest_sequence", "sequence_parallel_costs", "stage_layers",
+    "ATTENTIONS", "SequenceParallelCosts", "kfac_report", "longest_sequence", "sequence_parallel_costs", "stage_layers",
 ]
 __all__ += [
     "text_grid", "plot_schedule", "plot_schedules", "plot_rank_comparison", "Transfer", "chrome_trace",

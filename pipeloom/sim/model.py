@@ -355,6 +355,42 @@ def offload_time_ratio(
     return 2 * costs.extra["offload"][1] / (costs.f[1] + costs.b[1] + costs.w[1])
 
 
+#: The fraction of a device's matmul rate a damped factor's Cholesky inversion reaches (small,
+#: sequential fp32 factorisations, far from a GEMM's efficiency; a judgment, not a measurement).
+INVERSION_EFFICIENCY = 0.1
+#: K-FAC pieces per transformer layer: one per linear layer (:mod:`pipeloom.schedule.transforms.kfac`'s units).
+KFAC_UNITS_PER_LAYER = 4
+
+
+def kfac_costs(model: ModelSpec | str, seq: int, microbatch_size: int, device: Device | str, dp: int = 1,
+               sp: int = 1) -> dict[str, float]:
+    """Times (ms) of one transformer layer's K-FAC pieces (:mod:`pipeloom.schedule.transforms.kfac`)
+    for the layer's four linear layers (q/k/v, attention output, the MLP's two; with biases):
+    ``kfac_a`` and ``kfac_g`` one microbatch's ``rowsᵀ·rows`` of inputs and output gradients
+    (2·rows·d² FLOPs a factor of side d); ``kfac_sync_a``/``kfac_sync_g`` the fp32 all-reduce
+    of the factors over ``dp`` replicas (0 with one); ``kfac_inv`` both factors' damped
+    inverses (d³ FLOPs a factor, at :data:`INVERSION_EFFICIENCY` of the matmul rate);
+    ``kfac_pre`` the preconditioning ``G⁻¹·∇W·A⁻¹`` of the layer's gradients, every step."""
+    model, device = get_model(model), get_device(device)
+    _positive(seq=seq, microbatch_size=microbatch_size, dp=dp, sp=sp)
+    h, k = model.hidden, model.ffn
+    rows = microbatch_size * (seq // sp)
+    shapes = [(h + 1, 3 * h), (h + 1, h), (h + 1, k * h), (k * h + 1, h)]  # (d_A, d_G) of each linear
+    inputs = [a for a, _ in shapes]
+    grads = [g for _, g in shapes]
+
+    def sync(sides):
+        return sum(_collective_ms(device, 4 * d * d, dp, 2) for d in sides) if dp > 1 else 0.0
+    return {
+        "kfac_a": device.ms(sum(2 * rows * d * d for d in inputs)),
+        "kfac_g": device.ms(sum(2 * rows * d * d for d in grads)),
+        "kfac_sync_a": sync(inputs),
+        "kfac_sync_g": sync(grads),
+        "kfac_inv": device.ms(sum(d ** 3 for d in inputs + grads)) / INVERSION_EFFICIENCY,
+        "kfac_pre": device.ms(sum(2 * (g * g * a + g * a * a) for a, g in shapes)),
+    }
+
+
 def costs_from_model(
     model: ModelSpec | str,
     pp: int,
@@ -367,6 +403,8 @@ def costs_from_model(
     vocab_parallel: str | None = None,
     sp: int = 1,
     attention: str | None = None,
+    kfac: bool = False,
+    dp: int = 1,
 ) -> Costs:
     """Per-virtual-stage costs (ms, bytes) of ``model`` cut into ``pp * chunks``
     stages, for microbatches of ``microbatch_size`` sequences of ``seq`` tokens,
@@ -387,7 +425,9 @@ def costs_from_model(
     with ``sp > 1``, or ``rsa``; with ``sp = 1`` the default is plain
     attention) add sequence parallelism as the module docstring says: the
     ring's transfers that compute does not hide are in ``f`` and ``b``
-    (:func:`sequence_parallel_costs` has them apart).
+    (:func:`sequence_parallel_costs` has them apart). ``kfac`` adds the
+    K-FAC pieces' times (:func:`kfac_costs`, one unit a layer, the syncs over
+    ``dp`` replicas; the preconditioning per stage).
     """
     model, device = get_model(model), get_device(device)
     _positive(pp=pp, seq=seq, microbatch_size=microbatch_size, chunks=chunks)
@@ -433,6 +473,11 @@ def costs_from_model(
         m_w=[float(x) for x in per_stage(layer_mw, last=head_mw)],
         extra={"offload": [1e3 * x / device.host_bandwidth for x in per_stage(layer_mb, last=head_mb)]},
     )
+    if kfac:
+        pieces = kfac_costs(model, seq, microbatch_size, device, dp, sp)
+        pre = pieces.pop("kfac_pre")
+        unit = {name: value / KFAC_UNITS_PER_LAYER for name, value in pieces.items()}
+        costs = replace(costs, extra={**costs.extra, **unit, "kfac_pre": [n * pre for n in split]})
     if not mode.splits:
         return costs
     shard = -(-v // pp)

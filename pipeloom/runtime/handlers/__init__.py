@@ -71,4 +71,4 @@ def handler_of(action) -> Handler:
     return handler
 
 
-from . import comm, compute, offload, vocab  # noqa: E402,F401  (register the built-in kinds)
+from . import comm, compute, kfac, offload, vocab  # noqa: E402,F401  (register the built-in kinds)

@@ -1,0 +1,173 @@
+"""PipeFisher's pieces: K-FAC work run where the schedule put it (:mod:`pipeloom.schedule.transforms.kfac`).
+
+One :class:`~pipeloom.optim.kfac.KFAC` (no base optimizer) manages the linear
+layers of the rank's stages (not the LM head: its G would be vocab × vocab).
+A unit of a stage is one of its managed layers, in module order. The
+schedule is a cycle of k calls (:func:`split_cycle` cuts a rank's list into
+them); in the cycle's first call the forwards and backwards capture (their
+order per stage must be the microbatches' order, which is checked), and
+``KFAC_A``/``KFAC_G`` (curvature), ``KFAC_SYNC_*`` (the sum over the
+data-parallel replicas), ``KFAC_INV`` run the refresh wherever the schedule
+placed them; ``KFAC_PRE`` preconditions its stage's gradients every step,
+with the new inverses from the cycle's last step on.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch.distributed as dist
+from torch import nn
+
+from ...errors import PipeloomError
+from ...optim.kfac import KFAC
+from ...schedule import BW, B, F, Kfac, lower, validate
+from ...schedule.kinds import get
+from ...schedule.transforms.kfac import KFAC_A, KFAC_G, KFAC_INV, KFAC_PRE, KFAC_SYNC_A, KFAC_SYNC_G, PIECES
+from . import around, register
+
+NAME = "kfac"
+
+
+class KfacWork:
+    """One rank's K-FAC state (in ``context.extras[NAME]``) and the call of the cycle being run."""
+
+    def __init__(self, context, damping: float = 1e-3, decay: float = 0.95):
+        self.context = context
+        stages = nn.ModuleDict({str(s): stage for s, stage in context.stages.items()})
+        heads = [n for n, m in stages.named_modules() if isinstance(m, nn.Linear) and n.endswith("lm_head")]
+        group = context.mesh.replica_group if context.mesh.layout.replicas > 1 else None
+        self.kfac = KFAC(stages, None, damping, decay, exclude=heads, group=group)
+        self.kfac.capturing = False
+        self.kfac.accumulation = context.schedule.microbatches
+        #: each stage's units: its managed layers' names, in module order
+        self.units = {s: [n for n in self.kfac.layers if n.split(".", 1)[0] == str(s)] for s in context.stages}
+        self.calls = 1  # calls in the cycle
+        context.extras[NAME] = self
+
+    @property
+    def call(self) -> int:
+        """The call of the cycle being run."""
+        return self.context.calls % self.calls
+
+    def capturing(self, action) -> bool:
+        """Whether ``action`` (an F or a backward) captures: in the cycle's first call, checked to
+        come in microbatch order on its stage."""
+        if self.call or not self.units[action.stage]:
+            return False
+        factor = "A" if action.kind == F else "G"
+        done = len(self.kfac.layers[self.units[action.stage][0]].captures[factor])
+        if done != action.microbatch:
+            raise PipeloomError(f"K-FAC: stage {action.stage} ran {action} after {done} captures of {factor}; "
+                                "the schedule must run each stage's forwards and backwards in microbatch order")
+        return True
+
+    @contextmanager
+    def around(self, action):
+        """Around an F: capture the layer inputs; around a backward: check its order (the
+        hooks its forward left capture the output gradients)."""
+        capturing = self.capturing(action)
+        self.kfac.capturing = capturing and action.kind == F
+        try:
+            yield
+        finally:
+            self.kfac.capturing = False
+
+    def piece(self, action) -> None:
+        name = self.units[action.stage][action.payload[0]]
+        kind = action.kind
+        if kind in (KFAC_A, KFAC_G):
+            self.kfac.curvature(name, "A" if kind == KFAC_A else "G", action.microbatch)
+        elif kind in (KFAC_SYNC_A, KFAC_SYNC_G):
+            self.kfac.reduce(name, "A" if kind == KFAC_SYNC_A else "G")
+        else:
+            self.kfac.invert(name)
+
+    def precondition(self, action) -> None:
+        """Stage ``action.stage``'s gradients preconditioned; in the cycle's last step with the new inverses."""
+        names = self.units[action.stage]
+        steps = self.context.schedule.steps
+        if self.call == self.calls - 1 and action.microbatch == steps - 1:
+            self.kfac.publish(names)
+        self.kfac.precondition(names)
+
+
+def kfac_cycle(context, optimizer: str, options: dict | None, costs=None):
+    """Set up PipeFisher on a pipeline whose ``context`` runs one call of its schedule:
+    the rank's :class:`KfacWork`, the schedule through :class:`~pipeloom.schedule.Kfac`
+    (units from every rank's stages, placed with ``costs``), and this rank's list of it cut into
+    its calls. ``options``: ``damping``, ``decay`` (of K-FAC), ``every``, ``margin`` (of the placement)."""
+    if optimizer != "kfac":
+        raise PipeloomError(f"optimizer={optimizer!r}: the pipeline runs 'kfac' (PipeFisher) or none")
+    base, options = context.schedule, dict(options or {})
+    unknown = sorted(set(options) - {"damping", "decay", "every", "margin"})
+    if unknown:
+        raise PipeloomError(f"kfac option {unknown[0]!r}; options: damping, decay, every, margin")
+    refused = [what for what, on in (
+        ("PipeDream-2BW's weight versions", base.weight_versions > 1 or base.steps > 1),
+        ("sequence parallelism", context.mesh.layout.sp > 1),
+        ("recomputation", bool(context.recompute)),
+        ("offload", bool(base.options.get("offload"))),
+        ("vocabulary parallelism", base.vocab_parallel is not None)) if on]
+    if refused:
+        raise PipeloomError(f"optimizer='kfac' does not run with {refused[0]} yet (the simulator places K-FAC work "
+                            "there: pipeloom simulate --kfac); use a plain synchronous schedule")
+    work = KfacWork(context, **{k: options[k] for k in ("damping", "decay") if k in options})
+    counts: list = [None] * context.mesh.layout.pp
+    dist.all_gather_object(counts, {s: len(u) for s, u in work.units.items()}, group=context.mesh.pp_group)
+    units = {s: n for part in counts for s, n in part.items()}
+    empty = sorted(s for s, n in units.items() if not n)
+    if empty:
+        raise PipeloomError(f"K-FAC: stage {empty[0]} has no linear layer to precondition; use fewer stages")
+    transform = Kfac([units[s] for s in range(base.stages)], options.get("every"), options.get("margin", 0.05))
+    schedule = validate(transform.apply(base, costs))
+    work.calls = schedule.options["kfac"]["every"]
+    return work, schedule, split_cycle(lower(schedule).ranks[context.mesh.pp_rank], base.microbatches, base.steps)
+
+
+def split_cycle(actions, microbatches: int, steps: int) -> list[list]:
+    """One rank's list of a K-FAC cycle cut into its calls, each renumbered as a call of
+    ``steps`` steps of ``microbatches``. A piece goes with the call of the next compute action
+    (a send or receive, which lowering may post a call early, does not count); the pieces keep
+    their capture's numbers."""
+    per_call = microbatches * steps
+    calls: list[list] = [[]]
+    waiting: list = []
+    for action in actions:
+        if action.kind in PIECES:
+            waiting.append(action)
+            continue
+        if action.kind == KFAC_PRE:
+            call, action = action.microbatch // steps, action._replace(microbatch=action.microbatch % steps)
+        else:
+            call, action = action.microbatch // per_call, action._replace(microbatch=action.microbatch % per_call)
+        while len(calls) <= call:
+            calls.append([])
+        if get(action.kind).drawn:
+            calls[call] += waiting
+            waiting = []
+        calls[call].append(action)
+    calls[-1] += waiting
+    return calls
+
+
+def preconditioned(actions) -> dict[int, list[tuple[int, int]]]:
+    """After which action each stage's gradient of each step is final: its KFAC_PRE
+    (the form of :func:`pipeloom.runtime.grads.finals`)."""
+    plan: dict[int, list[tuple[int, int]]] = {}
+    for k, action in enumerate(actions):
+        if action.kind == KFAC_PRE:
+            plan.setdefault(k, []).append((action.stage, action.microbatch))
+    return plan
+
+
+def _around(action, context):
+    work = context.extras.get(NAME)
+    return work.around(action) if work is not None else None
+
+
+for _kind in (F, B, BW):
+    around(_kind, _around)
+for _kind in PIECES:
+    register(_kind, lambda action, context: context.extras[NAME].piece(action))
+register(KFAC_PRE, lambda action, context: context.extras[NAME].precondition(action))

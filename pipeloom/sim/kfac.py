@@ -1,0 +1,65 @@
+"""What PipeFisher's bubble work does to a schedule: utilisation, refresh interval, step time."""
+
+from __future__ import annotations
+
+from ..schedule.costs import StageCosts
+from ..schedule.kinds import KINDS
+from ..schedule.transforms.kfac import KFAC_PRE, PIECES
+from .simulate import Result, simulate
+
+
+def kfac_report(base: Result, result: Result) -> dict:
+    """Compare ``base`` (a schedule simulated without K-FAC) with ``result`` (the same schedule
+    through :class:`~pipeloom.schedule.Kfac`, under the same costs).
+
+    ``every``: the refresh interval k in steps (a cycle is k copies of the base); ``step_time``
+    before and after (the cycle's makespan over its steps) and their ``makespan_change``
+    (after / before - 1); per rank: ``utilisation`` before and after (compute-stream busy time
+    over the step or cycle), ``kfac_time`` (the refresh's pieces), ``overflow_time`` (those
+    that fitted no bubble and run at the end of the cycle) and ``bubble_filled``, the share of
+    the bubbles the pieces fill: their time in bubbles over the rank's idle time in the cycle
+    with the pieces taking no time (the preconditioning and the flushes kept).
+    """
+    settings = result.schedule.options["kfac"]
+    free = {name: (0.0,) * len(values) if name in _PIECE_FIELDS else values
+            for name, values in result.costs.values.items()}
+    bare = simulate(result.schedule, StageCosts(free))
+    before_steps, after_steps = base.schedule.steps, result.schedule.steps
+    side = frozenset(name for name, kind in KINDS.items() if kind.stream)
+    ranks = []
+    for rank, (old, empty) in enumerate(zip(base.ranks, bare.ranks)):
+        events = result.events[rank]
+        pieces = [e for e in events if e.action.kind in PIECES]
+        kfac = sum(e.end - e.start for e in pieces)
+        overflow = _overflow(events, settings["overflow"][rank], after_steps - 1)
+        busy = sum(e.end - e.start for e in events if e.action.kind not in side)
+        in_bubbles = kfac - overflow
+        bubble = bare.makespan - empty.busy
+        ranks.append({
+            "rank": rank,
+            "utilisation_before": old.busy / base.makespan if base.makespan else 0.0,
+            "utilisation_after": busy / result.makespan if result.makespan else 0.0,
+            "kfac_time": kfac,
+            "overflow_time": overflow,
+            "bubble_filled": in_bubbles / bubble if bubble > 0 else 0.0,
+        })
+    before, after = base.makespan / before_steps, result.makespan / after_steps
+    return {
+        "every": settings["every"], "forced": settings["forced"], "units": settings["units"],
+        "margin": settings["margin"], "overflow_pieces": sum(settings["overflow"]),
+        "step_time_before": before, "step_time_after": after,
+        "makespan_change": after / before - 1 if before else 0.0,
+        "ranks": ranks,
+    }
+
+
+_PIECE_FIELDS = frozenset(name for kind in PIECES for name in KINDS[kind].cost)
+
+
+def _overflow(events, count: int, last: int) -> float:
+    """Time of the ``count`` pieces right before the rank's preconditioning of step ``last``
+    (where the transform puts what fitted no bubble)."""
+    if not count:
+        return 0.0
+    first = next(k for k, e in enumerate(events) if e.action.kind == KFAC_PRE and e.action.microbatch == last)
+    return sum(e.end - e.start for e in events[first - count:first])

@@ -1,0 +1,126 @@
+"""PipeFisher in the runtime: Pipeline(optimizer="kfac") against K-FAC on one process, same refresh pattern."""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from parity import make_batch  # noqa: E402
+from pipeloom.runtime.local import spawn  # noqa: E402
+
+STEPS, BATCH, SEQ, LR, DAMPING = 6, 8, 16, 0.05, 0.1
+
+
+def _batches(config):
+    """One batch, ``STEPS`` times: the loss must fall."""
+    return [make_batch(config, BATCH, SEQ, seed=1)] * STEPS
+
+
+def _reference(config_overrides, every):
+    """Losses and final weights of K-FAC around SGD on the one-process GPT: factors from
+    steps 0, k, 2k, ..., their inverses in use from the refresh's last step (delay k - 1)."""
+    from pipeloom.nn import GPT, GPTConfig
+    from pipeloom.optim.kfac import KFAC
+
+    config = GPTConfig.preset("tiny", **config_overrides)
+    torch.manual_seed(0)
+    model = GPT(config)
+    opt = KFAC(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), damping=DAMPING,
+               update_every=every, invert_every=every, delay=every - 1, exclude=["lm_head"])
+    losses = []
+    for tokens, targets in _batches(config):
+        loss = model(tokens, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _worker(rank, cases, config_overrides):
+    import pipeloom
+    from pipeloom.nn import GPT, GPTConfig
+
+    config = GPTConfig.preset("tiny", **config_overrides)
+    out = {}
+    for label, options in cases:
+        torch.manual_seed(0)
+        pipe = pipeloom.Pipeline(GPT(config), optimizer="kfac", kfac={"damping": DAMPING, **options.pop("kfac")},
+                                 **options)
+        opt = torch.optim.SGD(pipe.parameters(), lr=LR, momentum=0.9)
+        losses = []
+        for tokens, targets in _batches(config):
+            losses.append(pipe.step(tokens, targets))
+            pipe.optimizer_step(opt)
+        weights = {name: p.detach().clone() for name, p in pipe.named_parameters()}
+        out[label] = (losses, weights, pipe.schedule.options["kfac"]["every"])
+    return out
+
+
+def _check(results, config_overrides, want_every):
+    for label, every in want_every.items():
+        ref_losses, ref_weights = _reference(config_overrides, every)
+        weights = {}
+        for rank_result in results:
+            losses, own, got_every = rank_result[label]
+            assert got_every == every, (label, got_every)
+            assert losses == pytest.approx(ref_losses, rel=1e-5), (label, losses, ref_losses)
+            weights.update(own)
+        assert set(weights) <= set(ref_weights)
+        for name, w in weights.items():
+            err = ((w - ref_weights[name]).norm() / ref_weights[name].norm()).item()
+            assert err < 1e-4, (label, name, err)
+        # the update moved the weights: a K-FAC step that did nothing would fail above against the reference
+        assert losses[-1] < losses[0]
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_match_kfac_on_one_process():
+    from pipeloom.schedule import Costs
+
+    slow = Costs(extra={"kfac_a": 0.05, "kfac_g": 0.05, "kfac_inv": 0.2})  # the pieces spill over 3 steps
+    cases = [
+        ("gpipe every 1", dict(schedule="gpipe", pp=2, microbatches=4, kfac={"every": 1})),
+        ("1f1b auto", dict(schedule="1f1b", pp=2, microbatches=4, costs=slow, kfac={})),
+        ("zb-h1 every 2, overflow", dict(schedule="zb-h1", pp=2, microbatches=4, costs=slow, kfac={"every": 2})),
+        ("interleaved every 3", dict(schedule="interleaved-1f1b", pp=2, microbatches=4, chunks=2,
+                                      kfac={"every": 3})),
+    ]
+    results = spawn(2, _worker, cases, {}, timeout=200)
+    assert results[0]["1f1b auto"][2] == 3  # the pieces fill three steps' bubbles
+    _check(results, {}, {"gpipe every 1": 1, "1f1b auto": 3, "zb-h1 every 2, overflow": 2, "interleaved every 3": 3})
+
+
+@pytest.mark.timeout(240)
+def test_data_parallel_replicas_sum_their_factors():
+    cases = [("dp2 pp2 zb-v", dict(schedule="zb-v", pp=2, dp=2, microbatches=4, kfac={"every": 2}))]
+    _check(spawn(4, _worker, cases, {}, timeout=200), {}, {"dp2 pp2 zb-v": 2})
+
+
+def _refusal_worker(rank):
+    import pipeloom
+    from pipeloom.errors import PipeloomError
+    from pipeloom.nn import GPT, GPTConfig
+
+    config = GPTConfig.preset("tiny")
+    messages = []
+    for options in (dict(schedule="2bw", optimizer="kfac"), dict(schedule="1f1b", optimizer="kfac", recompute=True),
+                    dict(schedule="1f1b", optimizer="adam"),
+                    dict(schedule="1f1b", optimizer="kfac", kfac={"dampning": 1})):
+        try:
+            pipeloom.Pipeline(GPT(config), pp=1, microbatches=2, **options)
+            messages.append("no error")
+        except PipeloomError as err:
+            messages.append(str(err))
+    return messages
+
+
+@pytest.mark.timeout(60)
+def test_combinations_not_run_yet_are_refused_by_name():
+    messages = spawn(1, _refusal_worker, timeout=45)[0]
+    assert "PipeDream-2BW" in messages[0]
+    assert "recomputation" in messages[1]
+    assert "'adam'" in messages[2]
+    assert "'dampning'" in messages[3]
