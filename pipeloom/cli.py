@@ -98,6 +98,12 @@ def _add_simulate(sub) -> None:
                         "by --offload-ratio (selective); default none")
     p.add_argument("--offload-ratio", type=float, metavar="R",
                    help="with --offload selective: the share of each rank's peak activation memory to remove, in (0, 1]")
+    p.add_argument("--kfac", action="store_true",
+                   help="PipeFisher: put K-FAC's curvature, sync and inversion pieces into the bubbles (one piece per "
+                        "linear layer with --model, else one per stage: give kfac_a, kfac_g, kfac_sync_a, kfac_sync_g, "
+                        "kfac_inv, kfac_pre in --costs); the steps the pieces need set the refresh interval")
+    p.add_argument("--kfac-every", type=int, metavar="K",
+                   help="with --kfac: force the refresh interval to K steps (what does not fit runs at its end)")
     p.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace (Perfetto, chrome://tracing)")
     p.add_argument("--plot", metavar="FILE.png|.svg", help="draw the schedule and its memory with matplotlib")
     p.add_argument("--torch-csv", metavar="FILE", help="export for torch.distributed.pipelining's runtime schedule")
@@ -119,6 +125,8 @@ def _run_simulate(args) -> int:
 
     modes = _vocab_modes(args)
     args.offload = _offload(args)
+    if args.kfac_every is not None and not args.kfac:
+        raise PipeloomError(f"--kfac-every {args.kfac_every} goes with --kfac")
     names = _schedules(args)
     _model_flags(args)
     if args.memory_limit is not None and not 0 < args.memory_limit < math.inf:
@@ -235,12 +243,24 @@ def _simulate_one(args, name: str, compare: bool):
     costs, model = _costs(args, family, chunks)
     options = {"costs": costs, "memory_limit": args.memory_limit, "steps": args.steps}
     options = {k: v for k, v in options.items() if v is not None and k in family.options}
+    transforms = [args.offload] if args.offload else []
     schedule = build(name, args.pp, args.microbatches, chunks, vocab_parallel=args.vocab_parallel,
-                     transforms=[args.offload] if args.offload else [], costs=costs, **options)
+                     transforms=transforms, costs=costs, **options)
     if args.memory_limit is not None and "memory_limit" not in options:
         validate(schedule, memory_limit=args.memory_limit, m_w=_m_w_fraction(costs))
+    base = simulate(schedule, costs)
+    if not args.kfac:
+        return _report(base, model, args), base
+    from .schedule import Kfac
+    from .sim import kfac_report
+    from .sim.model import KFAC_UNITS_PER_LAYER, stage_layers
+
+    units = 1 if model is None else [KFAC_UNITS_PER_LAYER * n for n in stage_layers(
+        model[0], schedule.stages, args.seq, vocab_parallel=args.vocab_parallel)]
+    schedule = build(name, args.pp, args.microbatches, chunks, vocab_parallel=args.vocab_parallel, costs=costs,
+                     transforms=[*transforms, Kfac(units, args.kfac_every)], **options)
     result = simulate(schedule, costs)
-    return _report(result, model, args), result
+    return {**_report(result, model, args), "kfac": kfac_report(base, result)}, result
 
 
 def _offload(args):
@@ -273,7 +293,7 @@ def _costs(args, family, chunks):
         model = replace(model, vocab=args.vocab)
     costs = costs_from_model(model, args.pp, args.seq, args.microbatch_size, device,
                              chunks=chunks or family.default_chunks, vocab_parallel=args.vocab_parallel,
-                             sp=_sp(args), attention=args.attention, recompute=_recompute(args))
+                             sp=_sp(args), attention=args.attention, recompute=_recompute(args), kfac=args.kfac)
     return costs, (model, device)
 
 
@@ -413,7 +433,21 @@ def _rank_table(report: dict) -> str:
         lines += ["", *_sp_lines(report)]
     if "offload" in report:
         lines += ["", *_offload_lines(report)]
+    if "kfac" in report:
+        lines += ["", *_kfac_lines(report["kfac"])]
     return "\n".join(lines)
+
+
+def _kfac_lines(kfac: dict) -> list[str]:
+    forced = "forced" if kfac["forced"] else "the steps its pieces need"
+    lines = [f"K-FAC: refresh every {kfac['every']} steps ({forced}); step {kfac['step_time_before']:.4g} -> "
+             f"{kfac['step_time_after']:.4g} ({kfac['makespan_change']:+.1%}); {kfac['overflow_pieces']} pieces "
+             "fitted no bubble",
+             f"{'rank':>4} {'busy before':>12} {'busy after':>11} {'bubble filled':>14} {'K-FAC time':>11}"]
+    for row in kfac["ranks"]:
+        lines.append(f"{row['rank']:>4} {row['utilisation_before']:>12.1%} {row['utilisation_after']:>11.1%} "
+                     f"{row['bubble_filled']:>14.1%} {row['kfac_time']:>11.4g}")
+    return lines
 
 
 def _offload_lines(report: dict) -> list[str]:
@@ -578,6 +612,12 @@ def _add_train(sub) -> None:
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of AdamW (default 3e-3)")
     g.add_argument("--warmup", type=int, help="linear warmup steps, then cosine decay to lr/10 (default steps/10, at most 100)")
     g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay of the matrices (default 0.1)")
+    g.add_argument("--optimizer", choices=("adamw", "kfac"), default="adamw",
+                   help="adamw, or kfac: PipeFisher, AdamW on gradients K-FAC preconditions, its curvature and "
+                        "inversion work in the schedule's bubbles (default adamw)")
+    g.add_argument("--kfac-every", type=int, metavar="K",
+                   help="with --optimizer kfac: refresh the curvature every K steps (default: as the bubbles allow)")
+    g.add_argument("--kfac-damping", type=float, default=1e-3, help="with --optimizer kfac: damping (default 1e-3)")
     g.add_argument("--clip", type=_clip, default=1.0, metavar="NORM",
                    help="clip gradients to this global norm; 0 or none: no clipping (default 1.0)")
     g.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches (default 0)")

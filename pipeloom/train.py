@@ -89,6 +89,17 @@ def check(args, world: int):
     for flag in ("lr", "timeout"):
         if not getattr(args, flag) > 0:
             raise PipeloomError(f"--{flag} must be positive, got {getattr(args, flag)}")
+    if args.optimizer != "kfac" and (args.kfac_every is not None or args.kfac_damping != 1e-3):
+        raise PipeloomError("--kfac-every and --kfac-damping go with --optimizer kfac")
+    if args.optimizer == "kfac" and (args.checkpoint_dir or args.resume):
+        raise PipeloomError("--optimizer kfac does not save its curvature in checkpoints yet: train without "
+                            "--checkpoint-dir and --resume")
+    if args.optimizer == "kfac" and (args.report or args.trace or args.plot):
+        raise PipeloomError("--optimizer kfac cannot draw or report its measured steps yet (each step of its refresh "
+                            "runs other pieces): drop --report, --trace and --plot, and see them simulated with "
+                            "pipeloom simulate --kfac")
+    if args.optimizer == "kfac" and not args.kfac_damping > 0:
+        raise PipeloomError(f"--kfac-damping must be positive, got {args.kfac_damping:g}")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise PipeloomError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
     if args.checkpoint_every and not args.checkpoint_dir:
@@ -250,7 +261,8 @@ class Trainer:
         vocab = None if args.vocab_parallel == "none" else args.vocab_parallel
         self.pipe = Pipeline(model, schedule, dp=dp, sp=layout.sp, attention=args.attention, timeout=args.timeout,
                              autocast=autocast, device=device, recompute=RECOMPUTE[args.recompute],
-                             layers_per_stage=_redistributed(self.config, args, schedule) if vocab == "redis" else None)
+                             layers_per_stage=_redistributed(self.config, args, schedule) if vocab == "redis" else None,
+                             **_kfac(args, self.config, schedule, device))
         params = self.pipe.parameters()
         self.optimizer = torch.optim.AdamW(
             [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
@@ -263,6 +275,8 @@ class Trainer:
             vocab_parallel = f", vocab-parallel {vocab}" if vocab else ""
             offload = f", offload {args.offload}" if args.offload != "none" else ""
             offload += f" {args.offload_ratio:g}" if args.offload_ratio is not None else ""
+            if self.pipe.kfac is not None:
+                offload += f", K-FAC refreshed every {self.pipe.schedule.options['kfac']['every']} steps"
             micro = f"{args.microbatches} microbatch{'es' if args.microbatches > 1 else ''}"
             print(f"pipeloom train: {args.model} ({_count(self.n_params)} parameters), {args.schedule}, pp={args.pp}, "
                   f"dp={dp}{sp}{vocab_parallel}{offload}, {micro} of {args.microbatch_size} x {args.seq} tokens, "
@@ -277,7 +291,7 @@ class Trainer:
         lead = self.rank == 0
         metrics = open(args.metrics, "a" if args.resume else "w") if lead and args.metrics else None
         progress = _Progress(args.steps, self.start) if lead else None
-        per_call = pipe.schedule.steps  # 2bw runs several steps per call, without a flush
+        per_call = pipe.context.schedule.steps  # 2bw runs several steps per call, without a flush
         times, timelines = [], []
         done, stopped = self.start, 0
         try:
@@ -342,7 +356,7 @@ class Trainer:
         from .runtime.p2p import PeerTimeout
 
         args, pipe = self.args, self.pipe
-        steps = range(first, first + pipe.schedule.steps)
+        steps = range(first, first + pipe.context.schedule.steps)
         lr = learning_rate(first, args)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -464,6 +478,19 @@ def report(schedule, timelines, step_times) -> str:
         lines.append(f"    {name:<18} {result.makespan / other.steps:9.2f} ms   bubble {result.bubble_rate:.1%}"
                      + (f"   (a step of {other.steps} without a flush)" if other.steps > 1 else ""))
     return "\n".join(lines)
+
+
+def _kfac(args, config, schedule, device) -> dict:
+    """Pipeline's K-FAC arguments for --optimizer kfac: the pieces placed by the model's costs on
+    this kind of device (the ``cpu`` or ``h100`` preset)."""
+    if args.optimizer != "kfac":
+        return {}
+    from .sim.model import ModelSpec, costs_from_model
+
+    spec = ModelSpec(args.model, config.n_layer, config.n_embd, config.n_head, config.vocab_size)
+    costs = costs_from_model(spec, args.pp, args.seq, args.microbatch_size, "h100" if device.type == "cuda" else "cpu",
+                             chunks=schedule.chunks, kfac=True, dp=args.dp or 1)
+    return {"optimizer": "kfac", "kfac": {"damping": args.kfac_damping, "every": args.kfac_every}, "costs": costs}
 
 
 def _redistributed(config, args, schedule) -> tuple[int, ...]:

@@ -344,12 +344,12 @@ def check_kfac(schedule: Schedule) -> None:
 
 _COMMON = dict(torch_csv=None, check=check_kfac)
 register(Kind(KFAC_A, "K-FAC A", needs=_a_needs, cost=("kfac_a",), colour="#e5ae38", letter="a", **_COMMON))
-register(Kind(KFAC_G, "K-FAC G", needs=_g_needs, cost=("kfac_g",), colour="#c4a000", letter="g", **_COMMON))
-register(Kind(KFAC_SYNC_A, "K-FAC sync A", needs=_sync_needs(KFAC_A), cost=("kfac_sync_a",), colour="#6d904f",
+register(Kind(KFAC_G, "K-FAC G", needs=_g_needs, cost=("kfac_g",), colour="#bcbd22", letter="g", **_COMMON))
+register(Kind(KFAC_SYNC_A, "K-FAC sync A", needs=_sync_needs(KFAC_A), cost=("kfac_sync_a",), colour="#8c564b",
               letter="y", **_COMMON))
-register(Kind(KFAC_SYNC_G, "K-FAC sync G", needs=_sync_needs(KFAC_G), cost=("kfac_sync_g",), colour="#6d904f",
+register(Kind(KFAC_SYNC_G, "K-FAC sync G", needs=_sync_needs(KFAC_G), cost=("kfac_sync_g",), colour="#8c564b",
               letter="y", **_COMMON))
-register(Kind(KFAC_INV, "K-FAC inverse", needs=_inv_needs, cost=("kfac_inv",), colour="#fc4f30", letter="i",
+register(Kind(KFAC_INV, "K-FAC inverse", needs=_inv_needs, cost=("kfac_inv",), colour="#17becf", letter="i",
               **_COMMON))
 register(Kind(KFAC_PRE, "K-FAC precondition", needs=_pre_needs, cost=("kfac_pre",), colour="#810f7c",
               letter="p", **_COMMON))
