@@ -68,7 +68,7 @@ for _name in ("kfac_a", "kfac_g", "kfac_sync_a", "kfac_sync_g", "kfac_inv"):
 register_field("kfac_pre")
 
 #: The refresh interval's upper end when it is chosen by the bubbles.
-MAX_EVERY = 64
+MAX_EVERY = 20
 
 
 class Kfac:

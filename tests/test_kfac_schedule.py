@@ -1,0 +1,168 @@
+"""PipeFisher's schedule layer: K-FAC pieces in the bubbles of every family, the refresh interval, the report."""
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from pipeloom.cli import main
+from pipeloom.errors import PipeloomError, ScheduleError
+from pipeloom.schedule import FAMILIES, Costs, Kfac, Schedule, StageCosts, build, validate
+from pipeloom.schedule.transforms.kfac import KFAC_INV, KFAC_PRE, PIECES
+from pipeloom.sim import ModelSpec, costs_from_model, kfac_costs, kfac_report, simulate, stage_layers
+from pipeloom.sim.model import KFAC_UNITS_PER_LAYER, get_device
+
+PIECE_FIELDS = ("kfac_a", "kfac_g", "kfac_sync_a", "kfac_sync_g", "kfac_inv")
+
+
+def _costs(pp, chunks=1, **kfac):
+    """Uneven stage costs (the last stage heavier), and K-FAC pieces."""
+    stages = pp * chunks
+    return Costs(f=[1.0 + 0.1 * s for s in range(stages)], b=[1.2 + 0.1 * s for s in range(stages)],
+                 w=[0.8] * stages, comm=0.05,
+                 extra={"kfac_a": 0.15, "kfac_g": 0.2, "kfac_sync_a": 0.02, "kfac_sync_g": 0.02, "kfac_inv": 0.6,
+                        "kfac_pre": 0.1, **kfac})
+
+
+def _without_pieces(result):
+    free = {name: (0.0,) * len(v) if name in PIECE_FIELDS else v for name, v in result.costs.values.items()}
+    return simulate(result.schedule, StageCosts(free))
+
+
+def _starts(result):
+    """Each rank's F, B, W and BW with their start (a preconditioning may wait for pieces in the
+    bubble before it; it still ends in time)."""
+    return [[(e.action, e.start) for e in events if e.action.kind in ("F", "B", "W", "BW")] for events in result.events]
+
+
+CASES = [(name, pp) for name in FAMILIES for pp in (2, 4)]
+
+
+@pytest.mark.parametrize("name,pp", CASES)
+def test_every_family_takes_one_refresh_without_delaying_its_work(name, pp):
+    family = FAMILIES[name]
+    chunks = family.default_chunks
+    costs = _costs(pp, chunks)
+    schedule = build(name, pp, 2 * pp, costs=costs, transforms=[Kfac(units=3)])  # validated: complete, in order
+    kfac = schedule.options["kfac"]
+    base = build(name, pp, 2 * pp, costs=costs)
+    assert schedule.steps == kfac["every"] * base.steps
+    pieces = [a for actions in schedule.ranks for a in actions if a.kind in PIECES]
+    assert len(pieces) == schedule.stages * 3 * (2 * schedule.microbatches + 3)
+    result = simulate(schedule, costs)
+    if not any(kfac["overflow"]):
+        # every F, B and W starts when it would with pieces that take no time
+        for got, want in zip(_starts(result), _starts(_without_pieces(result))):
+            assert [a for a, _ in got] == [a for a, _ in want]
+            assert [t for _, t in got] == pytest.approx([t for _, t in want], abs=1e-9)
+        assert result.makespan == pytest.approx(_without_pieces(result).makespan)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "v-half"])
+def test_the_refresh_interval_is_the_fewest_steps_whose_bubbles_hold_the_pieces(name):
+    costs = _costs(4, FAMILIES[name].default_chunks)
+    k = build(name, 4, 8, costs=costs, transforms=[Kfac(units=3)]).options["kfac"]["every"]
+    forced = build(name, 4, 8, costs=costs, transforms=[Kfac(units=3, every=k)]).options["kfac"]
+    assert forced["every"] == k and forced["forced"]
+    if k > 1:
+        fewer = build(name, 4, 8, costs=costs, transforms=[Kfac(units=3, every=k - 1)])
+        assert fewer.options["kfac"]["every"] == k - 1 and sum(fewer.options["kfac"]["overflow"]) > 0
+        # what did not fit runs at the end of the refresh: that step is longer
+        assert simulate(fewer, costs).makespan / (k - 1) > simulate(build(name, 4, 8, costs=costs), costs).makespan
+
+
+def test_a_piece_goes_into_a_gap_only_with_the_margin_to_spare():
+    # gpipe, 2 ranks, 1 microbatch: rank 0 waits 3 time units between its F and its backward
+    def overflow(kfac_a, margin):
+        costs = Costs(f=1, b=1, w=1, extra={"kfac_a": kfac_a})
+        return build("gpipe", 2, 1, costs=costs, transforms=[Kfac(margin=margin, every=1)]).options["kfac"]["overflow"]
+    assert overflow(2.9, 0.0)[0] == 0
+    assert overflow(2.9, 0.05)[0] == 3  # 2.9 x 1.05 > 3: A, then its sync and the inverse, at the end
+    assert overflow(2.8, 0.05)[0] == 0
+
+
+def test_one_rank_has_no_bubble_and_runs_every_piece_on_the_critical_path():
+    costs = Costs(f=1, b=1, w=1, extra={"kfac_a": 0.1, "kfac_g": 0.2, "kfac_inv": 0.5, "kfac_pre": 0.3})
+    schedule = build("1f1b", 1, 4, costs=costs, transforms=[Kfac(units=2)])
+    kfac = schedule.options["kfac"]
+    assert kfac["every"] == 1 and kfac["overflow"] == [2 * (2 * 4 + 3)]
+    assert simulate(schedule, costs).makespan == pytest.approx(4 * 3 + 2 * (4 * 0.3 + 0.5) + 0.3)
+
+
+def test_the_last_step_preconditions_after_every_inverse_and_a_missing_piece_is_named():
+    schedule = build("1f1b", 2, 4, costs=_costs(2), transforms=[Kfac(units=2, every=2)])
+    ranks = [list(actions) for actions in schedule.ranks]
+    actions = ranks[1]
+    last_pre = actions.index(next(a for a in actions if a.kind == KFAC_PRE and a.microbatch == 1))
+    inverse = next(a for a in actions if a.kind == KFAC_INV)
+    actions.remove(inverse)
+    with pytest.raises(ScheduleError, match="KFAC_INV of stage 1"):
+        validate(replace(schedule, ranks=tuple(map(tuple, ranks))))
+    actions.insert(last_pre, inverse)  # after the last preconditioning, which needs it
+    with pytest.raises(ScheduleError, match="runs before"):
+        validate(replace(schedule, ranks=tuple(map(tuple, ranks))))
+
+
+def test_json_round_trip_keeps_the_pieces():
+    schedule = build("zb-h1", 2, 4, costs=_costs(2), transforms=[Kfac(units=2)])
+    assert Schedule.from_json(schedule.to_json()) == schedule
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(PipeloomError, match="every=0"):
+        Kfac(every=0)
+    with pytest.raises(PipeloomError, match="units"):
+        build("1f1b", 2, 4, transforms=[Kfac(units=[1, 2, 3])])
+    with pytest.raises(ScheduleError, match="K-FAC work already"):
+        Kfac().apply(build("1f1b", 2, 4, transforms=[Kfac()]))
+
+
+def test_piece_costs_follow_the_formulas():
+    spec, device = ModelSpec("small", 2, 64, 4, 100), get_device("a100")
+    got = kfac_costs(spec, 32, 2, device)
+    rows, h = 64, 64
+    inputs, grads = [h + 1, h + 1, h + 1, 4 * h + 1], [3 * h, h, 4 * h, h]
+    assert got["kfac_a"] == pytest.approx(device.ms(sum(2 * rows * d * d for d in inputs)))
+    assert got["kfac_g"] == pytest.approx(device.ms(sum(2 * rows * d * d for d in grads)))
+    assert got["kfac_sync_a"] == got["kfac_sync_g"] == 0  # one replica
+    assert kfac_costs(spec, 32, 2, device, dp=4)["kfac_sync_a"] > 0
+    costs = costs_from_model(spec, 2, 32, 2, device, kfac=True)
+    assert costs.extra["kfac_a"] == pytest.approx(got["kfac_a"] / KFAC_UNITS_PER_LAYER)
+    assert costs.extra["kfac_pre"] == pytest.approx([got["kfac_pre"]] * 2)
+
+
+BERT = {"bert-base": ModelSpec("bert-base", 12, 768, 12, 30522), "bert-large": ModelSpec("bert-large", 24, 1024, 16, 30522)}
+
+
+@pytest.mark.parametrize("model", sorted(BERT))
+@pytest.mark.parametrize("pp", [4, 8])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_paper_like_settings_refresh_within_a_few_steps_and_fill_bubbles(model, pp, name):
+    """PipeFisher's BERT pretraining (sequences of 128, microbatches of 32) on V100s."""
+    spec = BERT[model]
+    costs = costs_from_model(spec, pp, 128, 32, "v100", kfac=True)
+    units = [KFAC_UNITS_PER_LAYER * n for n in stage_layers(spec, pp, 128)]
+    base = simulate(build(name, pp, pp, costs=costs), costs)
+    result = simulate(build(name, pp, pp, costs=costs, transforms=[Kfac(units)]), costs)
+    report = kfac_report(base, result)
+    assert 1 <= report["every"] <= 6 and report["overflow_pieces"] == 0
+    assert 0 < report["makespan_change"] < 0.05  # the preconditioning only
+    for row in report["ranks"]:
+        assert row["utilisation_after"] > row["utilisation_before"]
+        assert row["overflow_time"] == 0
+    assert max(row["bubble_filled"] for row in report["ranks"]) > 0.5
+
+
+def test_simulate_kfac_json(capsys):
+    args = ["simulate", "--schedule", "gpipe", "--pp", "4", "--microbatches", "4", "--model", "gpt-125m",
+            "--seq", "512", "--microbatch-size", "4", "--device", "v100", "--kfac", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    kfac = out["kfac"]
+    assert out["steps"] == kfac["every"] >= 1
+    assert kfac["step_time_after"] >= kfac["step_time_before"]
+    assert len(kfac["ranks"]) == 4 and {"utilisation_before", "utilisation_after", "bubble_filled"} <= set(kfac["ranks"][0])
+    assert main([*args[:-1], "--kfac-every", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kfac"]["every"] == 1
+    assert main(["simulate", "--kfac-every", "2"]) == 2
+    assert "--kfac-every 2 goes with --kfac" in capsys.readouterr().err
