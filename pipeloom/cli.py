@@ -549,9 +549,10 @@ def _vocab_table(reports: list[dict]) -> str:
 
 
 def _compare_table(reports: list[dict]) -> str:
-    offload = "offload" in reports[0]
+    offload, kfac = "offload" in reports[0], "kfac" in reports[0]
     lines = [f"{'schedule':<18} {'stages':>6} {'makespan':>10}  {'span bubble':>11}  {'step bubble':>11} "
-             f"{'max peak act':>13}" + (f" {'max host':>10} {'max exposed':>11}" if offload else "")]
+             f"{'max peak act':>13}" + (f" {'max host':>10} {'max exposed':>11}" if offload else "")
+             + (f" {'K-FAC k':>7} {'step before':>11} {'step after':>10}" if kfac else "")]
     for r in reports:
         line = (f"{r['schedule']:<18} {r['stages']:>6} {r['makespan']:>10.4g}  {r['bubble_rate']:>11.1%}  "
                 f"{r['step_bubble_rate']:>11.1%} {max(r['peak_activation']):>13.4g}")
@@ -560,6 +561,8 @@ def _compare_table(reports: list[dict]) -> str:
             host = max(row.get("host_bytes", row.get("host")) for row in rows)
             exposed = max(row.get("exposed_ms", row.get("exposed")) for row in rows)
             line += f" {_size(host) if 'k' in r['offload'] else f'{host:.4g}':>10} {exposed:>11.4g}"
+        if kfac:
+            line += f" {r['kfac']['every']:>7} {r['kfac']['step_time_before']:>11.4g} {r['kfac']['step_time_after']:>10.4g}"
         lines.append(line)
     return "\n".join(lines)
 

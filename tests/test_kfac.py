@@ -1,5 +1,6 @@
 """K-FAC (pipeloom.optim.kfac) against factors, inverses and updates built by hand with plain torch."""
 
+import io
 import math
 
 import pytest
@@ -321,3 +322,43 @@ def test_pieces_refuse_out_of_order_calls():
     opt.curvature("fc1", "A", 0)
     opt.reduce("fc1", "A")
     assert opt.layers["fc1"].captures["A"] == [] and "A" in opt.layers["fc1"].factors
+
+
+def test_delayed_inverses_precondition_from_the_refresh_s_last_step():
+    """PipeFisher's pattern: factors from step 0, their inverses in use from step k - 1 = 2 on."""
+    net = Net()
+    opt = KFAC(net, torch.optim.SGD(net.parameters(), lr=0.01), update_every=3, invert_every=3, delay=2)
+    train_step(net, opt, *data(6))
+    layer = opt.layers["fc2"]
+    assert not layer.inverses and set(layer.pending) == {"A", "G"}  # computed at step 0, not used yet
+    pending = dict(layer.pending)
+    train_step(net, opt, *data(7))
+    assert not layer.inverses and not opt.capturing  # step 1 neither captures nor preconditions
+    train_step(net, opt, *data(8))
+    assert all(layer.inverses[f] is pending[f] for f in "AG") and not layer.pending and opt.capturing
+    with pytest.raises(PipeloomError, match="delay 3"):
+        KFAC(net, torch.optim.SGD(net.parameters(), lr=0.01), invert_every=3, delay=3)
+
+
+def test_state_dict_restores_factors_inverses_and_the_base_state():
+    def make():
+        net = Net()
+        return net, KFAC(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), update_every=2, invert_every=2,
+                         delay=1)
+    net, opt = make()
+    for seed in (6, 7, 8):
+        train_step(net, opt, *data(seed))
+    other_net, other = make()
+    other_net.load_state_dict(net.state_dict())
+    saved = io.BytesIO()
+    torch.save(opt.state_dict(), saved)  # as a checkpoint would: no tensor shared with the running optimizer
+    saved.seek(0)
+    other.load_state_dict(torch.load(saved))
+    for seed in (9, 10):
+        train_step(net, opt, *data(seed))
+        train_step(other_net, other, *data(seed))
+    for a, b in zip(net.parameters(), other_net.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    fewer = Net()
+    with pytest.raises(PipeloomError, match="layers"):
+        KFAC(fewer, torch.optim.SGD(fewer.parameters(), lr=0.1), exclude=["fc1"]).load_state_dict(opt.state_dict())

@@ -7,13 +7,10 @@ import pytest
 
 from pipeloom.cli import main
 from pipeloom.errors import PipeloomError, ScheduleError
-from pipeloom.schedule import FAMILIES, Costs, Kfac, Schedule, StageCosts, build, validate
+from pipeloom.schedule import FAMILIES, Costs, Kfac, Schedule, build, validate
 from pipeloom.schedule.transforms.kfac import KFAC_INV, KFAC_PRE, PIECES
-from pipeloom.sim import ModelSpec, costs_from_model, kfac_costs, kfac_report, simulate, stage_layers
+from pipeloom.sim import ModelSpec, costs_from_model, kfac_costs, kfac_report, simulate, stage_layers, without_pieces
 from pipeloom.sim.model import KFAC_UNITS_PER_LAYER, get_device
-
-PIECE_FIELDS = ("kfac_a", "kfac_g", "kfac_sync_a", "kfac_sync_g", "kfac_inv")
-
 
 def _costs(pp, chunks=1, **kfac):
     """Uneven stage costs (the last stage heavier), and K-FAC pieces."""
@@ -22,11 +19,6 @@ def _costs(pp, chunks=1, **kfac):
                  w=[0.8] * stages, comm=0.05,
                  extra={"kfac_a": 0.15, "kfac_g": 0.2, "kfac_sync_a": 0.02, "kfac_sync_g": 0.02, "kfac_inv": 0.6,
                         "kfac_pre": 0.1, **kfac})
-
-
-def _without_pieces(result):
-    free = {name: (0.0,) * len(v) if name in PIECE_FIELDS else v for name, v in result.costs.values.items()}
-    return simulate(result.schedule, StageCosts(free))
 
 
 def _starts(result):
@@ -52,10 +44,10 @@ def test_every_family_takes_one_refresh_without_delaying_its_work(name, pp):
     result = simulate(schedule, costs)
     if not any(kfac["overflow"]):
         # every F, B and W starts when it would with pieces that take no time
-        for got, want in zip(_starts(result), _starts(_without_pieces(result))):
+        for got, want in zip(_starts(result), _starts(without_pieces(result))):
             assert [a for a, _ in got] == [a for a, _ in want]
             assert [t for _, t in got] == pytest.approx([t for _, t in want], abs=1e-9)
-        assert result.makespan == pytest.approx(_without_pieces(result).makespan)
+        assert result.makespan == pytest.approx(without_pieces(result).makespan)
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "v-half"])

@@ -9,7 +9,7 @@ from .simulate import Event, RankStats, Result, simulate
 from .grid import text_grid
 from .plot import plot_rank_comparison, plot_schedule, plot_schedules
 from .trace import Transfer, chrome_trace, chrome_trace_events, transfers_of, write_chrome_trace
-from .kfac import kfac_report
+from .kfac import kfac_report, without_pieces
 from .model import (
     ATTENTIONS, BYTES_PER_PARAM, DEVICES, MODELS, Device, ModelSpec, SequenceParallelCosts, costs_from_model, kfac_costs,
     get_device, get_model, layer_flops, longest_sequence, peak_memory_bytes, sequence_parallel_costs, stage_layers,
@@ -21,7 +21,7 @@ __all__ += [
     "BYTES_PER_PARAM", "DEVICES", "MODELS", "Device", "ModelSpec", "balanced_layers", "costs_from_model", "get_device",
     "get_model", "kfac_costs",
     "layer_flops", "peak_memory_bytes", "split_layers", "stage_parameters",
-    "ATTENTIONS", "SequenceParallelCosts", "kfac_report", "longest_sequence", "sequence_parallel_costs", "stage_layers",
+    "ATTENTIONS", "SequenceParallelCosts", "kfac_report", "without_pieces", "longest_sequence", "sequence_parallel_costs", "stage_layers",
 ]
 __all__ += [
     "text_grid", "plot_schedule", "plot_schedules", "plot_rank_comparison", "Transfer", "chrome_trace",

@@ -21,9 +21,7 @@ def kfac_report(base: Result, result: Result) -> dict:
     with the pieces taking no time (the preconditioning and the flushes kept).
     """
     settings = result.schedule.options["kfac"]
-    free = {name: (0.0,) * len(values) if name in _PIECE_FIELDS else values
-            for name, values in result.costs.values.items()}
-    bare = simulate(result.schedule, StageCosts(free))
+    bare = without_pieces(result)
     before_steps, after_steps = base.schedule.steps, result.schedule.steps
     side = frozenset(name for name, kind in KINDS.items() if kind.stream)
     ranks = []
@@ -54,6 +52,14 @@ def kfac_report(base: Result, result: Result) -> dict:
 
 
 _PIECE_FIELDS = frozenset(name for kind in PIECES for name in KINDS[kind].cost)
+
+
+def without_pieces(result: Result) -> Result:
+    """``result``'s schedule simulated with the refresh's pieces taking no time (the
+    preconditioning and the flushes kept): the bubbles the pieces had to fill."""
+    free = {name: (0.0,) * len(values) if name in _PIECE_FIELDS else values
+            for name, values in result.costs.values.items()}
+    return simulate(result.schedule, StageCosts(free))
 
 
 def _overflow(events, count: int, last: int) -> float:

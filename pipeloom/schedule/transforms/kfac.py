@@ -72,7 +72,7 @@ MAX_EVERY = 20
 
 
 class Kfac:
-    """The transform. ``units``: pieces per stage (its transformer layers), a
+    """The transform. ``units``: pieces per stage (its linear layers), a
     number for every stage or one per stage; ``every``: force the refresh
     interval k (None: the fewest copies whose bubbles hold the pieces, up to
     :data:`MAX_EVERY`); ``margin``: a piece goes into a gap only if its time
@@ -117,20 +117,14 @@ def _units(units, stages: int) -> tuple[int, ...]:
     return values
 
 
-def _completes(action: Action, split: frozenset) -> bool:
-    """Whether ``action`` finishes its (stage, microbatch)'s weight gradient."""
-    return action.kind == BW or (action.kind == W and action.stage in split)
-
-
 def _with_preconditioning(schedule: Schedule) -> Schedule:
     """``schedule`` with KFAC_PRE(s, t) for each of a rank's stages right after the rank's last
     weight gradient of step t (one block per rank and step)."""
-    split = frozenset(a.stage for actions in schedule.ranks for a in actions if a.kind == W)
     m, extra = schedule.microbatches, []
     for rank, actions in enumerate(schedule.ranks):
         last = {}
         for k, a in enumerate(actions):
-            if _completes(a, split):
+            if a.kind in (W, BW):  # what finishes a (stage, microbatch)'s weight gradient
                 last[a.microbatch // m] = k
         stages = schedule.stages_of(rank)
         extra.append([(k + 1, n, Action(KFAC_PRE, s, t)) for t, k in last.items() for n, s in enumerate(stages)])
