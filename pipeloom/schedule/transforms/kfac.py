@@ -7,7 +7,7 @@ A (from the layer inputs of each microbatch's forward) and G (from its
 output gradients in the backward), their sum over the data-parallel
 replicas, their damped inverses, and at the end of every step the
 preconditioning of the gradients. The stage's layers are cut into ``units``
-(one per transformer layer), and the work into actions of six kinds:
+(one per linear layer), and the work into actions of six kinds:
 
 - ``KFAC_A`` (s, j, (u,)): unit u's A from forward j of the capture step,
   after F(s, j); ``KFAC_G`` (s, j, (u,)): its G, after the backward of (s, j);
