@@ -104,9 +104,11 @@ def _refusal_worker(rank):
     from pipeloom.errors import PipeloomError
     from pipeloom.nn import GPT, GPTConfig
 
+    from pipeloom.schedule import Kfac, build
+
     config = GPTConfig.preset("tiny")
     messages = []
-    for options in (dict(schedule="2bw", optimizer="kfac"), dict(schedule="1f1b", optimizer="kfac", recompute=True),
+    for options in (dict(schedule=build("1f1b", 1, 2, transforms=[Kfac()])),dict(schedule="2bw", optimizer="kfac"), dict(schedule="1f1b", optimizer="kfac", recompute=True),
                     dict(schedule="1f1b", optimizer="adam"),
                     dict(schedule="1f1b", optimizer="kfac", kfac={"dampning": 1})):
         try:
@@ -120,7 +122,8 @@ def _refusal_worker(rank):
 @pytest.mark.timeout(60)
 def test_combinations_not_run_yet_are_refused_by_name():
     messages = spawn(1, _refusal_worker, timeout=45)[0]
-    assert "PipeDream-2BW" in messages[0]
-    assert "recomputation" in messages[1]
-    assert "'adam'" in messages[2]
-    assert "'dampning'" in messages[3]
+    assert "holds K-FAC pieces" in messages[0]
+    assert "PipeDream-2BW" in messages[1]
+    assert "recomputation" in messages[2]
+    assert "'adam'" in messages[3]
+    assert "'dampning'" in messages[4]

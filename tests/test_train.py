@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import math
 import subprocess
 import sys
 import time
@@ -97,6 +98,9 @@ def test_text_file_and_token_file(tmp_path):
     (["--checkpoint-dir", "a.txt"], "--checkpoint-dir a.txt: is a file, not a directory"),
     (["--offload", "full", "--offload-ratio", "0.5"], "an offload ratio (0.5) goes with the selective policy"),
     (["--offload", "selective", "--offload-ratio", "2"], "offload ratio 2.0: must be in (0, 1]"),
+    (["--kfac-every", "2"], "--kfac-every and --kfac-damping go with --optimizer kfac"),
+    (["--optimizer", "kfac", "--report"], "--optimizer kfac cannot draw or report its measured steps yet"),
+    (["--optimizer", "kfac", "--kfac-damping", "0"], "--kfac-damping must be positive"),
 ])
 @pytest.mark.timeout(60)
 def test_bad_arguments_stop_before_any_worker_starts(tmp_path, args, message):
@@ -128,6 +132,15 @@ def test_offload_trains_as_without_it(tmp_path):
     assert "offload selective 0.5" in done.stderr
     plain, offloaded = (metrics(tmp_path / f"{name}.jsonl") for name in ("none", "selective"))
     assert [r["loss"] for r in offloaded] == pytest.approx([r["loss"] for r in plain], rel=1e-5)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_kfac_trains_and_says_its_refresh_interval(tmp_path):
+    done = train("--steps", "4", "--seq", "64", "--optimizer", "kfac", "--kfac-every", "2", "--metrics", "m.jsonl",
+                 cwd=tmp_path)
+    assert "K-FAC refreshed every 2 steps" in done.stderr
+    losses = [r["loss"] for r in metrics(tmp_path / "m.jsonl")]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
 
 
 @pytest.mark.timeout(TIMEOUT)

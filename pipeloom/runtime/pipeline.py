@@ -264,6 +264,9 @@ def _schedule(schedule, pp, microbatches, chunks, vocab_parallel, offload, optio
     if policy is None and ratio is not None:
         raise PipeloomError(f"offload_ratio={ratio!r} goes with offload='selective'")
     if isinstance(schedule, Schedule):
+        if schedule.options.get("kfac"):
+            raise PipeloomError("the schedule holds K-FAC pieces: give it without them and optimizer='kfac', which "
+                                "places them for the model's stages")
         if policy is not None:
             raise PipeloomError(f"offload={policy!r} goes with a family name: build a given Schedule with "
                                 "transforms=[Offload(...)] instead")
