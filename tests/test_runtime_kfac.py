@@ -87,10 +87,12 @@ def test_two_ranks_match_kfac_on_one_process():
         ("zb-h1 every 2, overflow", dict(schedule="zb-h1", pp=2, microbatches=4, costs=slow, kfac={"every": 2})),
         ("interleaved every 3", dict(schedule="interleaved-1f1b", pp=2, microbatches=4, chunks=2,
                                       kfac={"every": 3})),
+        ("v-half every 2", dict(schedule="v-half", pp=2, microbatches=4, kfac={"every": 2})),
     ]
     results = spawn(2, _worker, cases, {}, timeout=200)
     assert results[0]["1f1b auto"][2] == 3  # the pieces fill three steps' bubbles
-    _check(results, {}, {"gpipe every 1": 1, "1f1b auto": 3, "zb-h1 every 2, overflow": 2, "interleaved every 3": 3})
+    _check(results, {}, {"gpipe every 1": 1, "1f1b auto": 3, "zb-h1 every 2, overflow": 2, "interleaved every 3": 3,
+                     "v-half every 2": 2})
 
 
 @pytest.mark.timeout(240)
