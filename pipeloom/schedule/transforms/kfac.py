@@ -42,12 +42,13 @@ curvature piece; activation memory does not count them.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, replace
 
 from ...errors import PipeloomError, ScheduleError
 from ..costs import Costs, StageCosts, register_field
 from ..deps import asap
-from ..ir import BW, F, W, Action, Schedule
+from ..ir import BW, B, F, W, Action, Schedule
 from ..kinds import KINDS, Kind, register, register_inputs
 from . import insert
 
@@ -173,7 +174,7 @@ class _Rank:
         split = frozenset(a.stage for actions in base.ranks for a in actions if a.kind == W)
         pieces = []
         for s in base.stages_of(self.rank):
-            backward = "B" if s in split else BW
+            backward = B if s in split else BW
             for u in range(units[s]):
                 unit = (u,)
 
@@ -194,7 +195,7 @@ class _Rank:
         return pieces
 
     def fill(self, every: int | None) -> _Rank:
-        available = sorted((p for p in self.pieces if p.ready is not None), key=_Piece.key)
+        queues = _Queues(p for p in self.pieces if p.ready is not None)
         remaining = len(self.pieces)
         copy = 0
         while remaining and copy < (every or MAX_EVERY):
@@ -202,16 +203,10 @@ class _Rank:
             for gap, (start, end, index) in enumerate(self.gaps):
                 cursor, order = offset + start, 0
                 end += offset
-                while available:
-                    piece = next((p for p in available if p.ready <= cursor + 1e-12
-                                  and p.time * (1 + self.margin) <= end - cursor + 1e-12), None)
-                    if piece is None:
-                        break
-                    available.remove(piece)
+                while piece := queues.first_fit(cursor, (end - cursor) / (1 + self.margin) + 1e-12):
                     self.placed.append((copy, index, (gap, order), piece.action))
                     cursor, order, count = cursor + piece.time, order + 1, count + 1
-                    available += self._release(piece, cursor)
-                    available.sort(key=_Piece.key)
+                    queues.add(_release(piece, cursor))
             remaining -= count
             if count:
                 self.copies = copy + 1
@@ -219,21 +214,46 @@ class _Rank:
                 break  # from the second copy on every gap looks alike: nothing will fit later either
             copy += 1
         self.left = []
-        while available:
-            piece = available.pop(0)
+        while piece := queues.first_fit(float("inf"), float("inf")):
             self.left.append(piece)
-            available = sorted(available + self._release(piece, 0.0), key=_Piece.key)
+            queues.add(_release(piece, 0.0))
         return self
 
-    @staticmethod
-    def _release(piece: _Piece, now: float) -> list[_Piece]:
-        freed = []
-        for other in piece.then:
-            other.waiting -= 1
-            if other.waiting == 0:
-                other.ready = now
-                freed.append(other)
-        return freed
+
+def _release(piece: _Piece, now: float) -> list[_Piece]:
+    """The pieces that waited only for ``piece``, available from ``now``."""
+    freed = []
+    for other in piece.then:
+        other.waiting -= 1
+        if other.waiting == 0:
+            other.ready = now
+            freed.append(other)
+    return freed
+
+
+class _Queues:
+    """The available pieces, a heap by priority per (kind, stage): pieces of one queue take the
+    same time, so the first that fits is the best-placed head of a queue that fits."""
+
+    def __init__(self, pieces):
+        self.heaps: dict[tuple, list] = {}
+        self.add(pieces)
+
+    def add(self, pieces) -> None:
+        for piece in pieces:
+            heapq.heappush(self.heaps.setdefault((piece.action.kind, piece.action.stage), []),
+                           (piece.key(), id(piece), piece))
+
+    def first_fit(self, now: float, room: float) -> _Piece | None:
+        """Remove and return the highest-priority piece available by ``now`` whose time is at most
+        ``room``, or None."""
+        heads = [heap[0] for heap in self.heaps.values()
+                 if heap and heap[0][2].ready <= now + 1e-12 and heap[0][2].time <= room]
+        if not heads:
+            return None
+        best = min(heads)
+        piece = heapq.heappop(self.heaps[best[2].action.kind, best[2].action.stage])[2]
+        return piece
 
 
 def _unroll(base: Schedule, k: int, placed: list[_Rank]) -> Schedule:
