@@ -129,3 +129,26 @@ def test_combinations_not_run_yet_are_refused_by_name():
     assert "recomputation" in messages[2]
     assert "'adam'" in messages[3]
     assert "'dampning'" in messages[4]
+
+
+def _stalled_replica_worker(rank):
+    import time
+
+    import pipeloom
+    from pipeloom.nn import GPT, GPTConfig
+
+    from parity import step_failure
+
+    config = GPTConfig.preset("tiny")
+    pipe = pipeloom.Pipeline(GPT(config), schedule="1f1b", pp=1, dp=2, microbatches=4, timeout=3, optimizer="kfac")
+    if rank == 1:
+        time.sleep(8)  # stalls: never joins the sum of the curvature
+        return None
+    return step_failure(pipe, config)
+
+
+@pytest.mark.timeout(120)
+def test_a_stalled_replica_is_named_at_the_curvature_sum():
+    (message, waited), _ = spawn(2, _stalled_replica_worker, timeout=60)
+    assert "K-FAC's sum of the curvature over the data-parallel replicas" in message and "rank 1" in message
+    assert waited < 3 + 5

@@ -100,13 +100,15 @@ class KFAC:
     k - 1, the step in which its pieces end). ``exclude``
     names linear layers (as in ``model.named_modules()``) to leave alone;
     ``group`` is the data-parallel process group the factors are summed over
-    (None: no reduction). ``base`` None: no :meth:`step`; a pipeline runs the
-    pieces and the caller steps its own optimizer.
+    (None: no reduction), with ``all_reduce(tensor)`` if given (a pipeline's
+    waits with a timeout), else ``torch.distributed.all_reduce``. ``base``
+    None: no :meth:`step`; a pipeline runs the pieces and the caller steps its
+    own optimizer.
     """
 
     def __init__(self, model: nn.Module, base: torch.optim.Optimizer | None, damping: float = 1e-3, decay: float = 0.95,
                  update_every: int = 1, invert_every: int = 1, exclude=(), grad_scale: float | None = None,
-                 group: dist.ProcessGroup | None = None, delay: int = 0):
+                 group: dist.ProcessGroup | None = None, delay: int = 0, all_reduce=None):
         if not damping >= 0:
             raise PipeloomError(f"KFAC: damping {damping} is negative; use a value >= 0 (e.g. 1e-3)")
         if not 0 <= decay < 1:
@@ -121,6 +123,7 @@ class KFAC:
             raise PipeloomError(f"KFAC: grad_scale {grad_scale} is not positive; use None (the rows of each "
                                 "capture) or the factor that makes output gradients per-example")
         self.base, self.damping, self.decay, self.grad_scale, self.group = base, damping, decay, grad_scale, group
+        self.all_reduce = all_reduce
         self.update_every, self.invert_every, self.delay = update_every, invert_every, delay
         self.layers = self._managed_layers(model, set(exclude))
         if base is not None:
@@ -204,7 +207,10 @@ class KFAC:
             if total is None:
                 total = torch.zeros(d, d, dtype=layer.dtype, device=layer.module.weight.device)
             packed = torch.cat([total.flatten(), total.new_tensor([rows])])
-            dist.all_reduce(packed, group=self.group)
+            if self.all_reduce is not None:
+                self.all_reduce(packed)
+            else:
+                dist.all_reduce(packed, group=self.group)
             total, rows = packed[:-1].view(d, d), packed[-1].item()
         if rows == 0:
             return

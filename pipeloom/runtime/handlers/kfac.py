@@ -37,7 +37,9 @@ class KfacWork:
         stages = nn.ModuleDict({str(s): stage for s, stage in context.stages.items()})
         heads = [n for n, m in stages.named_modules() if isinstance(m, nn.Linear) and n.endswith("lm_head")]
         group = context.mesh.replica_group if context.mesh.layout.replicas > 1 else None
-        self.kfac = KFAC(stages, None, damping, decay, exclude=heads, group=group)
+        summed = "K-FAC's sum of the curvature over the data-parallel replicas"
+        self.kfac = KFAC(stages, None, damping, decay, exclude=heads, group=group,
+                         all_reduce=lambda tensor: context.channel.all_reduce(tensor, group, summed))
         self.kfac.capturing = False
         self.kfac.accumulation = context.schedule.microbatches
         #: each stage's units: its managed layers' names, in module order
