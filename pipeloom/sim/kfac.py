@@ -23,20 +23,18 @@ def kfac_report(base: Result, result: Result) -> dict:
     settings = result.schedule.options["kfac"]
     bare = without_pieces(result)
     before_steps, after_steps = base.schedule.steps, result.schedule.steps
-    side = frozenset(name for name, kind in KINDS.items() if kind.stream)
     ranks = []
     for rank, (old, empty) in enumerate(zip(base.ranks, bare.ranks)):
         events = result.events[rank]
         pieces = [e for e in events if e.action.kind in PIECES]
         kfac = sum(e.end - e.start for e in pieces)
         overflow = _overflow(events, settings["overflow"][rank], after_steps - 1)
-        busy = sum(e.end - e.start for e in events if e.action.kind not in side)
         in_bubbles = kfac - overflow
         bubble = bare.makespan - empty.busy
         ranks.append({
             "rank": rank,
             "utilisation_before": old.busy / base.makespan if base.makespan else 0.0,
-            "utilisation_after": busy / result.makespan if result.makespan else 0.0,
+            "utilisation_after": result.ranks[rank].busy / result.makespan if result.makespan else 0.0,
             "kfac_time": kfac,
             "overflow_time": overflow,
             "bubble_filled": in_bubbles / bubble if bubble > 0 else 0.0,

@@ -27,6 +27,8 @@ from ...schedule.transforms.kfac import KFAC_A, KFAC_G, KFAC_INV, KFAC_PRE, KFAC
 from . import around, register
 
 NAME = "kfac"
+#: The factor each curvature and sync piece works on.
+_CURVATURE, _SYNC = {KFAC_A: "A", KFAC_G: "G"}, {KFAC_SYNC_A: "A", KFAC_SYNC_G: "G"}
 
 
 class KfacWork:
@@ -55,7 +57,7 @@ class KfacWork:
     def capturing(self, action) -> bool:
         """Whether ``action`` (an F or a backward) captures: in the cycle's first call, checked to
         come in microbatch order on its stage."""
-        if self.call or not self.units[action.stage]:
+        if self.call:
             return False
         factor = "A" if action.kind == F else "G"
         done = len(self.kfac.layers[self.units[action.stage][0]].captures[factor])
@@ -76,14 +78,13 @@ class KfacWork:
             self.kfac.capturing = False
 
     def piece(self, action) -> None:
-        name = self.units[action.stage][action.payload[0]]
-        kind = action.kind
-        if kind in (KFAC_A, KFAC_G):
-            self.kfac.curvature(name, "A" if kind == KFAC_A else "G", action.microbatch)
-        elif kind in (KFAC_SYNC_A, KFAC_SYNC_G):
-            self.kfac.reduce(name, "A" if kind == KFAC_SYNC_A else "G")
-        else:
+        name, kind = self.units[action.stage][action.payload[0]], action.kind
+        if kind == KFAC_INV:
             self.kfac.invert(name)
+        elif kind in _CURVATURE:
+            self.kfac.curvature(name, _CURVATURE[kind], action.microbatch)
+        else:
+            self.kfac.reduce(name, _SYNC[kind])
 
     def precondition(self, action) -> None:
         """Stage ``action.stage``'s gradients preconditioned; in the cycle's last step with the new inverses."""

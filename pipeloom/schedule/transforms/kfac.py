@@ -162,7 +162,6 @@ class _Rank:
             self.gaps.append((previous, starts[k], k))
             previous = ends[k]
         self.gaps.append((previous, period, self.tail))
-        self.gaps = [g for g in self.gaps if g[1] >= g[0]]
         self.pieces = self._pieces(base, starts, ends, units, costs)
         #: (copy, index, order, action) of every placed piece; ``left``: the overflow
         self.placed: list[tuple] = []
