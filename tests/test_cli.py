@@ -121,10 +121,12 @@ def test_sequence_parallel_json(capsys):
     rsa = run_json(capsys, *SP_ARGS, "--sp", "4", "--attention", "rsa")
     assert rsa["attention"] == "rsa" and rsa["sp_exposed_ms"] == rsa["sp_comm_ms"]
     assert rsa["makespan"] > ring["makespan"] and max(rsa["peak_memory_bytes"]) > 10 * max(ring["peak_memory_bytes"])
-    plain = run_json(capsys, *SP_ARGS)
-    assert "sp" not in plain and max(ring["peak_memory_bytes"]) < max(plain["peak_memory_bytes"]) / 4
+    plain = run_json(capsys, *SP_ARGS, "--attention", "rsa")  # one rank keeping its scores
+    assert max(ring["peak_memory_bytes"]) < max(plain["peak_memory_bytes"]) / 4
+    fused = run_json(capsys, *SP_ARGS)  # one rank, fused attention: no scores, but every token
+    assert "sp" not in fused and max(ring["peak_memory_bytes"]) < max(fused["peak_memory_bytes"]) < max(plain["peak_memory_bytes"])
     one = run_json(capsys, *SP_ARGS, "--sp", "1")
-    assert (one["makespan"], one["peak_memory_bytes"]) == (plain["makespan"], plain["peak_memory_bytes"])
+    assert (one["makespan"], one["peak_memory_bytes"]) == (fused["makespan"], fused["peak_memory_bytes"])
 
 
 def test_sequence_parallel_table(capsys):

@@ -103,12 +103,32 @@ def test_bad_specs_are_rejected():
         Device("x", 1e12, 1e9, 1e9, 1e9, efficiency=1.5)
 
 
-def test_recompute_keeps_layer_inputs_and_reruns_forward():
+def test_recompute_keeps_stage_inputs_and_reruns_forward():
     plain = costs_from_model("4b", 8, 2048, 1, "a100")
     again = costs_from_model("4b", 8, 2048, 1, "a100", recompute=True)
-    assert again.m_b[1] == 4 * 2 * 2048 * 3072  # 4 layers x 2sbh
+    assert again.m_b[1] == 2 * 2048 * 3072  # the stage's input, 2sbh, as the runtime's checkpoint keeps
+    assert again.m_b[-1] == 2 * 2048 * 3072 + 4 * 2048 * 128_000  # and the loss's fp32 log-probabilities
     assert again.b[1] == pytest.approx(plain.b[1] + plain.f[1])
     assert again.f == plain.f
+    # while B reruns the forward the stage holds its whole activations once more
+    assert again.extra["m_rerun"] == plain.m_b
+    schedule = build("1f1b", 8, 16)
+    kept, rerun = (peak_memory_bytes("4b", simulate(schedule, c), 2048) for c in (plain, again))
+    assert [r - a for r, a in zip(rerun, simulate(schedule, again).peak_activation)] == pytest.approx(
+        [k - a + m for k, a, m in zip(kept, simulate(schedule, plain).peak_activation, plain.m_b)])
+
+
+def test_fused_attention_keeps_no_scores():
+    """With sp = 1 the runtime runs torch's fused attention: a layer keeps its log-sum-exp
+    (4bas bytes, fp32), not the zero-bubble paper's 5as²b of scores (kept with rsa)."""
+    s, b, model = 2048, 2, MODELS["4b"]
+    fused = costs_from_model("4b", 8, s, b, "a100")
+    plain = costs_from_model("4b", 8, s, b, "a100", attention="rsa")
+    layers = 4
+    assert fused.m_b[1] == layers * (34 * s * b * model.hidden + 4 * b * model.heads * s)
+    assert plain.m_b[1] - fused.m_b[1] == layers * (5 * model.heads * s * s * b - 4 * b * model.heads * s)
+    with pytest.raises(PipeloomError, match="'sdpa' runs on one rank"):
+        costs_from_model("4b", 8, s, b, "a100", sp=2, attention="sdpa")
 
 
 @pytest.mark.parametrize("name", PROFILED)

@@ -22,14 +22,17 @@ def middle_layer(sp, attention=None, seq=SEQ, device="a100"):
 
 
 def test_sp_1_gives_todays_numbers():
-    """Pinned from the model before sequence parallelism: 4b, pp 4, seq 2048, b 3, 1F1B with 8 microbatches."""
-    costs = costs_from_model("4b", 4, 2048, 3, "a100")
+    """Pinned from the model before sequence parallelism: 4b, pp 4, seq 2048, b 3, 1F1B with 8 microbatches,
+    plain attention (scores kept; with sp = 1 the default is now fused attention, which keeps none)."""
+    costs = costs_from_model("4b", 4, 2048, 3, "a100", attention="rsa")
     assert costs.f == [79.29206689476923, 79.29170392615384, 79.29170392615384, 110.2650257723077]
     assert costs.m_b == [17213423616.0, 17213423616.0, 17213423616.0, 20434649088.0]
-    memory = peak_memory_bytes("4b", simulate(build("1f1b", 4, 8), costs), 2048, microbatch_size=3)
+    memory = peak_memory_bytes("4b", simulate(build("1f1b", 4, 8), costs), 2048, microbatch_size=3, attention="rsa")
     assert memory == [92358033408.0, 67953475584.0, 50740051968.0, 43825852416.0]
-    for kwargs in ({"sp": 1}, {"sp": 1, "attention": "rsa"}):
-        assert costs_from_model("4b", 4, 2048, 3, "a100", **kwargs) == costs
+    assert costs_from_model("4b", 4, 2048, 3, "a100", sp=1, attention="rsa") == costs
+    fused = costs_from_model("4b", 4, 2048, 3, "a100")
+    assert fused == costs_from_model("4b", 4, 2048, 3, "a100", sp=1, attention="sdpa")
+    assert fused.f == costs.f and all(m < c for m, c in zip(fused.m_b, costs.m_b))
     for mode in ("redis", "vocab-2"):
         plain = costs_from_model("4b", 4, 2048, 3, "a100", vocab_parallel=mode, recompute=True)
         assert costs_from_model("4b", 4, 2048, 3, "a100", vocab_parallel=mode, recompute=True, sp=1) == plain
@@ -63,7 +66,7 @@ def test_ring_activation_memory_is_linear_in_s_and_rsa_quadratic():
         assert rsa == 5 * a * t * SEQ * b
         assert sequence_parallel_costs(SPEC, 2 * SEQ, 1, "a100", n, "rsa").kept_bytes == 4 * rsa
         # rsa keeps 1/N of today's whole layer, scores included: s²/N
-        assert middle_layer(n, "rsa").m_b[1] == pytest.approx(middle_layer(1).m_b[1] / n, rel=1e-15)
+        assert middle_layer(n, "rsa").m_b[1] == pytest.approx(middle_layer(1, "rsa").m_b[1] / n, rel=1e-15)
         assert sequence_parallel_costs(SPEC, SEQ, 1, "a100", n, "ring").transient_bytes == 5 * a * t * t * b
 
 

@@ -127,6 +127,9 @@ _OWN = frozenset(f.name for f in fields(Costs)) - {"extra"}
 for _name in ("f", "b", "w", "m_b", "m_w"):
     register_field(_name)
 register_field("comm", split=False)
+#: Memory a recomputed stage holds again while its backward reruns its forward (the stage's
+#: activations without recomputation); read by the memory model, not by any action's timing.
+register_field("m_rerun")
 #: The fields of :class:`Costs` given per rank: the vocabulary passes.
 VOCAB_FIELDS = ("s", "t", "c", "r", "e_f", "e_b", "e_comm", "m_v")
 for _name in VOCAB_FIELDS:

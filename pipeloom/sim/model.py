@@ -58,10 +58,14 @@ bandwidth:
   per layer in all), also on the critical path. A layer keeps its
   ``[b, a, t, s]`` scores: ``5atsb`` bytes.
 
-With ``sp = 1`` and no ``attention`` a layer is as above: RSA on one rank is
-plain attention, whose scores stay from F to B; ``ring`` on one rank is
-blockwise attention (log-sum-exp kept, one ``[b, a, s, s]`` block while it
-computes).
+With ``sp = 1`` and no ``attention`` a layer runs fused attention (``sdpa``,
+torch's ``scaled_dot_product_attention``, as the runtime does): no scores at
+all, only the log-sum-exp (``4bas`` bytes) kept, in place of ``M_B``'s
+``5as`` term, which assumes the scores are kept (measured on an H100: gpt-350m
+at microbatch 4 took 11.06 GiB where the ``5as²b`` term predicted 18.28).
+``rsa`` on one rank is plain attention, whose scores stay from F to B;
+``ring`` on one rank is blockwise attention (log-sum-exp kept, one
+``[b, a, s, s]`` block while it computes).
 """
 
 from __future__ import annotations
@@ -186,9 +190,12 @@ DEVICES: dict[str, Device] = {
         # A100 SXM 80 GB: 312 TFLOP/s dense bf16. Efficiency 0.5 puts the
         # zero-bubble paper's four models within ~20% of their profiled T_F.
         Device("a100", 312e12, 80 * _GiB, 50e9, 15e9, 0.5),
-        # H100 SXM 80 GB: 989 TFLOP/s dense bf16; a lower fraction of its
-        # peak is reached in practice (~40% MFU in Megatron-class training).
-        Device("h100", 989e12, 80 * _GiB, 75e9, 55e9, 0.4),
+        # H100 SXM 80 GB: 989 TFLOP/s dense bf16. Efficiency measured: one
+        # layer's F, B and W (bench/gpu_layer.py, bf16, on an H200, the same
+        # compute) of the zero-bubble 1.5B and 6.2B shapes and gpt-1.3b reach
+        # 0.42-0.63 of peak, 0.53 over their summed time; the issue's H100
+        # figures for the 6.2B layer (T_F 2.07 ms) give 0.62 for F.
+        Device("h100", 989e12, 80 * _GiB, 75e9, 55e9, 0.53),
         # V100 SXM2 32 GB: 125 TFLOP/s fp16 tensor cores (no bf16 on V100).
         Device("v100", 125e12, 32 * _GiB, 25e9, 10e9, 0.4),
         # A small x86 VM (2 AVX-512 cores): ~0.26 TFLOP/s fp32 matmul measured
@@ -245,10 +252,19 @@ def _collective_ms(device: Device, nbytes: float, ranks: int, passes: int) -> fl
 ATTENTIONS = tuple(Attention)
 
 
-def _attention(attention: str | None, sp: int) -> Attention:
-    """``attention`` checked; by default ``ring``, or ``rsa`` (plain attention) with ``sp = 1``."""
+#: Fused attention on one rank (torch's ``scaled_dot_product_attention``, as the runtime runs
+#: with ``sp = 1``): no ``[s, s]`` scores are kept or materialised, only the log-sum-exp.
+FUSED = "sdpa"
+
+
+def _attention(attention: str | None, sp: int) -> str:
+    """``attention`` checked; by default ``ring``, or fused attention (``sdpa``) with ``sp = 1``."""
     if attention is None:
-        return Attention.RING if sp > 1 else Attention.RSA
+        return Attention.RING if sp > 1 else FUSED
+    if attention == FUSED:
+        if sp > 1:
+            raise PipeloomError(f"attention {FUSED!r} runs on one rank; with sp={sp} choose ring or rsa")
+        return FUSED
     return Attention.of(attention)
 
 
@@ -265,7 +281,7 @@ def _attention_memory(model: ModelSpec, seq: int, microbatch_size: int, sp: int,
     b, s, a, t = microbatch_size, seq, model.heads, _local_tokens(seq, sp)
     if attention == Attention.RSA:
         return 5 * a * t * s * b, 0
-    return 4 * b * a * t, 5 * a * t * t * b
+    return 4 * b * a * t, 0 if attention == FUSED else 5 * a * t * t * b
 
 
 @dataclass(frozen=True)
@@ -391,6 +407,34 @@ def kfac_costs(model: ModelSpec | str, seq: int, microbatch_size: int, device: D
     }
 
 
+def _activation_bytes(model: ModelSpec, split, seq: int, microbatch_size: int, sp: int, attention_kept: int,
+                      mode: VocabMode, recompute) -> tuple[list[float], list[float]]:
+    """Per stage of ``split`` layers: bytes one microbatch keeps from F to its backward (``m_b``)
+    and from B to W (``m_w``), as :func:`costs_from_model` says; ``attention_kept``: one layer's
+    attention bytes kept (:func:`_attention_memory`)."""
+    b, t, h, v, k = microbatch_size, seq // sp, model.hidden, model.vocab, model.ffn
+    bth = b * t * h
+    layer_mb = ((12 + 2 * k) if recompute == "cheap" else (18 + 4 * k)) * bth + attention_kept
+    layer_mw = (16 + 4 * k) * bth
+    if mode.splits:
+        head_mb, head_mw = 2 * bth, 0  # the final norm's input
+    else:
+        # The output layer keeps the fp32 softmax (4btV) and its input and the
+        # final norm's input (2bth each) for B; W keeps the logits' gradient
+        # (2btV, bf16) and the LM head's input.
+        head_mb, head_mw = 4 * b * t * v + 4 * bth, 2 * b * t * v + 2 * bth
+    m_b = [n * layer_mb for n in split]
+    m_w = [n * layer_mw for n in split]
+    m_b[-1] += head_mb
+    m_w[-1] += head_mw
+    if recompute is True:
+        # the runtime reruns whole stages in B: each keeps only its input; the last also the
+        # loss's fp32 log-probabilities, which are outside the rerun
+        m_b = [2 * bth + (head_mb - 4 * bth if last and not mode.splits else 0)
+               for last in (i == len(split) - 1 for i in range(len(split)))]
+    return [float(x) for x in m_b], [float(x) for x in m_w]
+
+
 def costs_from_model(
     model: ModelSpec | str,
     pp: int,
@@ -416,14 +460,17 @@ def costs_from_model(
     keeping their outputs: a layer keeps (12 + 2·ffn)·bth bytes instead of
     (18 + 4·ffn)·bth (20 and 34 bsh for ffn = 4, as "PipeOffload: Improving
     Scalability of Pipeline Parallelism with Memory Optimization" counts; their
-    FLOPs are not counted). With ``recompute`` True each layer keeps
-    only its input (2bth bytes) and B first reruns the layer's forward; W
-    still needs its inputs, so ``m_w`` exceeds ``m_b`` and memory grows from
-    B to W (use a fused-backward schedule with it). ``vocab_parallel`` (none,
+    FLOPs are not counted). With ``recompute`` True each stage keeps
+    only its input (2bth bytes; the last stage also the loss's fp32
+    log-probabilities) and B first reruns the stage's forward, as the runtime
+    does (``torch.utils.checkpoint`` around the stage): while it runs, the
+    stage's whole activations are alive again (:func:`peak_memory_bytes` adds
+    them). W still needs its inputs, so ``m_w`` exceeds ``m_b`` and memory
+    grows from B to W (use a fused-backward schedule with it). ``vocab_parallel`` (none,
     redis, naive, vocab-1, vocab-2) places the vocabulary layers as the
     module docstring says. ``sp`` and ``attention`` (``ring``, the default
-    with ``sp > 1``, or ``rsa``; with ``sp = 1`` the default is plain
-    attention) add sequence parallelism as the module docstring says: the
+    with ``sp > 1``, or ``rsa``; with ``sp = 1`` the default is fused
+    attention, ``sdpa``) add sequence parallelism as the module docstring says: the
     ring's transfers that compute does not hide are in ``f`` and ``b``
     (:func:`sequence_parallel_costs` has them apart). ``kfac`` adds the
     K-FAC pieces' times (:func:`kfac_costs`, one unit a layer, the syncs over
@@ -440,22 +487,14 @@ def costs_from_model(
     bth = b * t * h
     layer_f, layer_b, layer_w = layer_flops(model, seq, microbatch_size, sp)
     if recompute not in (False, True, "cheap"):
-        raise PipeloomError(f"recompute={recompute!r}: choose False, True (whole layers) or 'cheap'")
+        raise PipeloomError(f"recompute={recompute!r}: choose False, True (whole stages) or 'cheap'")
     full = recompute is True
     layer_b += layer_f if full else 0
-    kept = (12 + 2 * k) if recompute == "cheap" else (18 + 4 * k)
-    layer_mb = 2 * bth if full else kept * bth + ring.kept_bytes
-    layer_mw = (16 + 4 * k) * bth
     exposed_b = ring.exposed_backward_ms + (ring.exposed_forward_ms if full else 0.0)
-    if mode.splits:
-        embedding = head = head_mw = 0
-        head_mb = 2 * bth  # the final norm's input
-    else:
-        embedding, head = 3 * bth, 2 * bth * v  # head: FLOPs of each of the output layer's F, B and W
-        # The output layer keeps the fp32 softmax (4btV) and its input and the
-        # final norm's input (2bth each) for B; W keeps the logits' gradient
-        # (2btV, bf16) and the LM head's input.
-        head_mb, head_mw = 4 * b * t * v + 4 * bth, 2 * b * t * v + 2 * bth
+    # head: FLOPs of each of the output layer's F, B and W
+    embedding, head = (0, 0) if mode.splits else (3 * bth, 2 * bth * v)
+    m_b, m_w = _activation_bytes(model, split, seq, microbatch_size, sp, ring.kept_bytes, mode, recompute)
+    rerun = _activation_bytes(model, split, seq, microbatch_size, sp, ring.kept_bytes, mode, False)[0] if full else None
 
     def per_stage(per_layer, first=0, last=0):
         values = [n * per_layer for n in split]
@@ -469,9 +508,9 @@ def costs_from_model(
         b=[device.ms(x) + n * exposed_b for x, n in zip(per_stage(layer_b, last=head), split)],
         w=[device.ms(x) for x in per_stage(layer_w, last=head)],
         comm=[1e3 * 2 * bth / device.link_bandwidth] * stages,
-        m_b=[float(x) for x in per_stage(layer_mb, last=head_mb)],
-        m_w=[float(x) for x in per_stage(layer_mw, last=head_mw)],
-        extra={"offload": [1e3 * x / device.host_bandwidth for x in per_stage(layer_mb, last=head_mb)]},
+        m_b=m_b,
+        m_w=m_w,
+        extra={"offload": [1e3 * x / device.host_bandwidth for x in m_b], **({"m_rerun": rerun} if full else {})},
     )
     if kfac:
         pieces = kfac_costs(model, seq, microbatch_size, device, dp, sp)
@@ -544,7 +583,9 @@ def peak_memory_bytes(
     (with the vocabulary buffers), which is in bytes when ``result`` was
     simulated with :func:`costs_from_model` costs, plus, with ring
     attention, one score block alive while a layer computes (on a rank
-    with layers). ``layers_per_stage``, ``vocab_parallel`` (default: the
+    with layers), plus, with recomputation, the largest of the rank's
+    stages' activations alive again while its backward reruns its forward
+    (the costs' ``m_rerun``). ``layers_per_stage``, ``vocab_parallel`` (default: the
     schedule's ``options["vocab_parallel"]``), ``microbatch_size``, ``sp``
     and ``attention`` must match the ones the costs used."""
     schedule, model = result.schedule, get_model(model)
@@ -554,11 +595,13 @@ def peak_memory_bytes(
     shard = model.vocab_shard_params(schedule.pp) if mode.splits else 0
     _positive(microbatch_size=microbatch_size)
     transient = _attention_memory(model, seq, microbatch_size, sp, _attention(attention, sp))[1]
+    rerun = result.costs.m_rerun
     peaks = []
     for rank in range(schedule.pp):
         stages = schedule.stages_of(rank)
         state = bytes_per_param * (shard + sum(params[s] for s in stages))
-        peaks.append(state + result.peak_activation[rank] + (transient if any(split[s] for s in stages) else 0))
+        peaks.append(state + result.peak_activation[rank] + max(rerun[s] for s in stages)
+                     + (transient if any(split[s] for s in stages) else 0))
     return peaks
 
 
