@@ -45,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pipeloom", description="Plan, simulate, draw and run pipeline-parallel training.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_simulate(sub)
+    _add_profile(sub)
     _add_train(sub)
     return parser
 
@@ -77,7 +78,12 @@ def _add_simulate(sub) -> None:
     p.add_argument("--model", metavar="PRESET", help="derive costs from a model preset instead of --costs")
     p.add_argument("--seq", type=int, help="sequence length, with --model only (default 2048)")
     p.add_argument("--microbatch-size", type=int, help="sequences per microbatch, with --model only (default 1)")
-    p.add_argument("--device", help="device preset, with --model only: a100, h100, v100, cpu (default a100)")
+    p.add_argument("--device", help="device preset, with --model only: a100, h100, v100, cpu (default a100; with "
+                                    "--profile cpu for a CPU profile, h100 for a GPU one)")
+    p.add_argument("--profile", metavar="FILE.json",
+                   help="with --model: take the layers' and ends' times, activation bytes and the stage-to-stage "
+                        "transfer from this profile (pipeloom profile) instead of the formulas and the device preset; "
+                        "--seq defaults to the profile's")
     p.add_argument("--vocab", type=int, metavar="V", help="vocabulary size with --model (default: the preset's)")
     p.add_argument("--sp", type=int, metavar="N",
                    help="sequence parallelism with --model: each stage on N ranks holding seq/N tokens each "
@@ -114,7 +120,8 @@ def _add_simulate(sub) -> None:
 #: The flags that only mean something with --model, and what they set.
 MODEL_FLAGS = {"--seq": "the sequence length", "--microbatch-size": "the sequences per microbatch",
                "--device": "the device", "--vocab": "the vocabulary", "--sp": "the sequence parallelism",
-               "--attention": "the sequence-parallel attention", "--recompute": "the recomputation"}
+               "--attention": "the sequence-parallel attention", "--recompute": "the recomputation",
+               "--profile": "the measured costs"}
 MODEL_DEFAULTS = {"seq": 2048, "microbatch_size": 1, "device": "a100"}
 
 
@@ -187,9 +194,29 @@ def _model_flags(args) -> None:
         return
     if args.costs:
         raise PipeloomError("give either --costs or --model, not both")
+    args.measured = _load_profile(args)
     for name, value in MODEL_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+
+
+def _load_profile(args):
+    """The --profile, loaded and checked (None without one); it gives --seq and --device their defaults."""
+    if args.profile is None:
+        return None
+    from .sim.profile import load_profile
+
+    profile = load_profile(args.profile)
+    if args.seq is None:
+        args.seq = profile.seq
+    if args.device is None:
+        args.device = "h100" if profile.machine["device"] == "cuda" else "cpu"
+    return profile
+
+
+def _costs_source(args, device) -> str:
+    """What the costs of a --model run come from, as the output says it."""
+    return f"profile {args.profile}" if args.profile else f"formulas, device preset {device.name}"
 
 
 def _output_files(args, names: list[str]) -> dict:
@@ -293,7 +320,8 @@ def _costs(args, family, chunks):
         model = replace(model, vocab=args.vocab)
     costs = costs_from_model(model, args.pp, args.seq, args.microbatch_size, device,
                              chunks=chunks or family.default_chunks, vocab_parallel=args.vocab_parallel,
-                             sp=_sp(args), attention=args.attention, recompute=_recompute(args), kfac=args.kfac)
+                             sp=_sp(args), attention=args.attention, recompute=_recompute(args), kfac=args.kfac,
+                             profile=args.measured)
     return costs, (model, device)
 
 
@@ -348,13 +376,14 @@ def _report(result, model, args) -> dict:
 
         spec, device = model
         full_stage_m_b = sum(result.costs.m_b) / schedule.pp  # bytes of M_B for an average full stage
+        state = {"bytes_per_param": args.measured.bytes_per_param} if args.measured else {}
         report.update(
             model=spec.name, vocab=spec.vocab, device=device.name, seq=args.seq, microbatch_size=args.microbatch_size,
-            time_unit="ms",
+            costs=_costs_source(args, device), time_unit="ms",
             peak_activation=[x / full_stage_m_b for x in result.peak_activation],
             peak_activation_bytes=result.peak_activation,
             peak_memory_bytes=peak_memory_bytes(spec, result, args.seq, microbatch_size=args.microbatch_size,
-                                                sp=_sp(args), attention=args.attention),
+                                                sp=_sp(args), attention=args.attention, **state),
         )
         for row, value in zip(report["ranks"], report["peak_activation"]):
             row["peak_activation"] = value
@@ -377,11 +406,17 @@ def _offload_report(result, model, args) -> dict:
         report["ranks"] = [{"rank": r, "host": h, "offloaded": o, "exposed": e}
                            for r, (h, o, e) in enumerate(zip(result.peak_host, offloaded, result.exposed))]
         return report
-    from .sim.model import offload_time_ratio
+    from .sim.model import costs_from_model, offload_time_ratio
 
     spec, device = model
-    report["k"] = offload_time_ratio(spec, args.seq, args.microbatch_size, device, sp=_sp(args),
-                                     attention=args.attention, recompute=_recompute(args))
+    if args.measured is None:
+        report["k"] = offload_time_ratio(spec, args.seq, args.microbatch_size, device, sp=_sp(args),
+                                         attention=args.attention, recompute=_recompute(args))
+    else:  # as offload_time_ratio: a one-layer middle stage, its costs from the profile
+        one = costs_from_model(spec, 3, args.seq, args.microbatch_size, device,
+                               layers_per_stage=[0, 1, spec.layers - 1], recompute=_recompute(args), sp=_sp(args),
+                               attention=args.attention, profile=args.measured)
+        report["k"] = 2 * one.extra["offload"][1] / (one.f[1] + one.b[1] + one.w[1])
     report["ranks"] = [{"rank": r, "host_bytes": h, "offloaded_bytes": o, "exposed_ms": e}
                        for r, (h, o, e) in enumerate(zip(result.peak_host, offloaded, result.exposed))]
     return report
@@ -417,6 +452,7 @@ def _rank_table(report: dict) -> str:
         f"{report['schedule']}: pp={report['pp']} microbatches={report['microbatches']} "
         f"stages={report['stages']}  makespan={report['makespan']:.4g}{unit}  "
         f"span bubble={report['bubble_rate']:.1%} (worst rank)  step bubble={report['step_bubble_rate']:.1%}",
+        *([f"costs: {report['costs']}"] if "costs" in report else []),
         "",
     ]
     memory = report.get("peak_memory_bytes")
@@ -537,6 +573,7 @@ def _vocab_table(reports: list[dict]) -> str:
     unit = f" ({reports[0]['time_unit']})" if "time_unit" in reports[0] else ""
     lines = [
         _vocab_title(reports[0]) + f"; times{unit}, throughput relative to {reports[0]['relative_to']}",
+        *([f"costs: {reports[0]['costs']}"] if "costs" in reports[0] else []),
         "",
         f"{'mode':<9} {'makespan':>10} {'throughput':>10} {'busy max':>10} {'busy min':>10} {'busy mean':>10} "
         + ("max peak memory (GiB)" if memory else "max peak act (M_B)"),
@@ -550,7 +587,8 @@ def _vocab_table(reports: list[dict]) -> str:
 
 def _compare_table(reports: list[dict]) -> str:
     offload, kfac = "offload" in reports[0], "kfac" in reports[0]
-    lines = [f"{'schedule':<18} {'stages':>6} {'makespan':>10}  {'span bubble':>11}  {'step bubble':>11} "
+    lines = [*([f"costs: {reports[0]['costs']}"] if "costs" in reports[0] else []),
+             f"{'schedule':<18} {'stages':>6} {'makespan':>10}  {'span bubble':>11}  {'step bubble':>11} "
              f"{'max peak act':>13}" + (f" {'max host':>10} {'max exposed':>11}" if offload else "")
              + (f" {'K-FAC k':>7} {'step before':>11} {'step after':>10}" if kfac else "")]
     for r in reports:
@@ -567,10 +605,135 @@ def _compare_table(reports: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# -- profile -----------------------------------------------------------------
+
+def _add_profile(sub) -> None:
+    from .presets import SIZES
+
+    p = sub.add_parser(
+        "profile",
+        help="measure a layer's, the embedding's and the output layer's costs on this machine",
+        description="Time one transformer layer (F, B and W split, and BW), the embedding and the output layer "
+                    "with pipeloom's own modules on this machine (a CPU, or one GPU), count the activation bytes "
+                    "they keep, time a stage-to-stage transfer, and write a JSON profile that simulate --profile "
+                    "uses instead of the formulas.",
+    )
+    p.add_argument("--model", default="tiny", metavar="PRESET", help=f"model sizes: {', '.join(SIZES)} (default tiny)")
+    for flag, what in (("--layers", "layers"), ("--hidden", "hidden size"), ("--heads", "attention heads"),
+                       ("--vocab", "vocabulary size")):
+        p.add_argument(flag, type=int, metavar="N", help=f"override the preset's {what}")
+    p.add_argument("--seq", type=int, help="tokens per sequence (default: the preset's block size, else 1024)")
+    p.add_argument("--microbatch-sizes", default="1,2,4", metavar="B,B,...",
+                   help="sequences per microbatch to measure (default 1,2,4); the simulator scales the others by FLOPs")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (default) or cuda (the current GPU)")
+    p.add_argument("--precision", choices=("fp32", "bf16"),
+                   help="fp32 (default on cpu) or bf16 autocast (default on cuda)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1, as each runtime worker uses)")
+    p.add_argument("--repeats", type=int, default=10, help="timed runs of each op; the median is kept (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs first (default 2)")
+    p.add_argument("--preset", metavar="DEVICE",
+                   help="device preset to compare the achieved FLOP rate with (default cpu on cpu, h100 on cuda)")
+    p.add_argument("--out", metavar="FILE.json", help="write the profile here (for simulate --profile)")
+    p.add_argument("--json", action="store_true", help="print the profile's JSON instead of the table")
+    p.set_defaults(run=_run_profile)
+
+
+def _run_profile(args) -> int:
+    """Check the inputs and --out, measure, write the profile and print it."""
+    from .paths import prepare_output
+    from .presets import SIZES
+    from .sim.model import ModelSpec, get_device
+
+    if args.model not in SIZES:
+        raise PipeloomError(f"--model {args.model!r}: choose one of {', '.join(SIZES)}")
+    size = SIZES[args.model]
+    overrides = {key: getattr(args, key) for key in ("layers", "hidden", "heads", "vocab")
+                 if getattr(args, key) is not None}
+    name = args.model + "".join(f" {key}={value}" for key, value in overrides.items())
+    sizes = {"layers": size.layers, "hidden": size.hidden, "heads": size.heads, "vocab": size.vocab, **overrides}
+    spec = ModelSpec(name, **sizes, tied_embeddings=size.tied)  # a bad size stops here, in one line
+    seq = args.seq if args.seq is not None else size.block_size or 1024
+    batches = _microbatch_sizes(args.microbatch_sizes)
+    preset = get_device(args.preset or ("h100" if args.device == "cuda" else "cpu"))
+    out = prepare_output("--out", args.out, (".json",)) if args.out else None
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise PipeloomError("pipeloom profile needs PyTorch, which is not installed: pip install torch") from None
+    from .nn import GPTConfig
+    from .runtime.profile import measure
+    from .sim.profile import Profile
+
+    config = GPTConfig(n_layer=spec.layers, n_embd=spec.hidden, n_head=spec.heads, vocab_size=spec.vocab,
+                       block_size=max(seq, size.block_size or 1), tie_embeddings=spec.tied_embeddings)
+    data = measure(config, seq, batches, device=args.device, precision=args.precision, repeats=args.repeats,
+                   warmup=args.warmup, threads=args.threads, name=name)
+    profile = Profile.from_dict(data, str(out or ""))
+    if out is not None:
+        out.write_text(json.dumps(data, indent=2) + "\n")
+        _wrote(out)
+    print(json.dumps(data, indent=2) if args.json else _profile_table(profile, preset))
+    return 0
+
+
+def _microbatch_sizes(text: str) -> list[int]:
+    """--microbatch-sizes: positive integers, each once."""
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+        raise PipeloomError(f"--microbatch-sizes {text!r}: give positive integers, each once, such as 1,2,4")
+    return sizes
+
+
+def _profile_table(profile, preset) -> str:
+    """The profile as tables: per microbatch size, the layer's times, FLOP rates and bytes; the ends; the links."""
+    from .sim.model import layer_flops
+
+    machine, model, seq = profile.machine, profile.model, profile.seq
+    giga = machine["device"] == "cpu"
+    unit, scale = ("GFLOP/s", 1e9) if giga else ("TFLOP/s", 1e12)
+    rate = preset.peak_flops * preset.efficiency / scale
+    lines = [
+        f"{model.name}: hidden {model.hidden}, {model.heads} heads, vocab {model.vocab}; seq {seq}; "
+        f"{machine['precision']} on {machine['name']}"
+        + (f", {machine['threads']} thread{'s' if machine['threads'] != 1 else ''}" if giga else "")
+        + f"; median of {profile.repeats}",
+        "",
+        f"one layer: times (ms), achieved {unit} ({preset.name} preset: {rate:.4g}), activation MiB kept "
+        "(no recompute / cheap / B to W)",
+        f"{'b':>4} {'F':>9} {'B':>9} {'W':>9} {'BW':>9}   {'F':>7} {'B':>7} {'W':>7}   {'none':>9} {'cheap':>9} "
+        f"{'B to W':>9}",
+    ]
+    mib = 2**20
+    for b, x in profile.samples.items():
+        flops = layer_flops(model, seq, b)
+        rates = [n / (1e-3 * ms) / scale for n, ms in zip(flops, (x.layer_f, x.layer_b, x.layer_w))]
+        lines.append(f"{b:>4} {x.layer_f:>9.4g} {x.layer_b:>9.4g} {x.layer_w:>9.4g} {x.layer_bw:>9.4g}   "
+                     + " ".join(f"{r:>7.4g}" for r in rates)
+                     + f"   {x.layer_m_none / mib:>9.4g} {x.layer_m_cheap / mib:>9.4g} {x.layer_m_w / mib:>9.4g}")
+    lines += ["", "embedding and output layer: times (ms), output layer's activation MiB (F to B / B to W)",
+              f"{'b':>4} {'emb F':>9} {'emb B':>9} {'head F':>9} {'head B':>9} {'head W':>9}   {'F to B':>9} "
+              f"{'B to W':>9}"]
+    for b, x in profile.samples.items():
+        lines.append(f"{b:>4} {x.embedding_f:>9.4g} {x.embedding_b:>9.4g} {x.head_f:>9.4g} {x.head_b:>9.4g} "
+                     f"{x.head_w:>9.4g}   {x.head_m_b / mib:>9.4g} {x.head_m_w / mib:>9.4g}")
+    if profile.link_bandwidth is not None:
+        link = f"{profile.link_bandwidth / 1e9:.3g} GB/s, latency {profile.link_latency_ms:.3g} ms"
+    else:
+        link = f"not measured ({profile.link_reason}; simulate uses the device preset's)"
+    host = f"{profile.host_bandwidth / 1e9:.3g} GB/s" if profile.host_bandwidth else "not measured (no device copies)"
+    lines += ["", f"stage-to-stage transfer: {link}", f"host <-> device copies: {host}",
+              f"model state: {profile.bytes_per_param:.4g} bytes per parameter"]
+    return "\n".join(lines)
+
+
 # -- train -------------------------------------------------------------------
 
 def _add_train(sub) -> None:
     from .modes import Attention
+    from .presets import SIZES
     from .schedule import FAMILIES
 
     p = sub.add_parser(
@@ -583,6 +746,7 @@ def _add_train(sub) -> None:
     g.add_argument("--schedule", default="1f1b", metavar="NAME", help=f"one of: {', '.join(FAMILIES)} (default 1f1b)")
     g.add_argument("--pp", type=int, default=2, help="pipeline ranks (default 2)")
     g.add_argument("--dp", type=int, help="data-parallel replicas (default 1; under torchrun: world size / (pp x sp))")
+    g.add_argument("--chunks", type=int, help="stages per rank (interleaved-1f1b: >= 2, default 2; V schedules: 2)")
     g.add_argument("--microbatches", type=int, default=4, help="microbatches per step and replica (default 4)")
     g.add_argument("--microbatch-size", type=int, default=8, help="sequences per microbatch (default 8)")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL); default cpu")
@@ -609,7 +773,9 @@ def _add_train(sub) -> None:
                    help="seconds a rank waits for a peer before it checks the peer's heartbeat: it stops, naming "
                         "what it waited for, if the peer died or stalls, and waits on if it is busy (default 60)")
     g = p.add_argument_group("model and optimisation")
-    g.add_argument("--model", default="tiny", metavar="PRESET", help="GPT preset: tiny, gpt-125m, gpt-350m, gpt-1.3b (default tiny)")
+    g.add_argument("--model", default="tiny", metavar="PRESET",
+                   help=f"GPT preset: {', '.join(SIZES)} (default tiny; those without a context length learn --seq "
+                        "positions)")
     g.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
     g.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of AdamW (default 3e-3)")

@@ -1,7 +1,8 @@
 """Model sizes by name: the one table that the GPT model and the simulator read.
 
-Every preset is a simulator model (:data:`pipeloom.sim.MODELS`); those with a
-``block_size`` are also runnable GPT configs (:data:`pipeloom.nn.gpt.PRESETS`).
+Every preset is a simulator model (:data:`pipeloom.sim.MODELS`) and a GPT
+config (:data:`pipeloom.nn.gpt.PRESETS`); those without a ``block_size`` take
+their context length from the run (``pipeloom train --seq``).
 Pure Python: nothing here imports torch.
 """
 

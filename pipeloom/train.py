@@ -75,7 +75,7 @@ def check(args, world: int):
     if args.model not in PRESETS:
         raise PipeloomError(f"unknown --model {args.model!r}; presets: {', '.join(PRESETS)}")
     block = PRESETS[args.model]["block_size"]
-    if args.seq > block:
+    if block is not None and args.seq > block:
         raise PipeloomError(f"--seq {args.seq} is longer than the {block} positions --model {args.model} learns; "
                             f"use --seq {block} or less")
     if not args.clip >= 0:  # nan too
@@ -111,7 +111,8 @@ def check(args, world: int):
 
         read_meta(args.resume)
     vocab = None if args.vocab_parallel == "none" else args.vocab_parallel
-    schedule = build(args.schedule, args.pp, args.microbatches, transforms=[Offload(args.offload, args.offload_ratio)],
+    schedule = build(args.schedule, args.pp, args.microbatches, args.chunks,
+                     transforms=[Offload(args.offload, args.offload_ratio)],
                      **({"vocab_parallel": vocab} if vocab else {}))
     layout.supports(schedule)
     if args.recompute == "cheap" and schedule.weight_versions > 1:
@@ -134,6 +135,13 @@ def check(args, world: int):
     if args.checkpoint_dir:
         prepare_output_dir("--checkpoint-dir", args.checkpoint_dir)
     return layout, schedule
+
+
+def _positions(args) -> dict:
+    """The context length of a preset that has none (a simulator-sized model): --seq."""
+    from .nn.gpt import PRESETS
+
+    return {} if PRESETS[args.model]["block_size"] else {"block_size": args.seq}
 
 
 def learning_rate(step: int, args) -> float:
@@ -231,7 +239,7 @@ def _check_resume(args, vocab_size: int) -> Path:
         raise PipeloomError(f"--resume {directory}: it was saved {hint}; this run has --model {args.model}, "
                             f"vocabulary {vocab_size} (from its data and tokenizer); resume with those")
     with torch.device("meta"):
-        model = GPT(GPTConfig.preset(args.model, vocab_size=vocab_size))
+        model = GPT(GPTConfig.preset(args.model, vocab_size=vocab_size, **_positions(args)))
     checkpoint.check_fits(directory, model, hint)
     return directory
 
@@ -251,7 +259,7 @@ class Trainer:
         self.last_saved: Path | None = None  # the newest checkpoint this run saved or resumed from
         self.rank = dist.get_rank()
         self.data = load_data(args.data, args.token_dtype, args.vocab_size, args.tokenizer)
-        self.config = GPTConfig.preset(args.model, vocab_size=self.data.vocab_size)
+        self.config = GPTConfig.preset(args.model, vocab_size=self.data.vocab_size, **_positions(args))
         dp = layout.dp
         torch.manual_seed(args.seed)  # the same weights on every rank
         precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")

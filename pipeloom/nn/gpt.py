@@ -33,11 +33,12 @@ from ..presets import SIZES
 from .linear import Linear
 from .recompute import mark
 
-#: Config presets by name: the sizes of :data:`pipeloom.presets.SIZES` that have a block_size.
+#: Config presets by name: every size of :data:`pipeloom.presets.SIZES` (``block_size`` None where
+#: the preset sets no context length: give one, as `pipeloom train` does with --seq).
 PRESETS: dict[str, dict] = {
     name: dict(n_layer=size.layers, n_embd=size.hidden, n_head=size.heads, vocab_size=size.vocab,
                block_size=size.block_size, tie_embeddings=size.tied)
-    for name, size in SIZES.items() if size.block_size
+    for name, size in SIZES.items()
 }
 
 

@@ -15,6 +15,7 @@ from .model import (
     get_device, get_model, layer_flops, longest_sequence, peak_memory_bytes, sequence_parallel_costs, stage_layers,
     stage_parameters,
 )
+from .profile import Profile, load_profile
 
 __all__ = ["Costs", "StageCosts", "Event", "RankStats", "Result", "simulate"]
 __all__ += [
@@ -22,6 +23,7 @@ __all__ += [
     "get_model", "kfac_costs",
     "layer_flops", "peak_memory_bytes", "split_layers", "stage_parameters",
     "ATTENTIONS", "SequenceParallelCosts", "kfac_report", "without_pieces", "longest_sequence", "sequence_parallel_costs", "stage_layers",
+    "Profile", "load_profile",
 ]
 __all__ += [
     "text_grid", "plot_schedule", "plot_schedules", "plot_rank_comparison", "Transfer", "chrome_trace",

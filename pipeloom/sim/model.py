@@ -71,6 +71,7 @@ at microbatch 4 took 11.06 GiB where the ``5as²b`` term predicted 18.28).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from ..errors import PipeloomError
 from ..modes import Attention, VocabMode
@@ -79,6 +80,9 @@ from ..presets import SIZES
 from ..schedule import build
 from ..schedule.costs import Costs
 from .simulate import Result, simulate
+
+if TYPE_CHECKING:
+    from .profile import Profile
 
 #: Bytes of model state per parameter, Megatron-style mixed precision: bf16
 #: weights (2) + fp32 gradient buffer (4) + fp32 master weights (4) + Adam's
@@ -449,6 +453,7 @@ def costs_from_model(
     attention: str | None = None,
     kfac: bool = False,
     dp: int = 1,
+    profile: Profile | None = None,
 ) -> Costs:
     """Per-virtual-stage costs (ms, bytes) of ``model`` cut into ``pp * chunks``
     stages, for microbatches of ``microbatch_size`` sequences of ``seq`` tokens,
@@ -475,6 +480,12 @@ def costs_from_model(
     (:func:`sequence_parallel_costs` has them apart). ``kfac`` adds the
     K-FAC pieces' times (:func:`kfac_costs`, one unit a layer, the syncs over
     ``dp`` replicas; the preconditioning per stage).
+
+    ``profile`` (a :class:`~pipeloom.sim.profile.Profile` of this model's sizes
+    and ``seq``) replaces the formulas' compute times, activation bytes and
+    stage-to-stage transfer with measured ones (:meth:`~pipeloom.sim.profile.Profile.stages`);
+    ``device`` still gives the rest (the link when the profile measured none,
+    sequence parallelism's ring, vocabulary passes, K-FAC pieces).
     """
     model, device = get_model(model), get_device(device)
     _positive(pp=pp, seq=seq, microbatch_size=microbatch_size, chunks=chunks)
@@ -502,15 +513,24 @@ def costs_from_model(
         values[-1] += last
         return values
 
+    f, bwd, w = ([device.ms(x) for x in per_stage(flops, first=first, last=head)]
+                 for flops, first in ((layer_f, embedding), (layer_b, 0), (layer_w, 0)))
+    comm, host_bandwidth = 1e3 * 2 * bth / device.link_bandwidth, device.host_bandwidth
+    if profile is not None:
+        measured = profile.stages(model, seq, microbatch_size, split, sp, recompute, mode.splits)
+        f, bwd, w, m_b, m_w, rerun = measured.f, measured.b, measured.w, measured.m_b, measured.m_w, measured.m_rerun
+        comm = measured.comm_ms
+        if comm is None:  # no link measured: the device's
+            comm = 1e3 * measured.message_bytes / device.link_bandwidth
+        host_bandwidth = profile.host_bandwidth or host_bandwidth
     costs = Costs(
-        f=[device.ms(x) + n * ring.exposed_forward_ms
-           for x, n in zip(per_stage(layer_f, first=embedding, last=head), split)],
-        b=[device.ms(x) + n * exposed_b for x, n in zip(per_stage(layer_b, last=head), split)],
-        w=[device.ms(x) for x in per_stage(layer_w, last=head)],
-        comm=[1e3 * 2 * bth / device.link_bandwidth] * stages,
+        f=[x + n * ring.exposed_forward_ms for x, n in zip(f, split)],
+        b=[x + n * exposed_b for x, n in zip(bwd, split)],
+        w=w,
+        comm=[comm] * stages,
         m_b=m_b,
         m_w=m_w,
-        extra={"offload": [1e3 * x / device.host_bandwidth for x in m_b], **({"m_rerun": rerun} if full else {})},
+        extra={"offload": [1e3 * x / host_bandwidth for x in m_b], **({"m_rerun": rerun} if full else {})},
     )
     if kfac:
         pieces = kfac_costs(model, seq, microbatch_size, device, dp, sp)

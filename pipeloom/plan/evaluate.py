@@ -1,0 +1,209 @@
+"""What one layout costs: its schedule simulated, the gradient all-reduce added, its memory.
+
+The step of a synchronous schedule is the simulated step, each rank then
+all-reducing its stages' fp32 gradients over its ``dp x sp`` replicas (a
+ring, at the slower tier the group spans) from the end of its last action:
+``step = max over ranks (end + all-reduce)``. 2bw never flushes: its step is
+the steady-state one, the simulated time of 2 steps less that of 1, plus the
+longest all-reduce. Memory per rank is :func:`~pipeloom.sim.model.peak_memory_bytes`
+(model state, simulated activations, the transients of attention and
+recomputation), plus for 2bw each weight version the runtime keeps (fp32
+weights and their gradient, :data:`VERSION_BYTES_PER_PARAM` a parameter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from ..errors import PipeloomError
+from ..modes import RECOMPUTE
+from ..schedule import Schedule, build, get_family
+from ..schedule.costs import Costs, StageCosts
+from ..schedule.ir import looped_placement, v_placement
+from ..schedule.transforms.offload import Offload
+from ..sim import Result, simulate
+from ..sim.model import costs_from_model, layer_flops, peak_memory_bytes, stage_parameters
+from .bounds import CriticalPath, critical_path
+from .space import OFFLOADS, RECOMPUTES, Candidate, PlanRequest
+
+#: Bytes a weight version of 2bw's takes per parameter: fp32 weights and their gradient.
+VERSION_BYTES_PER_PARAM = 8
+#: Bytes a parameter's gradient takes in the data-parallel all-reduce (fp32).
+GRAD_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A candidate costed: step time (ms), throughput, MFU, peak memory per rank (bytes) and the
+    bubble rate of its simulated schedule; ``fits`` when every rank's peak is within the GPU memory."""
+
+    candidate: Candidate
+    step_ms: float
+    tokens_per_s: float
+    samples_per_s: float
+    mfu: float
+    peak_memory_bytes: list[float]
+    bubble_rate: float
+    allreduce_ms: float
+    fits: bool
+    result: Result = field(repr=False, compare=False, default=None)
+
+    @property
+    def key(self) -> tuple:
+        """The order of plans: fastest first; at equal speed the one with less recomputation and
+        offload (each costs more than the cost model counts), then the least memory."""
+        c = self.candidate
+        return self.step_ms, RECOMPUTES.index(c.recompute), OFFLOADS.index(c.offload), max(self.peak_memory_bytes), c
+
+
+class Costing:
+    """The costs of a request's candidates, those that many candidates share computed once."""
+
+    def __init__(self, request: PlanRequest):
+        self.request = request
+        self._costs: dict[tuple, tuple[Costs, StageCosts]] = {}
+        self._schedules: dict[tuple, Schedule | PipeloomError] = {}
+        self._paths: dict[tuple, CriticalPath] = {}
+
+    def costs(self, c: Candidate) -> Costs:
+        """The per-stage costs of ``c`` on the request's cluster (profile or formulas)."""
+        return self._both(c)[0]
+
+    def _both(self, c: Candidate) -> tuple[Costs, StageCosts]:
+        key = c.pp, c.dp, c.sp, c.chunks, c.microbatch_size, c.recompute, c.vocab_parallel
+        if key not in self._costs:
+            r = self.request
+            profile = {"profile": r.profile} if r.profile is not None else {}
+            costs = costs_from_model(
+                r.model, c.pp, r.seq, c.microbatch_size, r.cluster.device_for(c.pp, c.dp, c.sp), chunks=c.chunks,
+                recompute=RECOMPUTE[c.recompute], sp=c.sp, vocab_parallel=_vocab(c), **profile)
+            self._costs[key] = costs, costs.per_stage(c.pp * c.chunks, c.chunks)
+        return self._costs[key]
+
+    def evaluate(self, c: Candidate) -> Plan:
+        """Simulate ``c`` and cost it (raises :class:`~pipeloom.errors.PipeloomError` when its
+        schedule cannot be built); its critical path then bounds every candidate of its schedule."""
+        plan = evaluate(self.request, c, self.costs(c), self.schedule)
+        shape = _shape(c)
+        if shape not in self._paths and c.schedule != "2bw" and c.offload == "none":
+            self._paths[shape] = critical_path(plan.result)
+        return plan
+
+    def bound_ms(self, c: Candidate) -> float:
+        """:meth:`lower_bound_ms`, raised by the critical path of ``c``'s schedule once one
+        candidate of that schedule has been simulated (:mod:`pipeloom.plan.bounds`)."""
+        bound = self.lower_bound_ms(c)
+        path = self._paths.get(_shape(c))
+        if path is not None:
+            bound = max(bound, path.length(self._both(c)[1]) + allreduce_ms(self.request, c)[path.rank])
+        return bound
+
+    def schedule(self, c: Candidate, steps: int | None = None) -> Schedule:
+        """:func:`schedule_of`, built once for every candidate that runs the same one."""
+        key = _shape(c), steps
+        if key not in self._schedules:
+            try:
+                self._schedules[key] = schedule_of(c, steps)
+            except PipeloomError as err:
+                self._schedules[key] = err
+        if isinstance(self._schedules[key], PipeloomError):
+            raise self._schedules[key]
+        return self._schedules[key]
+
+    def lower_bound_ms(self, c: Candidate) -> float:
+        """A step time no schedule of ``c`` can beat: each rank's compute (F, B and W of its stages
+        for every microbatch) and all-reduce, after the first microbatch's forwards reach it (none
+        for 2bw, whose steady state has no such wait, nor with vocabulary passes, which start
+        every rank)."""
+        costs, reduce = self._both(c)[1], allreduce_ms(self.request, c)
+        bound = 0.0
+        for rank, stages in enumerate(stages_of_ranks(c)):
+            busy = c.microbatches * sum(costs.f[s] + costs.b[s] + costs.w[s] for s in stages)
+            wait = 0.0 if c.schedule == "2bw" or c.vocab_parallel != "none" else sum(costs.f[:min(stages)])
+            bound = max(bound, wait + busy + (max(reduce) if c.schedule == "2bw" else reduce[rank]))
+        return bound
+
+    def memory_lower_bound(self, c: Candidate) -> float:
+        """Bytes the busiest rank needs at least: its model state (2bw: with its weight versions)."""
+        per_param = self.request.bytes_per_param + (2 * VERSION_BYTES_PER_PARAM if c.schedule == "2bw" else 0)
+        shard, params = _parameters(self.request, c)
+        return max(self.request.bytes_per_param * shard + per_param * sum(params[s] for s in stages)
+                   for stages in stages_of_ranks(c))
+
+
+def _shape(c: Candidate) -> tuple:
+    """What fixes ``c``'s schedule."""
+    return c.schedule, c.pp, c.microbatches, c.chunks, c.vocab_parallel, c.offload
+
+
+def _vocab(c: Candidate) -> str | None:
+    return None if c.vocab_parallel == "none" else c.vocab_parallel
+
+
+def _parameters(request: PlanRequest, c: Candidate) -> tuple[int, list[int]]:
+    """Parameters of each rank's vocabulary shard, and of each stage."""
+    vocab = _vocab(c)
+    shard = request.model.vocab_shard_params(c.pp) if vocab in ("naive", "vocab-1", "vocab-2") else 0
+    return shard, stage_parameters(request.model, c.pp * c.chunks, request.seq, vocab_parallel=vocab)
+
+
+def stages_of_ranks(c: Candidate) -> tuple[tuple[int, ...], ...]:
+    """The stages of each rank: the V placement for the two-chunk families, else looped."""
+    return _placements(get_family(c.schedule).chunks == (2,), c.pp, c.chunks)
+
+
+@lru_cache(maxsize=1024)
+def _placements(v_shape: bool, pp: int, chunks: int) -> tuple[tuple[int, ...], ...]:
+    placement = v_placement(pp) if v_shape else looped_placement(pp, pp * chunks)
+    return tuple(tuple(s for s, r in enumerate(placement) if r == rank) for rank in range(pp))
+
+
+def schedule_of(c: Candidate, steps: int | None = None) -> Schedule:
+    """The schedule ``pipeloom train`` builds for ``c`` (2bw: ``steps`` consecutive steps): it does
+    not depend on the costs (offload places its copies on unit costs there too)."""
+    options = {"vocab_parallel": c.vocab_parallel} if c.vocab_parallel != "none" else {}
+    if steps is not None:
+        options["steps"] = steps
+    return build(c.schedule, c.pp, c.microbatches, c.chunks, transforms=[Offload(c.offload, c.offload_ratio)],
+                 **options)
+
+
+def allreduce_ms(request: PlanRequest, c: Candidate) -> list[float]:
+    """Per rank: the ring all-reduce of its stages' gradients (and vocabulary shard) over dp x sp."""
+    replicas = c.dp * c.sp
+    if replicas == 1:
+        return [0.0] * c.pp
+    bandwidth = request.cluster.bandwidth(c.pp, c.dp, c.sp, "dp")
+    shard, params = _parameters(request, c)
+    return [1e3 * 2 * (replicas - 1) / replicas * GRAD_BYTES * (shard + sum(params[s] for s in stages)) / bandwidth
+            for stages in stages_of_ranks(c)]
+
+
+def evaluate(request: PlanRequest, c: Candidate, stage_costs: Costs, build_schedule=schedule_of) -> Plan:
+    """Simulate ``c`` under ``stage_costs`` and cost it (raises :class:`~pipeloom.errors.PipeloomError`
+    when its schedule cannot be built); ``build_schedule(c, steps)`` gives its schedule."""
+    reduce = allreduce_ms(request, c)
+    if c.schedule == "2bw":
+        one, result = (simulate(build_schedule(c, steps), stage_costs) for steps in (1, 2))
+        step = result.makespan - one.makespan + max(reduce)
+    else:
+        result = simulate(build_schedule(c), stage_costs)
+        step = max(max(ends, default=0.0) + ar for ends, ar in zip(result.ends, reduce))
+    memory = peak_memory_bytes(request.model, result, request.seq, microbatch_size=c.microbatch_size, sp=c.sp,
+                               bytes_per_param=request.bytes_per_param, vocab_parallel=_vocab(c))
+    if result.schedule.weight_versions > 1:
+        params = _parameters(request, c)[1]
+        versions = result.schedule.weight_versions * VERSION_BYTES_PER_PARAM
+        memory = [m + versions * sum(params[s] for s in stages) for m, stages in zip(memory, stages_of_ranks(c))]
+    seconds = step / 1e3
+    return Plan(c, step, request.global_batch * request.seq / seconds, request.global_batch / seconds,
+                model_flops(request) / seconds / (request.cluster.gpus * request.cluster.device.peak_flops), memory,
+                result.bubble_rate, max(reduce), max(memory) <= request.cluster.gpu_memory, result)
+
+
+def model_flops(request: PlanRequest) -> float:
+    """FLOPs of one step of the model itself (no recomputation): every layer's F, B and W and the
+    output layer's, for every sequence of the global batch."""
+    model, s = request.model, request.seq
+    return request.global_batch * (model.layers * sum(layer_flops(model, s, 1)) + 6 * s * model.hidden * model.vocab)

@@ -1,0 +1,152 @@
+"""The search: every layout bounded cheaply, the promising ones simulated, best first.
+
+Each candidate gets two bounds that need no simulation: the model state of its
+busiest rank (it cannot fit in less) and :meth:`Costing.lower_bound_ms` (it
+cannot step faster). Candidates whose state alone overflows the GPU are
+dropped. A plan is a layout (:attr:`Candidate.base`) with its best memory
+savers (recomputation, offload), so the layouts are simulated in the order of
+their time bound until the next bound is slower than the ``top``-th plan
+found, and within a layout its variants until one is slower than its best so
+far: the plans returned are those an exhaustive search (:func:`exhaustive`)
+ranks first.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ..errors import PipeloomError
+from .evaluate import Costing, Plan
+from .space import OFFLOADS, RECOMPUTES, Candidate, PlanRequest, candidates, layouts
+
+_GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Search:
+    """The ranked plans, and how the search went: layouts considered, simulated, seconds taken."""
+
+    plans: list[Plan]
+    candidates: int
+    simulated: int
+    seconds: float
+
+
+def search(request: PlanRequest) -> Search:
+    """The ``request.top`` fastest layouts that fit, each with its best memory savers (raises one
+    line saying what would fit when none does)."""
+    started = time.perf_counter()
+    costing = Costing(request)
+    pool = _pool(request)
+    memory = request.cluster.gpu_memory
+    bases: dict[Candidate, list[Candidate]] = defaultdict(list)
+    for c in pool:
+        if costing.memory_lower_bound(c) <= memory:
+            bases[c.base].append(c)
+    # best first on the layouts' bounds, a bound raised (and the layout put back) once a
+    # simulation of its schedule gives a critical path
+    queue = [(min(costing.lower_bound_ms(c) for c in variants), n, base) for n, (base, variants) in
+             enumerate(bases.items())]
+    heapq.heapify(queue)
+    kept: list[tuple] = []  # the best plans so far, a heap whose first entry is the worst
+    simulated = 0
+    while queue:
+        bound, n, base = heapq.heappop(queue)
+        if len(kept) == request.top and bound > -kept[0][0]:
+            break
+        variants = sorted(((costing.bound_ms(c), c) for c in bases[base]), key=_variant_order)
+        least = min(b for b, _ in variants)
+        if least > bound:
+            heapq.heappush(queue, (least, n, base))
+            continue
+        best = None
+        for variant_bound, c in variants:
+            if best is not None and (variant_bound > best.step_ms or best.candidate == base):
+                break  # recomputing or offloading never makes a step faster: the bare layout is its best
+            plan = _try(costing, c)
+            simulated += plan is not None
+            if plan is not None and plan.fits and (best is None or plan.key < best.key):
+                best = plan
+        if best is not None:
+            heapq.heappush(kept, (-best.step_ms, _Reverse(best.key), best))
+            if len(kept) > request.top:
+                heapq.heappop(kept)
+    if not kept:
+        raise PipeloomError(_smallest_memory(request, costing, pool))
+    plans = sorted((entry[2] for entry in kept), key=lambda p: p.key)
+    return Search(plans, len(pool), simulated, time.perf_counter() - started)
+
+
+def exhaustive(request: PlanRequest) -> list[Plan]:
+    """Every candidate simulated; per layout the best that fits, the ``request.top`` fastest
+    layouts (what :func:`search` must return)."""
+    costing = Costing(request)
+    best: dict[Candidate, Plan] = {}
+    for plan in (_try(costing, c) for c in _pool(request)):
+        if plan is not None and plan.fits:
+            base = plan.candidate.base
+            if base not in best or plan.key < best[base].key:
+                best[base] = plan
+    return sorted(best.values(), key=lambda p: p.key)[:request.top]
+
+
+def _variant_order(entry: tuple[float, Candidate]) -> tuple:
+    """The bare layout first, then by bound."""
+    bound, c = entry
+    return c != c.base, bound, RECOMPUTES.index(c.recompute), OFFLOADS.index(c.offload)
+
+
+class _Reverse:
+    """Order a key backwards, so that a min-heap pops the worst plan first among equal steps."""
+
+    def __init__(self, key):
+        self.key = key
+
+    def __lt__(self, other):
+        return self.key > other.key
+
+
+def _try(costing: Costing, c: Candidate) -> Plan | None:
+    """``c`` costed, or None where its schedule cannot be built (a family's own limits, e.g. m < p)."""
+    try:
+        return costing.evaluate(c)
+    except PipeloomError:
+        return None
+
+
+def _pool(request: PlanRequest) -> list[Candidate]:
+    pool = list(candidates(request))
+    if not pool:
+        raise PipeloomError(_most_gpus(request))
+    return pool
+
+
+def _most_gpus(request: PlanRequest) -> str:
+    gpus, model = request.cluster.gpus, request.model
+    fewer = next((n for n in range(gpus - 1, 0, -1) if any(layouts(request, n))), None)
+    what = (f"{model.name} ({model.layers} layers) at seq {request.seq} and global batch {request.global_batch} "
+            f"cannot use {gpus} GPUs (pipeline stages at most the layers, data-parallel width dividing the batch, "
+            f"seq split into 2 x sp chunks)")
+    return f"{what}; at most {fewer} GPUs would" if fewer else what
+
+
+def _smallest_memory(request: PlanRequest, costing: Costing, pool: list[Candidate]) -> str:
+    """One line: the GPU memory the least demanding layout needs, found best first on the state bound."""
+    best: Plan | None = None
+    for bound, c in sorted((costing.memory_lower_bound(c), c) for c in pool):
+        if best is not None and bound >= max(best.peak_memory_bytes):
+            break
+        plan = _try(costing, c)
+        if plan is not None and (best is None or max(plan.peak_memory_bytes) < max(best.peak_memory_bytes)):
+            best = plan
+    have = request.cluster.gpu_memory / _GiB
+    head = f"no layout of {request.model.name} on {request.cluster.gpus} GPUs fits {have:.1f} GiB per GPU"
+    if best is None:
+        return f"{head}: none of the candidate schedules can be built for this batch"
+    c = best.candidate
+    return (f"{head}; the smallest needs {max(best.peak_memory_bytes) / _GiB:.1f} GiB (pp {c.pp}, dp {c.dp}, "
+            f"sp {c.sp}, {c.schedule}, microbatch size {c.microbatch_size}, recompute {c.recompute}, "
+            f"vocab-parallel {c.vocab_parallel}, offload {c.offload})")

@@ -1,0 +1,445 @@
+"""Measure what the simulator's costs need on the machine at hand: ``pipeloom profile``.
+
+:func:`measure` times the runtime's own modules, cut as a pipeline cuts them
+(:meth:`~pipeloom.nn.GPT.build_stages` of a one-layer GPT into the embedding
+stage, one :class:`~pipeloom.nn.gpt.Block`, and the final norm + LM head
+stage), and runs each as the compute handlers do (:mod:`.handlers.compute`):
+F under autocast (bf16) with the output cast to the weights' dtype, the last
+stage's cross-entropy on its logits; B under
+:func:`~pipeloom.nn.linear.defer_weight_grads` (W: the queued store), BW with
+an eager store. On a GPU each op is timed with CUDA events after a
+synchronize; on a CPU with the host clock, on ``threads`` threads (the
+runtime's workers run one). Each time is the median over ``repeats`` after
+``warmup`` runs; weight gradients accumulate across repeats, as over a step's
+microbatches.
+
+Memory is counted, not assumed: the storages that autograd's saved tensors
+(``saved_tensors_hooks``) use in F, each once, parameters excluded; under
+:func:`~pipeloom.nn.recompute.cheap_recompute` a marked tensor counts as its
+recipe's inputs, as the runtime keeps it; B-to-W memory is the storages the
+store's queued work holds. A stage-to-stage transfer is timed as gloo
+send/recv ping-pong between two local processes and fitted to
+``latency + bytes / bandwidth``; on a single GPU it cannot be (NCCL pairs no
+two ranks on one device): it is left null with the reason, and pinned
+host<->device copies are timed instead (the offload link). Bytes of model
+state per parameter come from one AdamW step on a layer, as ``pipeloom train``
+keeps it.
+
+The result is the JSON object of :mod:`pipeloom.sim.profile`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import platform
+import statistics
+import time
+from contextlib import nullcontext
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..errors import PipeloomError
+from ..nn.gpt import GPT, Block, GPTConfig
+from ..nn.linear import WeightGradStore, defer_weight_grads
+from ..nn.recompute import cheap_recompute, recipe
+from ..sim.profile import FORMAT
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+#: Transfer sizes timed besides the activations' (at most the largest of these): small ones pin the
+#: latency, large ones the bandwidth.
+LINK_SIZES = (4 * 2**10, 64 * 2**10, 2**20, 16 * 2**20)
+_GiB = 2**30
+
+
+def measure(config: GPTConfig, seq: int, microbatch_sizes=(1,), *, device: str = "cpu",
+            precision: str | None = None, repeats: int = 10, warmup: int = 2, threads: int = 1,
+            transfer: bool = True, name: str = "custom") -> dict:
+    """Profile ``config``'s layer, embedding and output layer at sequences of ``seq`` tokens and each
+    of ``microbatch_sizes`` on ``device`` ("cpu", or "cuda": the current GPU) in ``precision``
+    ("fp32", or "bf16" autocast; default fp32 on a CPU, bf16 on a GPU); ``transfer`` False skips the
+    stage-to-stage transfer (then null). Returns the profile's JSON object (:mod:`pipeloom.sim.profile`)."""
+    where = _device(device)
+    precision = precision or ("bf16" if where.type == "cuda" else "fp32")
+    if precision not in PRECISIONS:
+        raise PipeloomError(f"precision {precision!r}: choose {' or '.join(PRECISIONS)}")
+    sizes = _sizes(microbatch_sizes)
+    for label, value, low in (("seq", seq, 1), ("repeats", repeats, 1), ("warmup", warmup, 0), ("threads", threads, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise PipeloomError(f"{label} must be an integer >= {low}, got {value!r}")
+    layers, config = config.n_layer, dataclasses.replace(config, n_layer=1, block_size=max(config.block_size, seq))
+    _check_fits(config, seq, max(sizes), where, name)
+    kept_threads = torch.get_num_threads()
+    if where.type == "cpu":
+        torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        stages = GPT(config, device="meta").build_stages(3, range(3), [0, 1, 0], device=where)
+        run = _Runner(stages, where, PRECISIONS[precision], repeats, warmup, config.vocab_size)
+        samples = {str(b): run.sample(b, seq) for b in sizes}
+        state = bytes_per_param(where, PRECISIONS[precision])
+    finally:
+        torch.set_num_threads(kept_threads)
+    messages = [samples[str(b)]["message_bytes"] for b in sizes]
+    if where.type == "cuda":
+        link = {"bandwidth": None, "latency_ms": None,
+                "reason": "one GPU: NCCL cannot pair two ranks on one device; the device preset's link is used"}
+        host = host_bandwidth(where, max(messages))
+    else:
+        link = measure_link(messages, repeats) if transfer else {
+            "bandwidth": None, "latency_ms": None, "reason": "not measured (transfer=False)"}
+        host = None
+    return {
+        "format": FORMAT,
+        "machine": {"device": where.type, "name": _machine_name(where), "torch": torch.__version__,
+                    "threads": threads if where.type == "cpu" else torch.get_num_threads(), "precision": precision},
+        "model": {"name": name, "layers": layers, "hidden": config.n_embd, "heads": config.n_head,
+                  "vocab": config.vocab_size, "ffn": 4, "tied": config.tie_embeddings},
+        "seq": seq,
+        "repeats": repeats,
+        "bytes_per_param": state,
+        "link": link,
+        "host_bandwidth": host,
+        "microbatch_sizes": samples,
+    }
+
+
+class _Runner:
+    """Times and counts the three stages (embedding, one layer, output layer) the way the
+    compute handlers run them."""
+
+    def __init__(self, stages, device: torch.device, autocast, repeats: int, warmup: int, vocab: int):
+        self.embedding, self.layer, self.head = stages[0], stages[1], stages[2]
+        self.device, self.autocast, self.repeats, self.warmup, self.vocab = device, autocast, repeats, warmup, vocab
+        self.dtype = next(self.layer.parameters()).dtype  # hidden states travel in the weights' dtype
+        self.timer = _Timer(device)
+
+    def autocasting(self):
+        return torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None)
+
+    def sample(self, b: int, seq: int) -> dict:
+        """The JSON entry of microbatch size ``b``: times (ms), message and memory bytes."""
+        tokens = torch.randint(self.vocab, (b, seq), device=self.device)
+        hidden = self.layer.blocks["0"].ln_1.normalized_shape[0]
+        x = torch.randn(b, seq, hidden, device=self.device, dtype=self.dtype)
+        grad = torch.randn_like(x)
+        times: dict[str, list[float]] = {}
+        collecting = gc.isenabled()
+        gc.disable()  # no collection inside a timed op
+        try:
+            for k in range(self.warmup + self.repeats):
+                for key, ms in self._once(tokens, x, grad).items():
+                    if k >= self.warmup:
+                        times.setdefault(key, []).append(ms)
+        finally:
+            if collecting:
+                gc.enable()
+        median = {key: statistics.median(values) for key, values in times.items()}
+        layer = {key: median[f"layer_{key}"] for key in ("f", "b", "w", "bw")}
+        return {
+            "layer": layer,
+            "embedding": {key: median[f"embedding_{key}"] for key in ("f", "b")},
+            "head": {key: median[f"head_{key}"] for key in ("f", "b", "w")},
+            "message_bytes": x.numel() * x.element_size(),
+            "memory": self._memory(tokens, x, grad),
+        }
+
+    def _once(self, tokens, x, grad) -> dict[str, float]:
+        """One run of each op; its times (ms) by name."""
+        timed, out, ms = self.timer, {}, {}
+        ms["embedding_f"] = timed(lambda: out.update(e=self._forward(self.embedding, tokens)))
+        ms["embedding_b"] = timed(lambda: torch.autograd.backward(out.pop("e"), grad))
+        ms.update(self._split(lambda: self._forward(self.layer, self._leaf(x)), grad, "layer"))
+        ms["layer_bw"] = self._fused(lambda: self._forward(self.layer, self._leaf(x)), grad)
+        ms.update(self._split(lambda: self._loss(self._leaf(x), tokens), None, "head"))
+        return ms
+
+    def _split(self, forward, grad, name: str) -> dict[str, float]:
+        """F, then B (weight gradients queued), then W (the queue) of one stage."""
+        out, store = {}, WeightGradStore()
+        f = self.timer(lambda: out.update(y=forward()))
+
+        def backward():
+            with defer_weight_grads(store):
+                torch.autograd.backward(out.pop("y"), grad)
+        b = self.timer(backward)
+        if not store.work:
+            raise PipeloomError(f"profile: B of the {name} deferred no weight gradient: the B/W split failed")
+        return {f"{name}_f": f, f"{name}_b": b, f"{name}_w": self.timer(store.run)}
+
+    def _fused(self, forward, grad) -> float:
+        """BW of one stage: its backward with the weight gradients done at once (an eager store)."""
+        y = forward()
+
+        def backward():
+            with defer_weight_grads(WeightGradStore(eager=True)):
+                torch.autograd.backward(y, grad)
+        return self.timer(backward)
+
+    @staticmethod
+    def _leaf(x: torch.Tensor) -> torch.Tensor:
+        return x.detach().requires_grad_()
+
+    def _forward(self, stage, x):
+        with self.autocasting():
+            y = stage(x)
+        return y.to(self.dtype)
+
+    def _loss(self, x, tokens, recompute: bool = False):
+        """The last stage's F (``recompute``: under ``torch.utils.checkpoint``, as the runtime reruns
+        a stage), then the mean cross-entropy on its logits (fp32 without autocast)."""
+        stage = partial(checkpoint, self.head, use_reentrant=False) if recompute else self.head
+        with self.autocasting():
+            y = stage(x)
+            return GPT.loss(y if self.autocast else y.float(), tokens)
+
+    def _memory(self, tokens, x, grad) -> dict:
+        """Bytes kept from F to the backward and from B to W, of the layer and the output layer."""
+        layer = {}
+        for mode in ("none", "cheap"):
+            layer[mode], y = saved_bytes(lambda: self._forward(self.layer, self._leaf(x)), cheap=mode == "cheap")
+            del y
+        layer["full"], y = saved_bytes(lambda: self._forward(partial(checkpoint, self.layer, use_reentrant=False),
+                                                             self._leaf(x)))
+        del y
+        layer["w"] = _queued_bytes(lambda: self._forward(self.layer, self._leaf(x)), grad)
+        head = {}
+        for key, recompute in (("b", False), ("full", True)):
+            head[key], loss = saved_bytes(lambda: self._loss(self._leaf(x), tokens, recompute))
+            del loss
+        head["w"] = _queued_bytes(lambda: self._loss(self._leaf(x), tokens), None)
+        return {"layer": layer, "head": head}
+
+
+class _Timer:
+    """Milliseconds a call takes: CUDA events after a synchronize on a GPU, the host clock on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        began = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - began)
+
+
+def _is_param(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages of ``tensors`` (parameters left out)."""
+    storages = {}
+    for t in tensors:
+        if not _is_param(t):
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def saved_bytes(forward, cheap: bool = False) -> tuple[int, object]:
+    """(bytes of the storages autograd saves while ``forward()`` runs, each once, parameters left
+    out; its result, which holds them). With ``cheap``, under :func:`cheap_recompute`: a tensor
+    the model marked rebuildable counts as its recipe's inputs, as the runtime keeps it."""
+    saved = []
+
+    def pack(tensor):
+        found = recipe(tensor) if cheap else None
+        if found is None:
+            saved.append(tensor)
+        else:
+            for inp in found[1]:
+                pack(inp)
+        return tensor
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
+            cheap_recompute() if cheap else nullcontext():
+        out = forward()
+    return _storage_bytes(saved), out
+
+
+def _queued_bytes(forward, grad) -> int:
+    """Bytes the weight-gradient work that B queues holds until W (inputs and output gradients
+    of the linear layers), found in the queued closures; the queue is then run."""
+    y, store = forward(), WeightGradStore()
+    with defer_weight_grads(store):
+        torch.autograd.backward(y, grad)
+    del y
+    tensors, seen = [], set()
+
+    def visit(obj):
+        if isinstance(obj, torch.Tensor):
+            tensors.append(obj)
+        elif callable(obj) and id(obj) not in seen and getattr(obj, "__closure__", None):
+            seen.add(id(obj))
+            for cell in obj.__closure__:
+                try:
+                    visit(cell.cell_contents)
+                except ValueError:  # an empty cell
+                    pass
+    for job in store.work:
+        visit(job)
+    held = _storage_bytes(tensors)
+    store.run()
+    return held
+
+
+def bytes_per_param(device: torch.device, autocast) -> float:
+    """Bytes of model state per parameter after one AdamW step on a small layer, as ``pipeloom
+    train`` keeps it: weights, gradients and the optimizer's per-element state."""
+    torch.manual_seed(0)
+    block = Block(GPTConfig(n_layer=1, n_embd=64, n_head=4, vocab_size=8, block_size=16)).to(device)
+    optimizer = torch.optim.AdamW(block.parameters())
+    with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+        y = block(torch.randn(2, 16, 64, device=device))
+    y.float().square().mean().backward()
+    optimizer.step()
+    params = list(block.parameters())
+    total = 0
+    for p in params:
+        state = [v for v in optimizer.state[p].values() if torch.is_tensor(v) and v.numel() == p.numel()]
+        total += sum(t.numel() * t.element_size() for t in (p, p.grad, *state))
+    return total / sum(p.numel() for p in params)
+
+
+def measure_link(message_bytes, repeats: int = 10, timeout: float = 120.0) -> dict:
+    """A stage-to-stage transfer between two local gloo processes: ping-pong of ``message_bytes``
+    and of :data:`LINK_SIZES`, half the round trip each, fitted to latency + bytes / bandwidth."""
+    from .local import spawn
+
+    sizes = sorted({*LINK_SIZES, *(min(int(n), max(LINK_SIZES)) for n in message_bytes)})
+    times = spawn(2, _ping_pong, sizes, max(repeats, 5), timeout=timeout)[0]
+    return fit_link(sizes, times)
+
+
+def fit_link(sizes, seconds) -> dict:
+    """``seconds = latency + bytes / bandwidth`` over (``sizes``, ``seconds``), least squares of
+    the relative error (so small messages set the latency, large ones the bandwidth); through the
+    origin if the latency comes out negative; null with a reason if the times do not grow with
+    the size."""
+    weights = [1 / y**2 for y in seconds]
+    s = sum(weights)
+    sx = sum(w * x for w, x in zip(weights, sizes))
+    sy = sum(w * y for w, y in zip(weights, seconds))
+    sxx = sum(w * x * x for w, x in zip(weights, sizes))
+    sxy = sum(w * x * y for w, x, y in zip(weights, sizes, seconds))
+    spread = s * sxx - sx * sx
+    slope = (s * sxy - sx * sy) / spread if spread > 0 else 0.0
+    latency = (sy - slope * sx) / s
+    if latency < 0:
+        latency, slope = 0.0, sxy / sxx
+    if slope <= 0:
+        return {"bandwidth": None, "latency_ms": None,
+                "reason": f"transfer times did not grow with the size (bytes {list(sizes)}, seconds {list(seconds)})"}
+    return {"bandwidth": 1 / slope, "latency_ms": 1e3 * latency, "reason": None}
+
+
+def _ping_pong(rank: int, sizes, repeats: int) -> list[float]:
+    """Median one-way seconds of each size: rank 0 sends, rank 1 sends it back (after a warm-up)."""
+    buffers = [torch.zeros(max(size // 4, 1)) for size in sizes]
+
+    def trip(buffer):
+        if rank == 0:
+            dist.send(buffer, 1)
+            dist.recv(buffer, 1)
+        else:
+            dist.recv(buffer, 0)
+            dist.send(buffer, 0)
+    for buffer in buffers:
+        trip(buffer)
+    medians = []
+    for buffer in buffers:
+        samples = []
+        for _ in range(repeats):
+            dist.barrier()
+            began = time.perf_counter()
+            trip(buffer)
+            samples.append((time.perf_counter() - began) / 2)
+        medians.append(statistics.median(samples))
+    return medians
+
+
+def host_bandwidth(device: torch.device, nbytes: int, repeats: int = 5) -> float:
+    """Bytes/s of pinned host<->device copies of at least 64 MiB (the mean of both directions)."""
+    n = max(int(nbytes), 64 * 2**20) // 4
+    host = torch.empty(n, dtype=torch.float32, pin_memory=True)
+    on_device = torch.empty(n, dtype=torch.float32, device=device)
+    timer = _Timer(device)
+    up = [timer(lambda: on_device.copy_(host, non_blocking=True)) for _ in range(repeats + 1)][1:]
+    down = [timer(lambda: host.copy_(on_device, non_blocking=True)) for _ in range(repeats + 1)][1:]
+    return 2 * 4 * n / (1e-3 * (statistics.median(up) + statistics.median(down)))
+
+
+def _device(device) -> torch.device:
+    where = torch.device(device)
+    if where.type not in ("cpu", "cuda"):
+        raise PipeloomError(f"device {device!r}: profile on cpu or cuda")
+    if where.type == "cuda":
+        if not torch.cuda.is_available():
+            raise PipeloomError("device cuda: no CUDA device here; profile on cpu")
+        where = torch.device("cuda", torch.cuda.current_device() if where.index is None else where.index)
+    return where
+
+
+def _sizes(microbatch_sizes) -> list[int]:
+    sizes = list(microbatch_sizes)
+    if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
+        raise PipeloomError(f"microbatch sizes {sizes}: give one or more positive integers")
+    if len(set(sizes)) != len(sizes):
+        raise PipeloomError(f"microbatch sizes {sizes}: each size once")
+    return sorted(sizes)
+
+
+def _check_fits(config: GPTConfig, seq: int, b: int, device: torch.device, name: str) -> None:
+    """Refuse, in one line, a profile whose largest microbatch would not fit this device's free memory
+    (a rough bound: fp32 weights and gradients of a layer and both ends, a layer's activations,
+    and the logits three times over)."""
+    h, v = config.n_embd, config.vocab_size
+    params = 12 * h * h + 13 * h + 2 * (v + seq) * h
+    need = 8 * params + 4 * b * seq * (40 * h + 3 * v) * 2
+    free = _free_memory(device)
+    if free is not None and need > 0.9 * free:
+        raise PipeloomError(f"profiling {name} (hidden {h}, vocab {v}) at seq {seq}, microbatch size {b} needs about "
+                            f"{need / _GiB:.1f} GiB; {device.type} has {free / _GiB:.1f} GiB free: use smaller "
+                            f"microbatch sizes or a shorter sequence")
+
+
+def _free_memory(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _machine_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"

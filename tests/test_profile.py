@@ -1,0 +1,292 @@
+"""Profiles: measuring on the CPU, the JSON format, costs from a profile, and `pipeloom profile`."""
+
+import json
+
+import pytest
+
+from pipeloom.cli import main
+from pipeloom.errors import PipeloomError
+from pipeloom.sim import MODELS, costs_from_model, get_device, layer_flops
+from pipeloom.sim.profile import FORMAT, Profile, load_profile
+
+try:
+    import torch
+except ImportError:  # the format and the costs need no torch; measuring does
+    torch = None
+needs_torch = pytest.mark.skipif(torch is None, reason="measuring needs torch")
+
+TINY = MODELS["tiny"]  # hidden 32, 4 heads, vocab 256, 4 layers
+
+
+def profile_dict(seq=64, link=(2e9, 0.05), host=None):
+    """A hand-made profile of the tiny model: times and bytes that grow with the microbatch size."""
+    def sample(b):
+        return {
+            "layer": {"f": 1.0 * b, "b": 2.0 * b, "w": 0.5 * b, "bw": 2.4 * b},
+            "embedding": {"f": 0.1 * b, "b": 0.2 * b},
+            "head": {"f": 3.0 * b, "b": 4.0 * b, "w": 1.0 * b},
+            "message_bytes": 4 * b * seq * 32,
+            "memory": {"layer": {"none": 1000 * b, "cheap": 600 * b, "full": 100 * b, "w": 900 * b},
+                       "head": {"b": 5000 * b, "w": 4000 * b, "full": 4500 * b}},
+        }
+    return {
+        "format": FORMAT,
+        "machine": {"device": "cpu", "name": "test", "torch": "x", "threads": 1, "precision": "fp32"},
+        "model": {"name": "tiny", "layers": 4, "hidden": 32, "heads": 4, "vocab": 256, "ffn": 4, "tied": False},
+        "seq": seq,
+        "repeats": 3,
+        "bytes_per_param": 16.0,
+        "link": {"bandwidth": link[0] if link else None, "latency_ms": link[1] if link else None,
+                 "reason": None if link else "one GPU"},
+        "host_bandwidth": host,
+        "microbatch_sizes": {"1": sample(1), "4": sample(4)},
+    }
+
+
+# -- the format ----------------------------------------------------------------
+
+def test_round_trip_through_a_file(tmp_path):
+    data = profile_dict()
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    profile = load_profile(path)
+    assert profile.to_dict() == data
+    assert Profile.from_dict(profile.to_dict()) == profile
+    assert sorted(profile.samples) == [1, 4] and profile.samples[4].layer_w == 2.0
+    assert profile.model == TINY and profile.seq == 64 and profile.source == str(path)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda d: d.update(format="pipeloom-profile/0"),
+     "field format is 'pipeloom-profile/0'; expected 'pipeloom-profile/1'"),
+    (lambda d: d.pop("seq"), "field seq is missing"),
+    (lambda d: d["model"].update(hidden="32"), "field model.hidden is '32'; expected an integer"),
+    (lambda d: d["model"].update(hidden=30), "field model: model 'tiny': hidden 30 is not divisible by heads 4"),
+    (lambda d: d["microbatch_sizes"]["1"]["layer"].pop("w"), "field microbatch_sizes.1.layer.w is missing"),
+    (lambda d: d["microbatch_sizes"]["4"]["memory"]["head"].update(w=-1),
+     "field microbatch_sizes.4.memory.head.w is -1; expected a non-negative number"),
+    (lambda d: d["microbatch_sizes"].update({"two": {}}), "field microbatch_sizes.two: expected a positive integer"),
+    (lambda d: d.update(microbatch_sizes={}), "field microbatch_sizes is empty"),
+    (lambda d: d["link"].update(bandwidth=0), "field link.bandwidth is 0; expected a positive number or null"),
+])
+def test_a_bad_profile_names_its_field(tmp_path, edit, message):
+    data = profile_dict()
+    edit(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PipeloomError, match=f"^profile {path}: ") as err:
+        load_profile(path)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_unreadable_and_non_json_files(tmp_path):
+    with pytest.raises(PipeloomError, match="cannot read it"):
+        load_profile(tmp_path / "missing.json")
+    (tmp_path / "x.json").write_text("{")
+    with pytest.raises(PipeloomError, match="not JSON"):
+        load_profile(tmp_path / "x.json")
+
+
+# -- costs from a profile ------------------------------------------------------
+
+def test_costs_at_a_profiled_size_are_the_measured_ones():
+    profile = Profile.from_dict(profile_dict())
+    # stages: the embedding alone, one bare layer, three layers and the head
+    costs = costs_from_model(TINY, 3, 64, 4, "cpu", layers_per_stage=[0, 1, 3], profile=profile)
+    assert costs.f == pytest.approx([0.4, 4.0, 3 * 4.0 + 12.0])
+    assert costs.b == pytest.approx([0.8, 8.0, 3 * 8.0 + 16.0])
+    assert costs.w == pytest.approx([0.0, 2.0, 3 * 2.0 + 4.0])
+    assert costs.m_b == pytest.approx([0, 4000, 3 * 4000 + 20000])
+    assert costs.m_w == pytest.approx([0, 3600, 3 * 3600 + 16000])
+    message = 4 * 4 * 64 * 32
+    assert costs.comm == pytest.approx([0.05 + 1e3 * message / 2e9] * 3)  # the measured link
+    assert costs.extra["offload"] == pytest.approx([1e3 * m / get_device("cpu").host_bandwidth for m in costs.m_b])
+
+
+def test_costs_at_another_size_scale_by_flops_from_the_nearest():
+    profile = Profile.from_dict(profile_dict())
+    assert profile.nearest(1) == 1 and profile.nearest(2) == 4 and profile.nearest(8) == 4  # by ratio; ties: the larger
+    costs = costs_from_model(TINY, 3, 64, 3, "cpu", layers_per_stage=[0, 1, 3], profile=profile)
+    wanted, measured = layer_flops(TINY, 64, 3), layer_flops(TINY, 64, 4)
+    assert costs.f[1] == pytest.approx(4.0 * wanted[0] / measured[0])
+    assert costs.b[1] == pytest.approx(8.0 * wanted[1] / measured[1])
+    assert costs.w[1] == pytest.approx(2.0 * wanted[2] / measured[2]) == pytest.approx(2.0 * 3 / 4)
+    assert costs.f[0] == pytest.approx(0.4 * 3 / 4)  # the ends' FLOPs are linear in the tokens
+    assert costs.m_b[1] == pytest.approx(3000) and costs.m_w[1] == pytest.approx(2700)
+    # sequence parallelism: a rank's FLOPs and bytes (half of each at sp = 2; the ring's exposed transfers on top)
+    sp = costs_from_model(TINY, 3, 64, 4, "cpu", layers_per_stage=[0, 1, 3], profile=profile, sp=2)
+    assert sp.w[1] == pytest.approx(1.0) and sp.m_b[1] == pytest.approx(2000)
+    flops = layer_flops(TINY, 64, 4, 2)[0]
+    ring = costs_from_model(TINY, 3, 64, 4, "cpu", layers_per_stage=[0, 1, 3], sp=2).f[1] - get_device("cpu").ms(flops)
+    assert sp.f[1] == pytest.approx(4.0 * flops / layer_flops(TINY, 64, 4)[0] + ring)
+
+
+def test_recomputation_with_a_profile():
+    profile = Profile.from_dict(profile_dict())
+    plain = costs_from_model(TINY, 3, 64, 1, "cpu", layers_per_stage=[0, 1, 3], profile=profile)
+    full = costs_from_model(TINY, 3, 64, 1, "cpu", layers_per_stage=[0, 1, 3], profile=profile, recompute=True)
+    cheap = costs_from_model(TINY, 3, 64, 1, "cpu", layers_per_stage=[0, 1, 3], profile=profile, recompute="cheap")
+    assert full.b[1] == pytest.approx(plain.b[1] + plain.f[1])  # B reruns F
+    assert full.m_b == pytest.approx([100, 100, 4500])  # a stage keeps its input; the last, what the loss keeps
+    assert full.extra["m_rerun"] == pytest.approx(plain.m_b)
+    assert cheap.m_b[1] == pytest.approx(600) and cheap.b == plain.b
+
+
+def test_an_unmeasured_link_uses_the_device_and_host_bandwidth_is_used():
+    profile = Profile.from_dict(profile_dict(link=None, host=20e9))
+    costs = costs_from_model(TINY, 2, 64, 1, "h100", profile=profile)
+    assert costs.comm == pytest.approx([1e3 * 4 * 64 * 32 / get_device("h100").link_bandwidth] * 2)
+    assert costs.extra["offload"] == pytest.approx([1e3 * m / 20e9 for m in costs.m_b])
+
+
+def test_a_profile_of_other_sizes_is_refused():
+    from dataclasses import replace
+
+    profile = Profile.from_dict(profile_dict(), "p.json")
+    with pytest.raises(PipeloomError, match="profile p.json was measured with hidden 32 .tiny.; the model gpt-125m "
+                                            "has hidden 768"):
+        costs_from_model("gpt-125m", 2, 64, 1, "cpu", profile=profile)
+    with pytest.raises(PipeloomError, match="measured with vocab 256 .tiny.; the model tiny has vocab 512"):
+        costs_from_model(replace(TINY, vocab=512), 2, 64, 1, "cpu", profile=profile)
+    with pytest.raises(PipeloomError, match="measured at seq 64; costs were asked for seq 128"):
+        costs_from_model(TINY, 2, 128, 1, "cpu", profile=profile)
+    deeper = costs_from_model(replace(TINY, layers=8), 2, 64, 1, "cpu", profile=profile)  # depth may differ
+    assert deeper.w == pytest.approx([4 * 0.5, 4 * 0.5 + 1.0])
+
+
+def test_without_a_profile_the_formulas_are_used():
+    assert costs_from_model(TINY, 2, 64, 2, "cpu") == costs_from_model(TINY, 2, 64, 2, "cpu", profile=None)
+
+
+# -- measuring on the CPU ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def measured():
+    from pipeloom.nn import GPTConfig
+    from pipeloom.runtime.profile import measure
+
+    return measure(GPTConfig.preset("tiny"), 64, [1, 2], repeats=3, warmup=1, transfer=False, name="tiny")
+
+
+@needs_torch
+def test_measured_times_and_the_bw_split(measured):
+    profile = Profile.from_dict(measured)
+    assert profile.model == TINY and profile.machine["device"] == "cpu" and profile.machine["threads"] == 1
+    for sample in profile.samples.values():
+        times = [sample.layer_f, sample.layer_b, sample.layer_w, sample.layer_bw, sample.embedding_f,
+                 sample.embedding_b, sample.head_f, sample.head_b, sample.head_w]
+        assert min(times) > 0
+        # B left the weight gradients to W: W is real work and B + W is about the fused backward
+        assert sample.layer_w > 0.02 * sample.layer_bw
+        assert 0.33 < (sample.layer_b + sample.layer_w) / sample.layer_bw < 3
+    assert profile.link_bandwidth is None and profile.link_reason and profile.host_bandwidth is None
+
+
+@needs_torch
+def test_measured_bytes_by_hand_count(measured):
+    b, s, h, v = 2, 64, 32, 256
+    memory = measured["microbatch_sizes"]["2"]["memory"]
+    hidden = 4 * b * s * h  # one fp32 hidden state
+    # B to W: every linear layer's input and output gradient (qkv 1 + 3, proj 1 + 1, fc 1 + 4, proj 4 + 1)
+    assert memory["layer"]["w"] == 16 * hidden
+    assert memory["layer"]["full"] == hidden  # checkpointing keeps the input
+    assert memory["layer"]["cheap"] < memory["layer"]["none"] < 18 * hidden
+    assert memory["head"]["w"] == 4 * b * s * v + hidden  # the logits' gradient and the head's input
+    assert measured["microbatch_sizes"]["2"]["message_bytes"] == hidden
+    assert measured["microbatch_sizes"]["1"]["memory"]["layer"]["none"] * 2 == memory["layer"]["none"]
+    assert measured["bytes_per_param"] == 16.0  # fp32 weights, gradients, AdamW's two moments
+
+
+@needs_torch
+def test_saved_bytes_match_autograds_own_saved_tensors():
+    """The hooks' count equals the storages autograd's graph itself reports saved (its nodes' _saved_*)."""
+    from pipeloom.nn.gpt import Block, GPTConfig
+    from pipeloom.runtime.profile import saved_bytes
+
+    torch.manual_seed(0)
+    block = Block(GPTConfig(n_layer=1, n_embd=32, n_head=4, vocab_size=8, block_size=64))
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    counted, y = saved_bytes(lambda: block(torch.randn(2, 64, 32, requires_grad=True)))
+    storages, seen, nodes = {}, set(), [y.grad_fn]
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        values = [getattr(node, name) for name in dir(node) if name.startswith("_saved_")]
+        values += list(getattr(node, "saved_tensors", ()))  # custom autograd Functions (pipeloom's Linear)
+        for value in values:
+            for t in value if isinstance(value, tuple) else (value,):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in params:
+                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        nodes += [f for f, _ in node.next_functions]
+    assert counted == sum(storages.values()) > 0
+
+
+@needs_torch
+def test_bf16_keeps_fp32_state():
+    from pipeloom.runtime.profile import bytes_per_param
+
+    assert bytes_per_param(torch.device("cpu"), torch.bfloat16) == 16.0
+
+
+@needs_torch
+def test_link_fit():
+    from pipeloom.runtime.profile import fit_link
+
+    sizes = [4096, 2**20, 16 * 2**20]
+    link = fit_link(sizes, [1e-4 + n / 2e9 for n in sizes])
+    assert link["bandwidth"] == pytest.approx(2e9) and link["latency_ms"] == pytest.approx(0.1)
+    assert fit_link(sizes, [3e-3, 2e-3, 1e-3])["bandwidth"] is None
+
+
+@needs_torch
+def test_a_profile_too_big_for_memory_is_refused():
+    from pipeloom.nn import GPTConfig
+    from pipeloom.runtime.profile import measure
+
+    with pytest.raises(PipeloomError, match=r"needs about [\d.]+ GiB; cpu has [\d.]+ GiB free"):
+        measure(GPTConfig(n_layer=1, n_embd=8192, n_head=64, vocab_size=2**24, block_size=4096), 4096, [8])
+
+
+# -- the command line ----------------------------------------------------------
+
+@needs_torch
+@pytest.mark.timeout(180)
+def test_profile_then_simulate_with_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    path = tmp_path / "tiny.json"
+    assert main(["profile", "--model", "tiny", "--seq", "64", "--microbatch-sizes", "1,2", "--repeats", "2",
+                 "--out", str(path)]) == 0
+    table = capsys.readouterr().out
+    assert "one layer: times (ms), achieved GFLOP/s (cpu preset: 130)" in table and "stage-to-stage transfer" in table
+    profile = load_profile(path)
+    assert profile.link_bandwidth > 0 and profile.link_latency_ms >= 0  # gloo between two processes
+    assert main(["simulate", "--model", "tiny", "--profile", str(path), "--pp", "2", "--microbatches", "4",
+                 "--microbatch-size", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["costs"] == f"profile {path}" and out["seq"] == 64 and out["device"] == "cpu"
+    assert out["makespan"] > 0
+    assert main(["simulate", "--model", "tiny", "--profile", str(path), "--pp", "2", "--microbatches", "4"]) == 0
+    assert f"costs: profile {path}" in capsys.readouterr().out
+
+
+def test_without_a_profile_simulate_says_formulas(capsys):
+    assert main(["simulate", "--model", "tiny", "--seq", "64", "--pp", "2", "--microbatches", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["costs"] == "formulas, device preset a100"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["simulate", "--profile", "p.json"],
+     "--profile sets the measured costs that --model derives costs for; give --model"),
+    (["profile", "--model", "nope"], "--model 'nope': choose one of"),
+    (["profile", "--hidden", "30"], "hidden 30 is not divisible by heads 4"),
+    (["profile", "--microbatch-sizes", "1,x"], "--microbatch-sizes '1,x': give positive integers"),
+    (["profile", "--microbatch-sizes", "2,2"], "each once"),
+    (["profile", "--out", "p.txt"], "--out p.txt: the file name must end in .json"),
+])
+def test_command_line_mistakes(capsys, args, message):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
