@@ -8,6 +8,7 @@ import math
 import os
 import sys
 
+from . import plan_cli
 from .errors import PipeloomError
 
 
@@ -46,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_simulate(sub)
     _add_profile(sub)
+    plan_cli.add_parser(sub)
     _add_train(sub)
     return parser
 

@@ -1,0 +1,149 @@
+"""The planner: its pruned search against brute force, its commands against a re-simulation, its
+bounds, its cluster tiers and its command line."""
+
+import json
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from pipeloom.cli import _parser
+from pipeloom.errors import PipeloomError
+from pipeloom.plan import Cluster, Costing, PlanRequest, candidate_of, candidates, command, exhaustive, search
+from pipeloom.plan.evaluate import schedule_of
+from pipeloom.sim.model import ModelSpec
+from pipeloom.train import check
+
+GiB = 2**30
+SMALL = ModelSpec("small", 8, 512, 8, 8192)
+
+
+def request(gpus=4, memory=80, batch=16, model=SMALL, **kwargs):
+    cluster = Cluster.of("a100", gpus, gpus_per_node=kwargs.pop("per_node", 8), memory=memory * GiB)
+    return PlanRequest(model, kwargs.pop("seq", 1024), batch, cluster, **kwargs)
+
+
+def settings(plans):
+    return [(p.candidate, p.step_ms) for p in plans]
+
+
+@pytest.mark.parametrize("gpus,memory,batch", [(4, 80, 16), (4, 0.6, 16), (8, 0.3, 16), (2, 0.4, 8), (8, 80, 8)])
+def test_search_equals_brute_force(gpus, memory, batch):
+    """The pruned search returns exactly the plans (and order) simulating every candidate gives,
+    with ample memory and with memory so tight that recomputation or offload must be chosen."""
+    want = request(gpus, memory, batch, top=6)
+    assert settings(search(want).plans) == settings(exhaustive(want))
+
+
+def test_tight_memory_picks_memory_savers():
+    ample, tight = (search(request(4, m, 16, top=1)).plans[0] for m in (80, 0.35))
+    assert max(tight.peak_memory_bytes) <= 0.35 * GiB < max(ample.peak_memory_bytes)
+    chosen = tight.candidate
+    assert chosen.recompute != "none" or chosen.offload != "none" or chosen.microbatch_size < 16 or chosen.pp > 1
+    assert tight.step_ms >= ample.step_ms
+
+
+def test_bounds_hold_for_every_candidate():
+    """Neither bound exceeds what simulation gives, also once critical paths have raised them."""
+    want = request(4, 80, 16, schedules=("1f1b", "zb-h1", "interleaved-1f1b", "2bw", "v-half"))
+    costing = Costing(want)
+    pool = list(candidates(want))[::7]
+    plans = {c: costing.evaluate(c) for c in pool}
+    for c, plan in plans.items():
+        assert costing.bound_ms(c) <= plan.step_ms * (1 + 1e-9)
+        assert costing.memory_lower_bound(c) <= max(plan.peak_memory_bytes)
+
+
+def _train_args(line: str):
+    words = shlex.split(line)
+    assert words[0] == "torchrun"
+    return _parser().parse_args(words[words.index("pipeloom") + 1:])
+
+
+@pytest.mark.parametrize("memory", [80, 0.4])
+def test_the_command_reruns_the_plan(memory):
+    """The printed command carries every setting: parsed by pipeloom train's own parser and
+    re-simulated, it gives the plan's step and memory exactly, and train builds that schedule."""
+    want = request(8, memory, 32, model="gpt-125m", seq=512, top=3)
+    for plan in search(want).plans:
+        args = _train_args(command(want, plan.candidate))
+        assert (args.model, args.seq, args.device) == ("gpt-125m", 512, "cuda")
+        again = Costing(want).evaluate(candidate_of(args))
+        assert (again.step_ms, again.peak_memory_bytes) == (plan.step_ms, plan.peak_memory_bytes)
+        _, schedule = check(args, want.cluster.gpus)
+        assert schedule == schedule_of(plan.candidate)
+
+
+def test_command_launches_every_node():
+    want = request(32, 80, 64, top=1)
+    line = command(want, search(want).plans[0].candidate)
+    assert line.startswith("torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d")
+    args = _train_args(line)
+    assert args.pp * args.dp * args.sp == 32
+
+
+def test_2bw_wins_at_small_batches_where_flushes_cost_most():
+    """2BW's steady state has no flush: with few microbatches per step it beats 1F1B."""
+    flush, no_flush = (search(request(8, 80, 8, schedules=(name,), top=1, vocab_parallel=("none",))).plans[0]
+                       for name in ("1f1b", "2bw"))
+    assert no_flush.candidate.pp > 1 or flush.candidate.pp == 1
+    assert no_flush.step_ms <= flush.step_ms
+
+
+def test_cluster_tiers_follow_the_mesh():
+    """Ranks are laid out (dp, pp, sp) row-major; 8 to a node."""
+    cluster = Cluster.of("a100", 16, gpus_per_node=8, inter_bandwidth=10e9)
+    intra = cluster.intra
+    assert cluster.bandwidth(8, 2, 1, "pp") == intra  # each pipeline fills one node
+    assert cluster.bandwidth(8, 2, 1, "dp") == 10e9  # replicas are a node apart
+    assert cluster.bandwidth(16, 1, 1, "pp") == 10e9
+    assert cluster.bandwidth(2, 2, 4, "sp") == intra and cluster.bandwidth(2, 2, 4, "dp") == 10e9
+    assert cluster.bandwidth(1, 2, 8, "dp") == 10e9 and cluster.bandwidth(1, 1, 8, "dp") == intra
+
+
+def test_infeasible_requests_say_what_would_fit():
+    with pytest.raises(PipeloomError, match=r"fits 0\.0 GiB per GPU; the smallest needs [0-9.]+ GiB \(pp"):
+        search(request(4, 0.01, 16))
+    # pp <= 2 layers, dp | 2 sequences, sp | 4 (seq 8 in 2 x sp chunks): 16 GPUs at most
+    with pytest.raises(PipeloomError, match=r"cannot use 64 GPUs .*; at most 16 GPUs would"):
+        search(request(64, 80, 2, model=ModelSpec("two", 2, 256, 4, 1024), seq=8))
+
+
+def test_bad_requests_one_line():
+    with pytest.raises(PipeloomError, match="unknown schedule family 'nope'|nope"):
+        request(schedules=("nope",))
+    with pytest.raises(PipeloomError, match="global_batch must be a positive integer"):
+        request(batch=0)
+    with pytest.raises(PipeloomError, match="do not fill whole nodes of 8"):
+        Cluster.of("a100", 12)
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "pipeloom", "plan", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_cli_json_has_the_plan_fields():
+    done = run_cli("--model", "gpt-125m", "--gpus", "8", "--global-batch", "32", "--seq", "512", "--top", "3",
+                   "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["costs"] == "formulas, device preset a100" and report["search"]["seconds"] > 0
+    fields = {"pp", "dp", "sp", "schedule", "chunks", "microbatch_size", "microbatches", "recompute",
+              "vocab_parallel", "offload", "step_ms", "tokens_per_s", "peak_memory_bytes", "command"}
+    assert len(report["plans"]) == 3 and all(fields <= set(plan) for plan in report["plans"])
+    first = report["plans"][0]
+    assert first["pp"] * first["dp"] * first["sp"] == 8
+    assert first["microbatches"] * first["microbatch_size"] * first["dp"] == 32
+    assert first["tokens_per_s"] == pytest.approx(32 * 512 / (first["step_ms"] / 1e3))
+    assert [p["step_ms"] for p in report["plans"]] == sorted(p["step_ms"] for p in report["plans"])
+
+
+def test_cli_infeasible_is_one_line():
+    done = run_cli("--model", "28.3b", "--gpus", "8", "--global-batch", "8", "--gpu-memory", "16")
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "the smallest needs" in lines[0], done.stderr
+    done = run_cli("--gpus", "8", "--schedules", "1f1b,nope")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "nope" in done.stderr
