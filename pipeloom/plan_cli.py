@@ -21,7 +21,8 @@ def add_parser(sub) -> None:
                     "each with the torchrun command that trains it.",
     )
     p.add_argument("--model", default="gpt-1.3b", metavar="PRESET", help="model preset (default gpt-1.3b)")
-    p.add_argument("--seq", type=int, help="tokens per sequence (default 2048, or the profile's)")
+    p.add_argument("--seq", type=int,
+                   help="tokens per sequence (default: the profile's, else the preset's context length, else 2048)")
     p.add_argument("--global-batch", type=int, default=512, metavar="N", help="sequences per step (default 512)")
     p.add_argument("--gpus", type=int, default=8, metavar="N", help="GPUs in all (default 8)")
     p.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="GPUs per node (default 8)")
@@ -62,6 +63,7 @@ def run(args) -> int:
 def request_of(args):
     """The :class:`~pipeloom.plan.PlanRequest` the arguments ask for, and where its costs come from."""
     from .plan import Cluster, PlanRequest
+    from .presets import SIZES
     from .plan.space import OFFLOADS, RECOMPUTES, VOCAB_MODES
     from .schedule import FAMILIES
     from .sim.model import get_model
@@ -71,7 +73,11 @@ def request_of(args):
         from .sim.profile import load_profile
 
         profile = load_profile(args.profile)
-    seq = args.seq if args.seq is not None else (profile.seq if profile else 2048)
+    block = SIZES[args.model].block_size if args.model in SIZES else None
+    seq = args.seq if args.seq is not None else (profile.seq if profile else block or 2048)
+    if block is not None and seq > block:
+        raise PipeloomError(f"--seq {seq} is longer than the {block} positions {args.model} learns (pipeloom train "
+                            f"would refuse it); use --seq {block} or less")
     device = args.device or ("cpu" if profile and profile.machine["device"] == "cpu" else "a100")
     for flag in ("gpu_memory", "intra_node_bandwidth", "inter_node_bandwidth"):
         value = getattr(args, flag)
