@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from pipeloom.nn import GPTConfig, WeightGradStore, defer_weight_grads
 from pipeloom.nn.gpt import Block
+from pipeloom.runtime.profile import Timer
 from pipeloom.sim import ModelSpec, get_device, layer_flops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,25 +44,6 @@ SHAPES = {
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-class _Timer:
-    """Elapsed milliseconds of a block: CUDA events on a GPU, the wall clock on the CPU."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-
-    def __call__(self, fn) -> float:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
-        began = time.perf_counter()
-        fn()
-        return 1e3 * (time.perf_counter() - began)
-
-
 def measure(name: str, args, device, dtype) -> dict:
     hidden, heads, seq, batch = SHAPES[name]
     config = GPTConfig(n_layer=1, n_embd=hidden, n_head=heads, vocab_size=8, block_size=seq)
@@ -70,7 +51,7 @@ def measure(name: str, args, device, dtype) -> dict:
     block = Block(config).to(device=device, dtype=dtype)
     x = torch.randn(batch, seq, hidden, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
-    timer = _Timer(device)
+    timer = Timer(device)
     times = {"f": [], "b": [], "w": [], "bw": []}
     queued = 0
     for k in range(args.warmup + args.repeats):

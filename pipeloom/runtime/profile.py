@@ -117,7 +117,7 @@ class _Runner:
         self.embedding, self.layer, self.head = stages[0], stages[1], stages[2]
         self.device, self.autocast, self.repeats, self.warmup, self.vocab = device, autocast, repeats, warmup, vocab
         self.dtype = next(self.layer.parameters()).dtype  # hidden states travel in the weights' dtype
-        self.timer = _Timer(device)
+        self.timer = Timer(device)
 
     def autocasting(self):
         return torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None)
@@ -216,7 +216,7 @@ class _Runner:
         return {"layer": layer, "head": head}
 
 
-class _Timer:
+class Timer:
     """Milliseconds a call takes: CUDA events after a synchronize on a GPU, the host clock on a CPU."""
 
     def __init__(self, device: torch.device):
@@ -376,7 +376,7 @@ def host_bandwidth(device: torch.device, nbytes: int, repeats: int = 5) -> float
     n = max(int(nbytes), 64 * 2**20) // 4
     host = torch.empty(n, dtype=torch.float32, pin_memory=True)
     on_device = torch.empty(n, dtype=torch.float32, device=device)
-    timer = _Timer(device)
+    timer = Timer(device)
     up = [timer(lambda: on_device.copy_(host, non_blocking=True)) for _ in range(repeats + 1)][1:]
     down = [timer(lambda: host.copy_(on_device, non_blocking=True)) for _ in range(repeats + 1)][1:]
     return 2 * 4 * n / (1e-3 * (statistics.median(up) + statistics.median(down)))
