@@ -22,8 +22,11 @@ depth, data- and sequence-parallel widths and microbatch size left to it.
 Per family it records the best plan (throughput, layout, microbatch size,
 recomputation, peak memory per rank, bubble rate) or the planner's one-line
 "none fits", and the search's time; per setting the throughput ratios
-2BW / 1F1B and 2BW / GPipe. Planned, not measured: the cost model is the
-FLOP formulas on the ``v100`` preset (no profile). Writes
+2BW / 1F1B and 2BW / GPipe. The planner costs 2bw's steady state (no flush
+ever); ``pipeloom train`` runs 2bw in calls of 4 steps that each end in a
+flush, so 2bw's best plan is also simulated that way ("per call") and its
+ratio to 1F1B given too. Planned, not measured: the cost model is the FLOP
+formulas on the ``v100`` preset (no profile). Writes
 bench/results/plan_2bw.json and prints a markdown table.
 """
 
@@ -40,8 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
 
 from pipeloom.errors import PipeloomError  # noqa: E402
-from pipeloom.plan import Cluster, PlanRequest, search  # noqa: E402
+from pipeloom.plan import Cluster, Costing, PlanRequest, schedule_of, search  # noqa: E402
 from pipeloom.plan.evaluate import VERSION_BYTES_PER_PARAM  # noqa: E402
+from pipeloom.sim import simulate  # noqa: E402
 from pipeloom.sim.model import ModelSpec, get_model  # noqa: E402
 
 _GiB = 2**30
@@ -70,14 +74,21 @@ def best(model: ModelSpec, gpus: int, batch: int, memory_gib: float, family: str
         return {"fits": False, "reason": str(err), "search_s": round(time.perf_counter() - started, 3)}
     plan = found.plans[0]
     c = plan.candidate
+    searched = time.perf_counter() - started
+    if c.schedule == "2bw":  # as pipeloom train runs it: calls of several steps, each ending in a flush
+        steps = schedule_of(c).steps
+        call = simulate(schedule_of(c, steps), Costing(request).costs(c)).makespan / steps + plan.allreduce_ms
+        as_run = {"steps_per_call": steps, "per_call_step_ms": round(call, 2),
+                  "per_call_samples_per_s": round(batch / call * 1e3, 2)}
+    else:
+        as_run = {}
     return {
         "fits": True, "pp": c.pp, "dp": c.dp, "sp": c.sp, "chunks": c.chunks, "microbatch_size": c.microbatch_size,
         "microbatches": c.microbatches, "recompute": c.recompute, "step_ms": round(plan.step_ms, 2),
         "samples_per_s": round(plan.samples_per_s, 2), "tokens_per_s": round(plan.tokens_per_s, 1),
         "mfu": round(plan.mfu, 4), "peak_memory_gib": round(max(plan.peak_memory_bytes) / _GiB, 2),
         "bubble_rate": round(plan.bubble_rate, 4), "allreduce_ms": round(plan.allreduce_ms, 2),
-        "search_s": round(time.perf_counter() - started, 3), "candidates": found.candidates,
-        "simulated": found.simulated,
+        "search_s": round(searched, 3), "candidates": found.candidates, "simulated": found.simulated, **as_run,
     }
 
 
@@ -112,6 +123,10 @@ def summarise(rows: list[dict], group) -> dict:
                 "geomean_ratio": round(math.exp(sum(map(math.log, ratios)) / len(ratios)), 4) if ratios else None,
                 "min_ratio": min(ratios, default=None), "max_ratio": max(ratios, default=None),
             }
+            if rival == "1f1b":
+                calls = [r["2bw_per_call_over_1f1b"] for r in at if "2bw_per_call_over_1f1b" in r]
+                entry[rival]["geomean_per_call_ratio"] = (
+                    round(math.exp(sum(map(math.log, calls)) / len(calls)), 4) if calls else None)
         out[name] = entry
     return out
 
@@ -128,12 +143,13 @@ def show(r: float | None, v: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | GPUs | batch | GiB | GPipe | 1F1B | 2BW | 2BW/1F1B | 2BW/GPipe |", "|---" * 9 + "|"]
+    lines = ["| model | GPUs | batch | GiB | GPipe | 1F1B | 2BW | 2BW/1F1B | 2BW/GPipe | 2BW per call/1F1B |",
+             "|---" * 10 + "|"]
     for r in rows:
         f = r["plans"]
         lines.append(f"| {r['model']} | {r['gpus']} | {r['global_batch']} | {r['memory_gib']:g} | {cell(f['gpipe'])} | "
                      f"{cell(f['1f1b'])} | {cell(f['2bw'])} | {show(r['2bw_over_1f1b'], r['vs_1f1b'])} | "
-                     f"{show(r['2bw_over_gpipe'], r['vs_gpipe'])} |")
+                     f"{show(r['2bw_over_gpipe'], r['vs_gpipe'])} | {show(r.get('2bw_per_call_over_1f1b'), '')} |")
     return "\n".join(lines)
 
 
@@ -159,6 +175,9 @@ def main(argv=None):
                     for rival in ("1f1b", "gpipe"):
                         row[f"2bw_over_{rival}"] = ratio(plans["2bw"], plans[rival])
                         row[f"vs_{rival}"] = verdict(plans["2bw"], plans[rival])
+                    if plans["2bw"]["fits"] and plans["1f1b"]["fits"]:
+                        row["2bw_per_call_over_1f1b"] = round(
+                            plans["2bw"]["per_call_samples_per_s"] / plans["1f1b"]["samples_per_s"], 4)
                     rows.append(row)
                     print(f"{model.name} {gpus} GPUs batch {batch} {memory:g} GiB: "
                           + ", ".join(f"{f} {cell(p)} [{p['search_s']:.2f}s]" for f, p in plans.items()),
@@ -189,9 +208,11 @@ def main(argv=None):
         for name, entry in results[key].items():
             for rival, s in entry.items():
                 counts = ", ".join(f"{k} {v}" for k, v in s.items()
-                                   if k not in ("settings", "geomean_ratio", "max_ratio", "min_ratio"))
+                                   if k not in ("settings", "geomean_ratio", "max_ratio", "min_ratio",
+                                                "geomean_per_call_ratio"))
+                call = f"; per call {s['geomean_per_call_ratio']}" if "geomean_per_call_ratio" in s else ""
                 print(f"{name}: 2bw vs {rival}: {counts}; geomean ratio {s['geomean_ratio']} "
-                      f"(min {s['min_ratio']}, max {s['max_ratio']})")
+                      f"(min {s['min_ratio']}, max {s['max_ratio']}){call}")
     print("search seconds per call: " + "; ".join(f"{f} median {s['median']} max {s['max']}"
                                                    for f, s in search_s.items()))
     print(f"wrote {path} in {results['seconds']} s")

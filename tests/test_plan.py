@@ -36,6 +36,15 @@ def test_search_equals_brute_force(gpus, memory, batch):
     assert settings(search(want).plans) == settings(exhaustive(want))
 
 
+def test_float_noise_ties_break_on_memory():
+    """2bw plans whose steps differ only by rounding: the top plan does not depend on ``top``."""
+    model = ModelSpec("gpt-1.3b", 24, 2048, 16, 50304, tied_embeddings=True)
+    cluster = Cluster.of("v100", 8, memory=16 * GiB, inter_bandwidth=3.125e9)
+    want = [PlanRequest(model, 512, 64, cluster, schedules=("2bw",), vocab_parallel=("none",), offload=("none",),
+                        top=top) for top in (1, 3)]
+    assert search(want[0]).plans[0].candidate == search(want[1]).plans[0].candidate == exhaustive(want[0])[0].candidate
+
+
 def test_tight_memory_picks_memory_savers():
     ample, tight = (search(request(4, m, 16, top=1)).plans[0] for m in (80, 0.35))
     assert max(tight.peak_memory_bytes) <= 0.35 * GiB < max(ample.peak_memory_bytes)

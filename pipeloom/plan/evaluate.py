@@ -54,7 +54,8 @@ class Plan:
         """The order of plans: fastest first; at equal speed the one with less recomputation and
         offload (each costs more than the cost model counts), then the least memory."""
         c = self.candidate
-        return self.step_ms, RECOMPUTES.index(c.recompute), OFFLOADS.index(c.offload), max(self.peak_memory_bytes), c
+        # steps equal but for float noise (summed in another order) tie, so the tie-breaks apply
+        return float(f"{self.step_ms:.9g}"), RECOMPUTES.index(c.recompute), OFFLOADS.index(c.offload), max(self.peak_memory_bytes), c
 
 
 class Costing:

@@ -55,7 +55,7 @@ def search(request: PlanRequest) -> Search:
     simulated = 0
     while queue:
         bound, n, base = heapq.heappop(queue)
-        if len(kept) == request.top and bound > -kept[0][0]:
+        if len(kept) == request.top and bound > kept[0][0].key[0]:
             break
         variants = sorted(((costing.bound_ms(c), c) for c in bases[base]), key=_variant_order)
         least = min(b for b, _ in variants)
@@ -71,12 +71,12 @@ def search(request: PlanRequest) -> Search:
             if plan is not None and plan.fits and (best is None or plan.key < best.key):
                 best = plan
         if best is not None:
-            heapq.heappush(kept, (-best.step_ms, _Reverse(best.key), best))
+            heapq.heappush(kept, (_Reverse(best.key), best))
             if len(kept) > request.top:
                 heapq.heappop(kept)
     if not kept:
         raise PipeloomError(_smallest_memory(request, costing, pool))
-    plans = sorted((entry[2] for entry in kept), key=lambda p: p.key)
+    plans = sorted((entry[1] for entry in kept), key=lambda p: p.key)
     return Search(plans, len(pool), simulated, time.perf_counter() - started)
 
 
@@ -100,7 +100,7 @@ def _variant_order(entry: tuple[float, Candidate]) -> tuple:
 
 
 class _Reverse:
-    """Order a key backwards, so that a min-heap pops the worst plan first among equal steps."""
+    """Order a key backwards, so that a min-heap pops the worst plan first."""
 
     def __init__(self, key):
         self.key = key
