@@ -48,8 +48,6 @@ def test_float_noise_ties_break_on_memory():
 def test_tight_memory_picks_memory_savers():
     ample, tight = (search(request(4, m, 16, top=1)).plans[0] for m in (80, 0.35))
     assert max(tight.peak_memory_bytes) <= 0.35 * GiB < max(ample.peak_memory_bytes)
-    chosen = tight.candidate
-    assert chosen.recompute != "none" or chosen.offload != "none" or chosen.microbatch_size < 16 or chosen.pp > 1
     assert tight.step_ms >= ample.step_ms
 
 
@@ -96,8 +94,8 @@ def test_2bw_wins_at_small_batches_where_flushes_cost_most():
     """2BW's steady state has no flush: with few microbatches per step it beats 1F1B."""
     flush, no_flush = (search(request(8, 80, 8, schedules=(name,), top=1, vocab_parallel=("none",))).plans[0]
                        for name in ("1f1b", "2bw"))
-    assert no_flush.candidate.pp > 1 or flush.candidate.pp == 1
-    assert no_flush.step_ms <= flush.step_ms
+    assert no_flush.step_ms < flush.step_ms
+    assert no_flush.bubble_rate < flush.bubble_rate  # the steady step's idle share: no fill, no drain
 
 
 def test_cluster_tiers_follow_the_mesh():

@@ -36,7 +36,7 @@ GRAD_BYTES = 4
 @dataclass(frozen=True)
 class Plan:
     """A candidate costed: step time (ms), throughput, MFU, peak memory per rank (bytes) and the
-    bubble rate of its simulated schedule; ``fits`` when every rank's peak is within the GPU memory."""
+    bubble rate of its simulated schedule (2bw: of its steady step); ``fits`` when every rank's peak is within the GPU memory."""
 
     candidate: Candidate
     step_ms: float
@@ -54,8 +54,21 @@ class Plan:
         """The order of plans: fastest first; at equal speed the one with less recomputation and
         offload (each costs more than the cost model counts), then the least memory."""
         c = self.candidate
-        # steps equal but for float noise (summed in another order) tie, so the tie-breaks apply
-        return float(f"{self.step_ms:.9g}"), RECOMPUTES.index(c.recompute), OFFLOADS.index(c.offload), max(self.peak_memory_bytes), c
+        return _tied(self.step_ms), RECOMPUTES.index(c.recompute), OFFLOADS.index(c.offload), \
+            max(self.peak_memory_bytes), c
+
+    def beats(self, bound_ms: float) -> bool:
+        """Whether no candidate whose step is at least ``bound_ms`` can come before this plan."""
+        return bound_ms > self.key[0] * (1 + 2 * _NOISE)
+
+
+#: Relative difference under which two steps count as equal (sums of the same costs in another order).
+_NOISE = 1e-9
+
+
+def _tied(ms: float) -> float:
+    """``ms`` to 9 significant digits: steps equal but for float noise tie, so the tie-breaks apply."""
+    return float(f"{ms:.9g}")
 
 
 class Costing:
@@ -66,6 +79,7 @@ class Costing:
         self._costs: dict[tuple, tuple[Costs, StageCosts]] = {}
         self._schedules: dict[tuple, Schedule | PipeloomError] = {}
         self._paths: dict[tuple, CriticalPath] = {}
+        self._reduce: dict[tuple, list[float]] = {}
 
     def costs(self, c: Candidate) -> Costs:
         """The per-stage costs of ``c`` on the request's cluster (profile or formulas)."""
@@ -97,7 +111,7 @@ class Costing:
         bound = self.lower_bound_ms(c)
         path = self._paths.get(_shape(c))
         if path is not None:
-            bound = max(bound, path.length(self._both(c)[1]) + allreduce_ms(self.request, c)[path.rank])
+            bound = max(bound, path.length(self._both(c)[1]) + self.allreduce_ms(c)[path.rank])
         return bound
 
     def schedule(self, c: Candidate, steps: int | None = None) -> Schedule:
@@ -112,12 +126,19 @@ class Costing:
             raise self._schedules[key]
         return self._schedules[key]
 
+    def allreduce_ms(self, c: Candidate) -> list[float]:
+        """:func:`allreduce_ms`, once per layout."""
+        key = c.pp, c.dp, c.sp, c.chunks, c.vocab_parallel, get_family(c.schedule).chunks == (2,)
+        if key not in self._reduce:
+            self._reduce[key] = allreduce_ms(self.request, c)
+        return self._reduce[key]
+
     def lower_bound_ms(self, c: Candidate) -> float:
         """A step time no schedule of ``c`` can beat: each rank's compute (F, B and W of its stages
         for every microbatch) and all-reduce, after the first microbatch's forwards reach it (none
         for 2bw, whose steady state has no such wait, nor with vocabulary passes, which start
         every rank)."""
-        costs, reduce = self._both(c)[1], allreduce_ms(self.request, c)
+        costs, reduce = self._both(c)[1], self.allreduce_ms(c)
         bound = 0.0
         for rank, stages in enumerate(stages_of_ranks(c)):
             busy = c.microbatches * sum(costs.f[s] + costs.b[s] + costs.w[s] for s in stages)
@@ -187,10 +208,13 @@ def evaluate(request: PlanRequest, c: Candidate, stage_costs: Costs, build_sched
     reduce = allreduce_ms(request, c)
     if c.schedule == "2bw":
         one, result = (simulate(build_schedule(c, steps), stage_costs) for steps in (1, 2))
-        step = result.makespan - one.makespan + max(reduce)
+        steady = result.makespan - one.makespan
+        step = steady + max(reduce)
+        bubble = max(1 - (two.busy - first.busy) / steady for two, first in zip(result.ranks, one.ranks))
     else:
         result = simulate(build_schedule(c), stage_costs)
         step = max(max(ends, default=0.0) + ar for ends, ar in zip(result.ends, reduce))
+        bubble = result.bubble_rate
     memory = peak_memory_bytes(request.model, result, request.seq, microbatch_size=c.microbatch_size, sp=c.sp,
                                bytes_per_param=request.bytes_per_param, vocab_parallel=_vocab(c))
     if result.schedule.weight_versions > 1:
@@ -200,7 +224,7 @@ def evaluate(request: PlanRequest, c: Candidate, stage_costs: Costs, build_sched
     seconds = step / 1e3
     return Plan(c, step, request.global_batch * request.seq / seconds, request.global_batch / seconds,
                 model_flops(request) / seconds / (request.cluster.gpus * request.cluster.device.peak_flops), memory,
-                result.bubble_rate, max(reduce), max(memory) <= request.cluster.gpu_memory, result)
+                bubble, max(reduce), max(memory) <= request.cluster.gpu_memory, result)
 
 
 def model_flops(request: PlanRequest) -> float:

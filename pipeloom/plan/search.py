@@ -55,7 +55,7 @@ def search(request: PlanRequest) -> Search:
     simulated = 0
     while queue:
         bound, n, base = heapq.heappop(queue)
-        if len(kept) == request.top and bound > kept[0][0].key[0]:
+        if len(kept) == request.top and kept[0][1].beats(bound):
             break
         variants = sorted(((costing.bound_ms(c), c) for c in bases[base]), key=_variant_order)
         least = min(b for b, _ in variants)
@@ -64,7 +64,7 @@ def search(request: PlanRequest) -> Search:
             continue
         best = None
         for variant_bound, c in variants:
-            if best is not None and (variant_bound > best.step_ms or best.candidate == base):
+            if best is not None and (best.beats(variant_bound) or best.candidate == base):
                 break  # recomputing or offloading never makes a step faster: the bare layout is its best
             plan = _try(costing, c)
             simulated += plan is not None
