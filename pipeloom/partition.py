@@ -52,3 +52,12 @@ def balanced_layers(model, stages: int, seq: int) -> tuple[int, ...]:
 def _centre_first(stages: int) -> list[int]:
     """The stages from the middle outwards (the lower of two equally central first)."""
     return sorted(range(stages), key=lambda s: (abs(2 * s - (stages - 1)), s))
+
+
+def stage_totals(split, per_layer: float, first: float = 0, last: float = 0) -> list:
+    """Per stage of ``split`` layers: ``per_layer`` for each of its layers, plus ``first`` on the
+    first stage (the embedding) and ``last`` on the last (the output layer)."""
+    values = [n * per_layer for n in split]
+    values[0] += first
+    values[-1] += last
+    return values

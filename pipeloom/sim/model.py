@@ -75,7 +75,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import PipeloomError
 from ..modes import Attention, VocabMode
-from ..partition import balanced_layers, split_layers
+from ..partition import balanced_layers, split_layers, stage_totals
 from ..presets import SIZES
 from ..schedule import build
 from ..schedule.costs import Costs
@@ -427,10 +427,7 @@ def _activation_bytes(model: ModelSpec, split, seq: int, microbatch_size: int, s
         # final norm's input (2bth each) for B; W keeps the logits' gradient
         # (2btV, bf16) and the LM head's input.
         head_mb, head_mw = 4 * b * t * v + 4 * bth, 2 * b * t * v + 2 * bth
-    m_b = [n * layer_mb for n in split]
-    m_w = [n * layer_mw for n in split]
-    m_b[-1] += head_mb
-    m_w[-1] += head_mw
+    m_b, m_w = stage_totals(split, layer_mb, last=head_mb), stage_totals(split, layer_mw, last=head_mw)
     if recompute is True:
         # the runtime reruns whole stages in B: each keeps only its input; the last also the
         # loss's fp32 log-probabilities, which are outside the rerun
@@ -507,13 +504,7 @@ def costs_from_model(
     m_b, m_w = _activation_bytes(model, split, seq, microbatch_size, sp, ring.kept_bytes, mode, recompute)
     rerun = _activation_bytes(model, split, seq, microbatch_size, sp, ring.kept_bytes, mode, False)[0] if full else None
 
-    def per_stage(per_layer, first=0, last=0):
-        values = [n * per_layer for n in split]
-        values[0] += first
-        values[-1] += last
-        return values
-
-    f, bwd, w = ([device.ms(x) for x in per_stage(flops, first=first, last=head)]
+    f, bwd, w = ([device.ms(x) for x in stage_totals(split, flops, first=first, last=head)]
                  for flops, first in ((layer_f, embedding), (layer_b, 0), (layer_w, 0)))
     comm, host_bandwidth = 1e3 * 2 * bth / device.link_bandwidth, device.host_bandwidth
     if profile is not None:

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import PipeloomError
+from ..partition import stage_totals
 from .model import ModelSpec, layer_flops
 
 #: The format tag of a profile.
@@ -284,14 +285,8 @@ class Profile:
         one = self.costs(model, seq, microbatch_size, sp, recompute)
         ends = 0.0 if vocab_split else 1.0
 
-        def per_stage(per_layer, first=0.0, last=0.0):
-            values = [n * per_layer for n in split]
-            values[0] += first
-            values[-1] += last
-            return values
-
         def kept(costs: ProfiledCosts) -> list[float]:
-            return per_stage(costs.layer_m_b, last=costs.head_m_b if ends else costs.message_bytes)
+            return stage_totals(split, costs.layer_m_b, last=costs.head_m_b if ends else costs.message_bytes)
 
         if recompute is True:
             m_b = [one.layer_m_b] * len(split)
@@ -300,10 +295,10 @@ class Profile:
         else:
             m_b, rerun = kept(one), None
         return ProfiledStages(
-            f=per_stage(one.layer_f, first=ends * one.embedding_f, last=ends * one.head_f),
-            b=per_stage(one.layer_b, first=ends * one.embedding_b, last=ends * one.head_b),
-            w=per_stage(one.layer_w, last=ends * one.head_w),
-            m_b=m_b, m_w=per_stage(one.layer_m_w, last=ends * one.head_m_w), m_rerun=rerun,
+            f=stage_totals(split, one.layer_f, first=ends * one.embedding_f, last=ends * one.head_f),
+            b=stage_totals(split, one.layer_b, first=ends * one.embedding_b, last=ends * one.head_b),
+            w=stage_totals(split, one.layer_w, last=ends * one.head_w),
+            m_b=m_b, m_w=stage_totals(split, one.layer_m_w, last=ends * one.head_m_w), m_rerun=rerun,
             message_bytes=one.message_bytes, comm_ms=one.comm_ms,
         )
 
