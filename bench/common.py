@@ -42,19 +42,15 @@ def write_results(name: str, results: dict, path: str | None = None) -> Path:
 
 
 def added_peak(fn) -> tuple[int, float]:
-    """(bytes of resident memory ``fn()`` added at its peak, seconds it took): ``VmHWM`` of
-    /proc/self/status after resetting it through /proc/self/clear_refs, minus ``VmRSS`` before.
-    Set ``MALLOC_MMAP_THRESHOLD_=65536`` before the process starts so that resident memory
-    follows the live tensors (glibc then maps every larger block on its own)."""
+    """(bytes of resident memory ``fn()`` added at its peak, seconds it took), by
+    :class:`pipeloom.runtime.memory.PeakMemory` on the CPU. Set ``MALLOC_MMAP_THRESHOLD_=65536``
+    before the process starts so that resident memory follows the live tensors."""
+    import torch
+
+    from pipeloom.runtime.memory import PeakMemory
+
     gc.collect()
-    status = Path("/proc/self/status")
-
-    def field(name: str) -> int:
-        line = next(x for x in status.read_text().splitlines() if x.startswith(name + ":"))
-        return int(line.split()[1]) * 1024
-
-    Path("/proc/self/clear_refs").write_text("5")
-    before = field("VmRSS")
+    peak = PeakMemory(torch.device("cpu"))
     start = time.perf_counter()
     fn()
-    return field("VmHWM") - before, time.perf_counter() - start
+    return peak.bytes(), time.perf_counter() - start

@@ -44,9 +44,8 @@ from common import write_results  # noqa: E402
 
 from pipeloom.errors import PipeloomError  # noqa: E402
 from pipeloom.plan import Cluster, Costing, PlanRequest, schedule_of, search  # noqa: E402
-from pipeloom.plan.evaluate import VERSION_BYTES_PER_PARAM  # noqa: E402
 from pipeloom.sim import simulate  # noqa: E402
-from pipeloom.sim.model import ModelSpec, get_model  # noqa: E402
+from pipeloom.sim.model import GRAD_BYTES_PER_PARAM, VERSION_BYTES_PER_PARAM, ModelSpec, get_model  # noqa: E402
 
 _GiB = 2**30
 SEQ = 512
@@ -193,7 +192,7 @@ def main(argv=None):
             "gpus": args.gpus, "global_batches": args.batches, "memories_gib": args.memories,
             "searched": "recompute none/cheap/full, pp, dp, sp, microbatch size; vocab_parallel none; offload none",
             "costs": "FLOP formulas on the v100 preset (no profile)",
-            "2bw_extra_bytes_per_param": 2 * VERSION_BYTES_PER_PARAM,
+            "2bw_extra_bytes_per_param": 2 * VERSION_BYTES_PER_PARAM - GRAD_BYTES_PER_PARAM,
         },
         "rows": rows,
         "summary_by_memory": summarise(rows, lambda r: f"{r['memory_gib']:g} GiB"),

@@ -254,17 +254,19 @@ class Trainer:
 
         from .nn import GPT, GPTConfig
         from .runtime import Pipeline
+        from .runtime.memory import PeakMemory
 
         self.args, self.device, self.stop = args, device, stop
         self.last_saved: Path | None = None  # the newest checkpoint this run saved or resumed from
         self.rank = dist.get_rank()
         self.data = load_data(args.data, args.token_dtype, args.vocab_size, args.tokenizer)
+        self.memory = PeakMemory(device)  # from here: what the model and its training add
         self.config = GPTConfig.preset(args.model, vocab_size=self.data.vocab_size, **_positions(args))
         dp = layout.dp
         torch.manual_seed(args.seed)  # the same weights on every rank
         precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
         autocast = torch.bfloat16 if precision == "bf16" else None
-        model = GPT(self.config)
+        model = GPT(self.config, device="meta")  # each rank materialises only its own stages
         self.n_params = sum(p.numel() for p in model.parameters())
         vocab = None if args.vocab_parallel == "none" else args.vocab_parallel
         self.pipe = Pipeline(model, schedule, dp=dp, sp=layout.sp, attention=args.attention, timeout=args.timeout,
@@ -313,8 +315,12 @@ class Trainer:
                 times.append(elapsed)
                 if args.report and first + per_call > args.steps - REPORT_STEPS:
                     timelines.append(gather_timeline(pipe))
+                measure = args.metrics and self.memory.measurable
+                peaks = self.memory.per_pipeline_rank(pipe.pp_rank, args.pp) if measure else None
                 for record in records:
                     record.update(step_time=round(elapsed, 6), tokens_per_s=round(self.batch * args.seq / elapsed, 1))
+                    if peaks:
+                        record["peak_memory_bytes"] = peaks
                     if metrics:
                         metrics.write(json.dumps(record) + "\n")
                         metrics.flush()

@@ -182,6 +182,20 @@ def test_deferred_weight_grads_match_plain_backward(tied):
     assert_same_grads(grads(model.named_parameters()), want)
 
 
+def test_deferred_weight_grads_keep_no_history():
+    """W runs outside the backward, where autograd would record the GEMM on the kept inputs
+    (which require grad): each gradient would then hold the microbatch's output gradients."""
+    model = tiny()
+    tokens, targets = batch(model.config)
+    for _ in range(2):  # the second microbatch adds into the gradient (addmm_)
+        store = WeightGradStore()
+        with defer_weight_grads(store):
+            model(tokens, targets).backward()
+        store.run()
+    for name, p in model.named_parameters():
+        assert p.grad.grad_fn is None and not p.grad.requires_grad, name
+
+
 @pytest.mark.parametrize("eager", [False, True])
 def test_deferral_follows_the_backward_not_the_thread(eager):
     """On CUDA autograd runs a backward's nodes on its own device thread, not on the

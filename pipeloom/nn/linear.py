@@ -43,9 +43,12 @@ class WeightGradStore:
             self.work.append(job)
 
     def run(self) -> None:
-        """Compute and accumulate every queued weight gradient, then forget them."""
-        for job in self.work:
-            job()
+        """Compute and accumulate every queued weight gradient, then forget them. Without
+        autograd: the inputs kept for W require grad, and a gradient recorded as a function of
+        them would keep every microbatch's output gradient alive until the gradients are freed."""
+        with torch.no_grad():
+            for job in self.work:
+                job()
         self.work.clear()
 
 

@@ -6,9 +6,8 @@ ring, at the slower tier the group spans) from the end of its last action:
 ``step = max over ranks (end + all-reduce)``. 2bw never flushes: its step is
 the steady-state one, the simulated time of 2 steps less that of 1, plus the
 longest all-reduce. Memory per rank is :func:`~pipeloom.sim.model.peak_memory_bytes`
-(model state, simulated activations, the transients of attention and
-recomputation), plus for 2bw each weight version the runtime keeps (fp32
-weights and their gradient, :data:`VERSION_BYTES_PER_PARAM` a parameter).
+(model state with 2bw's weight versions, gradients from a stage's first
+backward, simulated activations, the transients of attention and recomputation).
 """
 
 from __future__ import annotations
@@ -23,14 +22,12 @@ from ..schedule.costs import Costs, StageCosts
 from ..schedule.ir import looped_placement, v_placement
 from ..schedule.transforms.offload import Offload
 from ..sim import Result, simulate
-from ..sim.model import costs_from_model, layer_flops, peak_memory_bytes, stage_parameters
+from ..sim.model import (
+    GRAD_BYTES_PER_PARAM, costs_from_model, layer_flops, peak_memory_bytes, stage_parameters, state_bytes_per_param,
+)
 from .bounds import CriticalPath, critical_path
 from .space import OFFLOADS, RECOMPUTES, Candidate, PlanRequest
 
-#: Bytes a weight version of 2bw's takes per parameter: fp32 weights and their gradient.
-VERSION_BYTES_PER_PARAM = 8
-#: Bytes a parameter's gradient takes in the data-parallel all-reduce (fp32).
-GRAD_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -148,7 +145,7 @@ class Costing:
 
     def memory_lower_bound(self, c: Candidate) -> float:
         """Bytes the busiest rank needs at least: its model state (2bw: with its weight versions)."""
-        per_param = self.request.bytes_per_param + (2 * VERSION_BYTES_PER_PARAM if c.schedule == "2bw" else 0)
+        per_param = sum(state_bytes_per_param(self.request.bytes_per_param, 2 if c.schedule == "2bw" else 0))
         shard, params = _parameters(self.request, c)
         return max(self.request.bytes_per_param * shard + per_param * sum(params[s] for s in stages)
                    for stages in stages_of_ranks(c))
@@ -198,7 +195,7 @@ def allreduce_ms(request: PlanRequest, c: Candidate) -> list[float]:
         return [0.0] * c.pp
     bandwidth = request.cluster.bandwidth(c.pp, c.dp, c.sp, "dp")
     shard, params = _parameters(request, c)
-    return [1e3 * 2 * (replicas - 1) / replicas * GRAD_BYTES * (shard + sum(params[s] for s in stages)) / bandwidth
+    return [1e3 * 2 * (replicas - 1) / replicas * GRAD_BYTES_PER_PARAM * (shard + sum(params[s] for s in stages)) / bandwidth
             for stages in stages_of_ranks(c)]
 
 
@@ -217,10 +214,6 @@ def evaluate(request: PlanRequest, c: Candidate, stage_costs: Costs, build_sched
         bubble = result.bubble_rate
     memory = peak_memory_bytes(request.model, result, request.seq, microbatch_size=c.microbatch_size, sp=c.sp,
                                bytes_per_param=request.bytes_per_param, vocab_parallel=_vocab(c))
-    if result.schedule.weight_versions > 1:
-        params = _parameters(request, c)[1]
-        versions = result.schedule.weight_versions * VERSION_BYTES_PER_PARAM
-        memory = [m + versions * sum(params[s] for s in stages) for m, stages in zip(memory, stages_of_ranks(c))]
     seconds = step / 1e3
     return Plan(c, step, request.global_batch * request.seq / seconds, request.global_batch / seconds,
                 model_flops(request) / seconds / (request.cluster.gpus * request.cluster.device.peak_flops), memory,

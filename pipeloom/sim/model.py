@@ -70,6 +70,7 @@ at microbatch 4 took 11.06 GiB where the ``5as²b`` term predicted 18.28).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -79,6 +80,8 @@ from ..partition import balanced_layers, split_layers, stage_totals
 from ..presets import SIZES
 from ..schedule import build
 from ..schedule.costs import Costs
+from ..schedule.kinds import STAGE
+from ..schedule.kinds import get as get_kind
 from .simulate import Result, simulate
 
 if TYPE_CHECKING:
@@ -89,6 +92,22 @@ if TYPE_CHECKING:
 #: two fp32 moments (4 + 4). No distributed optimizer: every rank keeps all of
 #: it for its own stages.
 BYTES_PER_PARAM = 18
+#: Of those, the fp32 gradient: it exists only from a stage's first backward
+#: of the step (the runtime frees gradients after each optimizer step).
+GRAD_BYTES_PER_PARAM = 4
+#: Bytes per parameter of each weight version a schedule that runs several steps
+#: without a flush keeps (2bw: 2): an fp32 copy of the weights and its gradient,
+#: which then holds the gradient instead of the module.
+VERSION_BYTES_PER_PARAM = 8
+
+
+def state_bytes_per_param(bytes_per_param: float, versions: int) -> tuple[float, float]:
+    """(bytes of model state per parameter held all step, bytes of its gradient, which
+    appears at the stage's first backward) with ``versions`` weight versions (0: none)."""
+    grad = min(GRAD_BYTES_PER_PARAM, bytes_per_param)
+    if versions:
+        return bytes_per_param - grad + versions * VERSION_BYTES_PER_PARAM, 0.0
+    return bytes_per_param - grad, grad
 
 
 @dataclass(frozen=True)
@@ -590,9 +609,13 @@ def peak_memory_bytes(
     attention: str | None = None,
 ) -> list[float]:
     """Peak bytes per rank: model state of the rank's stages and vocabulary
-    shard (``bytes_per_param`` each) plus the simulated peak activation
-    (with the vocabulary buffers), which is in bytes when ``result`` was
-    simulated with :func:`costs_from_model` costs, plus, with ring
+    shard (``bytes_per_param`` each, of which a stage's gradient,
+    :data:`GRAD_BYTES_PER_PARAM`, only from its first backward of the step on;
+    with weight versions, :data:`VERSION_BYTES_PER_PARAM` more per version, the
+    versions holding the gradients)
+    plus the simulated activation memory (with the vocabulary buffers), which
+    is in bytes when ``result`` was simulated with :func:`costs_from_model`
+    costs, at the moment their sum peaks, plus, with ring
     attention, one score block alive while a layer computes (on a rank
     with layers), plus, with recomputation, the largest of the rank's
     stages' activations alive again while its backward reruns its forward
@@ -607,13 +630,35 @@ def peak_memory_bytes(
     _positive(microbatch_size=microbatch_size)
     transient = _attention_memory(model, seq, microbatch_size, sp, _attention(attention, sp))[1]
     rerun = result.costs.m_rerun
+    versions = schedule.weight_versions if schedule.steps > 1 or schedule.weight_versions > 1 else 0
+    held, grad = state_bytes_per_param(bytes_per_param, versions)
     peaks = []
     for rank in range(schedule.pp):
         stages = schedule.stages_of(rank)
-        state = bytes_per_param * (shard + sum(params[s] for s in stages))
-        peaks.append(state + result.peak_activation[rank] + max(rerun[s] for s in stages)
-                     + (transient if any(split[s] for s in stages) else 0))
+        state = bytes_per_param * shard + held * sum(params[s] for s in stages)
+        peaks.append(state + _with_gradients(result, rank, {s: grad * params[s] for s in stages})
+                     + max(rerun[s] for s in stages) + (transient if any(split[s] for s in stages) else 0))
     return peaks
+
+
+def _with_gradients(result: Result, rank: int, grads: dict[int, float]) -> float:
+    """The peak over the step of ``rank``'s activation memory plus the gradients
+    (``grads``: bytes per stage) of the stages whose backward has begun: a
+    stage's gradient appears when its first action timed by the ``b`` or ``w``
+    cost starts."""
+    first = {}
+    for event in result.events[rank]:
+        kind, stage = get_kind(event.action.kind), event.action.stage
+        if kind.owner == STAGE and stage not in first and {"b", "w"} & set(kind.cost):
+            first[stage] = event.start
+    appear = sorted((first.get(s, math.inf), g) for s, g in grads.items())
+    peak, held, k = 0.0, 0.0, 0
+    for t, level in result.memory_timeline(rank):
+        while k < len(appear) and appear[k][0] <= t:
+            held += appear[k][1]
+            k += 1
+        peak = max(peak, level + held)
+    return max(peak, sum(g for t, g in appear if t < math.inf))  # after the last backward, as before the next step
 
 
 def longest_sequence(

@@ -1,0 +1,65 @@
+"""What a rank's run holds at its peak, measured, to set beside the simulator's ``peak_memory_bytes``.
+
+On a GPU it is the caching allocator's peak of allocated bytes
+(``torch.cuda.max_memory_allocated``), which is what the memory model
+predicts; on the CPU (Linux), the process's peak resident set (``VmHWM``,
+reset through ``/proc/self/clear_refs`` when measuring begins) above its
+resident set then, so that the interpreter, torch and the process group are
+left out. The CPU figure also holds what the C allocator keeps after a free,
+and the pages of torch's own code and buffers a run first touches (about 90
+MiB for a training step of any model): start the process with
+``MALLOC_MMAP_THRESHOLD_=65536`` so that glibc maps every larger block on its
+own and gives it back when freed, and resident memory follows the live tensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+_STATUS = Path("/proc/self/status")
+
+
+def _status(field: str) -> int:
+    """A memory field of /proc/self/status, in bytes."""
+    line = next(x for x in _STATUS.read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+class PeakMemory:
+    """This process's peak memory on ``device`` from now on (see the module docstring).
+    On a CPU without /proc (not Linux) it measures nothing: :meth:`bytes` is None."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.base = device, 0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            return
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+            self.base = _status("VmRSS")
+        except OSError:
+            self.base = None
+
+    @property
+    def measurable(self) -> bool:
+        return self.base is not None
+
+    def bytes(self) -> int | None:
+        """The peak since this was made, in bytes; None where it cannot be measured."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return None if self.base is None else _status("VmHWM") - self.base
+
+    def per_pipeline_rank(self, pp_rank: int, pp: int) -> list[int]:
+        """Every rank's :meth:`bytes`, the largest over the ranks of each pipeline rank
+        (its data- and sequence-parallel replicas); every rank calls this, where it is :attr:`measurable`."""
+        mine = torch.tensor([pp_rank, self.bytes()], dtype=torch.int64, device=self.device)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        peaks = [0] * pp
+        for rank, peak in (t.tolist() for t in every):
+            peaks[rank] = max(peaks[rank], peak)
+        return peaks
