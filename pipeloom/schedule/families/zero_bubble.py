@@ -6,7 +6,7 @@ costs and, whenever a rank is free, picks its next action by a few fixed
 rules; W passes, which nothing waits for, fill the moments when nothing else
 can run. The families differ only in their :class:`Policy` (how far a rank
 may run ahead, how many microbatches it may keep alive until their W, which
-of F and B goes first) and in the placement. ZB-H1, ZB-H2 and ZB-V are built
+of F and B goes first, which idle moments a W may fill) and in the placement. ZB-H1, ZB-H2 and ZB-V are built
 with unit costs (T_F = T_B = T_W), as in the zero-bubble paper; the
 simulator then times the order with the real costs.
 """
