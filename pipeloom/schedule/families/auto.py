@@ -101,7 +101,7 @@ def zb_auto(
     stage, unit = costs.per_stage(pp, 1), Costs().per_stage(pp, 1)
     placement = looped_placement(pp, pp)
     fixed = [list_schedule(placement, microbatches, unit, policy) for policy in (h1_policy(pp), h2_policy(pp))]
-    if stage != unit:  # their peaks under the real costs now, their times once they fit
+    if stage != unit:  # real costs: peaks now, times once they fit (unit costs: the lists' own are the simulator's)
         fixed = [lists._replace(peak=_peak(lists.ranks, stage)) for lists in fixed]
     limit = _limit(memory_limit, stage, fixed[1].peak)
     floor = _lower_bounds(microbatches, stage)

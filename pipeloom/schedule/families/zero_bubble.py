@@ -6,9 +6,10 @@ costs and, whenever a rank is free, picks its next action by a few fixed
 rules; W passes, which nothing waits for, fill the moments when nothing else
 can run. The families differ only in their :class:`Policy` (how far a rank
 may run ahead, how many microbatches it may keep alive until their W, which
-of F and B goes first, which idle moments a W may fill) and in the placement. ZB-H1, ZB-H2 and ZB-V are built
-with unit costs (T_F = T_B = T_W), as in the zero-bubble paper; the
-simulator then times the order with the real costs.
+of F and B goes first, which idle moments a W may fill) and in the
+placement. ZB-H1, ZB-H2 and ZB-V are built with unit costs (T_F = T_B =
+T_W), as in the zero-bubble paper; the simulator then times the order with
+the real costs.
 """
 
 from __future__ import annotations
@@ -183,6 +184,9 @@ def list_schedule(
                 return w
         return None
 
+    def hand_over(producer: int, consumer: int, end: float) -> float:
+        return end if placement[consumer] == placement[producer] else end + comm[producer]
+
     def notify(consumer: int, at: float) -> None:
         """Wake ``consumer`` when an input reaches it, unless it is busy until then."""
         if ranks[consumer].clock < at:
@@ -217,8 +221,7 @@ def list_schedule(
             rank.alive += 1
             rank.memory += m_b[s]
             if s + 1 < stages:
-                at = end if placement[s + 1] == r else end + comm[s]
-                arrival[s + 1][i] = at
+                arrival[s + 1][i] = at = hand_over(s, s + 1, end)
                 notify(placement[s + 1], at)
             else:
                 rank.queues[s].append((end + room, i))
@@ -229,8 +232,7 @@ def list_schedule(
             rank.in_flight -= 1
             rank.memory += m_w[s] - m_b[s]
             if s > 0:
-                q = placement[s - 1]
-                at = end if q == r else end + comm[s]
+                at, q = hand_over(s, s - 1, end), placement[s - 1]
                 ranks[q].queues[s - 1].append((at, i))
                 notify(q, at)
         else:
