@@ -6,9 +6,10 @@ costs and, whenever a rank is free, picks its next action by a few fixed
 rules; W passes, which nothing waits for, fill the moments when nothing else
 can run. The families differ only in their :class:`Policy` (how far a rank
 may run ahead, how many microbatches it may keep alive until their W, which
-of F and B goes first) and in the placement. ZB-H1, ZB-H2 and ZB-V are built
-with unit costs (T_F = T_B = T_W), as in the zero-bubble paper; the
-simulator then times the order with the real costs.
+of F and B goes first, which idle moments a W may fill) and in the
+placement. ZB-H1, ZB-H2 and ZB-V are built with unit costs (T_F = T_B =
+T_W), as in the zero-bubble paper; the simulator then times the order with
+the real costs.
 """
 
 from __future__ import annotations
@@ -39,8 +40,12 @@ class Policy:
     false alternates F and B as 1F1B does when both are ready; true runs a
     ready forward whenever the limits admit it and, when only the memory held
     by deferred W passes keeps a ready forward out, runs a W to make room.
-    ``fit_w``: false lets a W fill any idle moment; true runs it only in a
-    gap it fits (no B or admitted forward due before it would end).
+    ``fill``: when a deferred W may run while nothing else can: ``"idle"``
+    at any idle moment; ``"fit"`` only in a gap it fits (no B or admitted
+    forward due before it would end); ``"even"`` in a gap it fits, or in a
+    shorter one when waiting would make this rank's idle time so far plus
+    its work the largest of all ranks (the zero-bubble paper's rule, which
+    compares idle times, for stages of any cost).
     ``room``: time the last stage's B waits after its F (room for
     vocabulary passes).
     """
@@ -49,7 +54,7 @@ class Policy:
     alive: tuple[float, ...]
     memory: float = math.inf
     forward_first: bool = False
-    fit_w: bool = False
+    fill: str = "idle"
     room: float = 0.0
 
     def delayed(self, intervals: int, per_interval: int) -> Policy:
@@ -66,45 +71,65 @@ class Policy:
 
 
 class Lists(NamedTuple):
-    """What :func:`list_schedule` built: every rank's actions, and the time the
-    last one ends as the scheduler played it (never before the simulator's
-    ASAP time of the same lists, which may start a pass the scheduler held back)."""
+    """What :func:`list_schedule` built: every rank's actions and, as the
+    scheduler played them, the time the last one ends (``makespan``), the
+    longest span of a rank from its first action's start to its last one's
+    end (``span``) and the most activation memory a rank held (``peak``).
+    The times are never before the simulator's ASAP times of the same lists
+    (which may start a pass the scheduler held back), and equal to them when
+    no W is held back while its rank idles (``fill="idle"``, not
+    ``forward_first``)."""
 
     ranks: tuple[tuple[Action, ...], ...]
     makespan: float
+    span: float
+    peak: float
 
 
 class _Rank:
     """One rank's state while :func:`list_schedule` builds the lists."""
 
-    def __init__(self, index: int, stages: list[int], policy: Policy):
+    def __init__(self, index: int, stages: list[int], policy: Policy, work: float):
         self.warmup, self.alive_limit = policy.warmup[index], policy.alive[index]
         self.deep_first = sorted(stages, reverse=True)  # forwards: the deeper stage first
         self.queues = {s: deque() for s in stages}  # B passes that will be ready: (arrival, microbatch)
         self.backwards = [(s, self.queues[s]) for s in sorted(stages)]  # the shallower stage first
         self.deferred: deque[tuple] = deque()  # (W, stage, microbatch), oldest B first
         self.order: list[Action] = []
-        self.clock = 0.0
+        self.work = work  # time of all the rank's actions
+        self.start = self.clock = 0.0  # its first action's start; its last one's end
+        self.idle = 0.0  # idle time since its first action
         self.in_flight = self.alive = 0
-        self.memory = 0.0
+        self.memory = self.peak = 0.0
         self.last = F  # kind of the last F or B run
 
 
-def list_schedule(placement: tuple[int, ...], microbatches: int, costs: StageCosts, policy: Policy) -> Lists:
+def list_schedule(
+    placement: tuple[int, ...], microbatches: int, costs: StageCosts, policy: Policy, bound: float = math.inf
+) -> Lists | None:
     """Every rank's action list, built by playing the pipeline forward in time.
 
     A free rank runs its ready B of the shallowest stage, or the ready forward
     of its deepest stage that the policy admits (which of the two first: see
-    :class:`Policy`); otherwise its oldest deferred W; otherwise it waits for
-    the next input. Forwards and B passes of a stage run in microbatch order.
+    :class:`Policy`); otherwise its oldest deferred W when ``policy.fill``
+    lets it; otherwise it waits for the next input. Forwards and B passes of
+    a stage run in microbatch order. Returns None as soon as some rank's span
+    must exceed ``bound``: its idle time so far plus all its work does.
     """
     stages, pp = len(placement), len(policy.warmup)
-    ranks = [_Rank(r, [s for s in range(stages) if placement[s] == r], policy) for r in range(pp)]
+    duration = {F: costs.f, B: costs.b, W: costs.w}
+    comm, m_b, m_w = costs.comm, costs.m_b, costs.m_w
+    ranks = [
+        _Rank(r, mine, policy, microbatches * sum(costs.f[s] + costs.b[s] + costs.w[s] for s in mine))
+        for r in range(pp)
+        for mine in ([s for s in range(stages) if placement[s] == r],)
+    ]
     next_f = [0] * stages
     arrival = [[0.0] * microbatches] + [[math.inf] * microbatches for _ in range(stages - 1)]
     wake = [(0.0, r) for r in range(pp)]
-    duration = {F: costs.f, B: costs.b, W: costs.w}
     todo = 3 * stages * microbatches
+    limit, fill, room = policy.memory + _EPS, policy.fill, policy.room
+    longest = max(rank.work for rank in ranks)  # the longest span any rank will have, at least
 
     def admits(rank: _Rank, s: int, freed: float = 0.0, released: int = 0) -> bool:
         """Whether a forward of stage ``s`` fits once ``freed`` memory and
@@ -112,7 +137,7 @@ def list_schedule(placement: tuple[int, ...], microbatches: int, costs: StageCos
         return (
             rank.in_flight < rank.warmup
             and rank.alive - released < rank.alive_limit
-            and rank.memory - freed + costs.m_b[s] <= policy.memory + _EPS
+            and rank.memory - freed + m_b[s] <= limit
         )
 
     def forward(rank: _Rank, now: float, freed: float = 0.0, released: int = 0) -> tuple | None:
@@ -140,7 +165,7 @@ def list_schedule(placement: tuple[int, ...], microbatches: int, costs: StageCos
             if f is not None:
                 return f
             w = rank.deferred[0] if rank.deferred else None
-            if w is not None and forward(rank, now, costs.m_w[w[1]], 1) is not None:
+            if w is not None and forward(rank, now, m_w[w[1]], 1) is not None:
                 return w
             b = backward(rank, now)
         else:
@@ -152,17 +177,20 @@ def list_schedule(placement: tuple[int, ...], microbatches: int, costs: StageCos
             return b
         if rank.deferred:
             w = rank.deferred[0]
-            if not policy.fit_w or next_due(rank) >= now + costs.w[w[1]] - _EPS:
+            if fill == "idle":
+                return w
+            gap = next_due(rank) - now
+            if gap >= duration[W][w[1]] - _EPS or (fill == "even" and rank.idle + gap + rank.work > longest + _EPS):
                 return w
         return None
+
+    def hand_over(producer: int, consumer: int, end: float) -> float:
+        return end if placement[consumer] == placement[producer] else end + comm[producer]
 
     def notify(consumer: int, at: float) -> None:
         """Wake ``consumer`` when an input reaches it, unless it is busy until then."""
         if ranks[consumer].clock < at:
             heapq.heappush(wake, (at, consumer))
-
-    def hand_over(producer: int, consumer: int, end: float) -> float:
-        return end if placement[consumer] == placement[producer] else end + costs.comm[producer]
 
     while todo:
         if not wake:
@@ -175,6 +203,14 @@ def list_schedule(placement: tuple[int, ...], microbatches: int, costs: StageCos
         if action is None:
             continue  # idle until an input arrives: its producer pushed a wake-up
         kind, s, i = action
+        if rank.order:
+            rank.idle += now - rank.clock
+            if rank.idle + rank.work > longest:
+                longest = rank.idle + rank.work
+                if longest > bound + _EPS:
+                    return None
+        else:
+            rank.start = now
         end = rank.clock = now + duration[kind][s]
         rank.order.append(_new(Action, (kind, s, i, ())))
         heapq.heappush(wake, (end, r))
@@ -183,18 +219,18 @@ def list_schedule(placement: tuple[int, ...], microbatches: int, costs: StageCos
             next_f[s] += 1
             rank.in_flight += 1
             rank.alive += 1
-            rank.memory += costs.m_b[s]
+            rank.memory += m_b[s]
             if s + 1 < stages:
                 arrival[s + 1][i] = at = hand_over(s, s + 1, end)
                 notify(placement[s + 1], at)
             else:
-                rank.queues[s].append((end + policy.room, i))
-                notify(r, end + policy.room)
+                rank.queues[s].append((end + room, i))
+                notify(r, end + room)
         elif kind == B:
             rank.queues[s].popleft()
             rank.deferred.append((W, s, i))
             rank.in_flight -= 1
-            rank.memory += costs.m_w[s] - costs.m_b[s]
+            rank.memory += m_w[s] - m_b[s]
             if s > 0:
                 at, q = hand_over(s, s - 1, end), placement[s - 1]
                 ranks[q].queues[s - 1].append((at, i))
@@ -202,10 +238,17 @@ def list_schedule(placement: tuple[int, ...], microbatches: int, costs: StageCos
         else:
             rank.deferred.popleft()
             rank.alive -= 1
-            rank.memory -= costs.m_w[s]
+            rank.memory -= m_w[s]
+        if rank.memory > rank.peak:
+            rank.peak = rank.memory
         if kind != W:
             rank.last = kind
-    return Lists(tuple(tuple(rank.order) for rank in ranks), max(rank.clock for rank in ranks))
+    return Lists(
+        tuple(tuple(rank.order) for rank in ranks),
+        max(rank.clock for rank in ranks),
+        max(rank.clock - rank.start for rank in ranks),
+        max(rank.peak for rank in ranks),
+    )
 
 
 def h1_policy(pp: int) -> Policy:
