@@ -270,7 +270,7 @@ def _simulate_one(args, name: str, compare: bool):
     family = get_family(name)
     chunks = _chunks(family, args.chunks) if compare else args.chunks
     costs, model = _costs(args, family, chunks)
-    options = {"costs": costs, "memory_limit": args.memory_limit, "steps": args.steps}
+    options = {"memory_limit": args.memory_limit, "steps": args.steps}  # build gives the family the costs
     options = {k: v for k, v in options.items() if v is not None and k in family.options}
     transforms = [args.offload] if args.offload else []
     schedule = build(name, args.pp, args.microbatches, chunks, vocab_parallel=args.vocab_parallel,

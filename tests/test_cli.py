@@ -255,3 +255,15 @@ def test_train_without_torch_names_the_extra():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.count("\n") == 1 and "pip install 'pipeloom[torch]'" in done.stderr
+
+
+def test_zb_auto_searches_under_the_given_costs(capsys):
+    """zb-auto takes the --costs (build hands them on) and, under the zero-bubble paper's 6.2B
+    costs at 2p microbatches of memory, finds a far smaller bubble than ZB-H2."""
+    costs = "f=29.718,b=29.444,w=19.927,comm=0.527"
+    auto = run_json(capsys, "--schedule", "zb-auto", "--pp", "8", "--microbatches", "24", "--costs", costs,
+                    "--memory-limit", "16")
+    h2 = run_json(capsys, "--schedule", "zb-h2", "--pp", "8", "--microbatches", "24", "--costs", costs)
+    assert auto["bubble_rate"] < 0.01 < h2["bubble_rate"]
+    assert main(["simulate", "--compare", "1f1b,zb-auto", "--pp", "4", "--microbatches", "8", "--costs", costs]) == 0
+    assert "zb-auto" in capsys.readouterr().out
