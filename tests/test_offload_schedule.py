@@ -39,7 +39,7 @@ def test_copies_sit_after_f_and_before_the_backward():
             assert any(a.kind not in (OFFLOAD, RELOAD) for a in actions[o + 1:r])  # something runs while it is away
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"dualpipev"}))  # dualpipev refuses: test_dualpipev.py
 def test_every_family_offloads_lowers_and_never_raises_the_peak(name):
     options = {"steps": 2} if name == "2bw" else {}
     base = build(name, 4, 8, costs=COSTS, **options)

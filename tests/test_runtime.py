@@ -9,7 +9,8 @@ from parity import (  # noqa: E402
 )
 from pipeloom.runtime.local import spawn  # noqa: E402
 
-SYNCHRONOUS = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "v-min", "v-half", "v-zb", "zb-auto"]
+SYNCHRONOUS = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "v-min", "v-half", "v-zb", "zb-auto",
+               "dualpipev"]
 
 
 def _cases(families, pp, dp, microbatches, **options):
@@ -25,9 +26,37 @@ def test_every_family_matches_one_process(pp, dp, tied):
 
 @pytest.mark.timeout(300)
 def test_four_ranks_and_data_parallel():
-    check(spawn(4, parity_worker, _cases(SYNCHRONOUS, 4, 1, 4), {"n_layer": 8}, 8, 16, timeout=240))
+    fit = [name for name in SYNCHRONOUS if name != "dualpipev"]  # dualpipev needs m >= 2p
+    check(spawn(4, parity_worker, _cases(fit, 4, 1, 4), {"n_layer": 8}, 8, 16, timeout=240))
     check(spawn(4, parity_worker, _cases(["1f1b", "zb-v", "interleaved-1f1b"], 2, 2, 4), {"tie_embeddings": True},
                 16, 16, timeout=240))
+
+
+def _dualpipev_timeline(pipe):
+    """The measured step's action names per rank, and the kinds of its transfers' producers."""
+    from pipeloom.runtime.timeline import gather_timeline, measured_costs
+    from pipeloom.sim.trace import transfers_of
+
+    events = gather_timeline(pipe)
+    costs = measured_costs(events, pipe.schedule)
+    transfers = transfers_of(pipe.schedule, events, lambda producer: costs.comm[producer.stage])
+    return [[str(e.action) for e in evs] for evs in events], sorted({t.producer.action.kind for t in transfers})
+
+
+@pytest.mark.timeout(120)
+def test_dualpipev_matches_one_process_and_records_its_pairs():
+    """p = 2 with m = 6 (m = 4 runs with every family above), p = 3 with m = 6 and tied embeddings;
+    the measured timeline holds each overlapped pair as one action, and its sends come from the halves."""
+    from pipeloom.schedule import build
+
+    results = spawn(2, parity_worker, _cases(["dualpipev"], 2, 1, 6), {}, 12, 16, None, _dualpipev_timeline,
+                    timeout=90)
+    check(results)
+    names, producers = results[0]["dualpipev"][2]
+    assert names == [[str(a) for a in actions] for actions in build("dualpipev", 2, 6).ranks]
+    assert any("OVERLAP_F_B" in name for name in names[0]) and producers == ["B", "BW", "F"]
+    check(spawn(3, parity_worker, _cases(["dualpipev"], 3, 1, 6), {"n_layer": 6, "tie_embeddings": True}, 6, 16,
+                timeout=90))
 
 
 @pytest.mark.timeout(120)

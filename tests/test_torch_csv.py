@@ -66,8 +66,9 @@ def check_in_torch(schedule: Schedule, tmp_path) -> None:
     kinds = Counter(a.computation_type for a in lowered)
     assert kinds[_ComputationType.SEND_F] == kinds[_ComputationType.RECV_F]
     assert kinds[_ComputationType.SEND_B] == kinds[_ComputationType.RECV_B]
-    # torch's dry run completes (it raises on a hang) and runs every action
-    comms = {r: [a for a in actions if a.computation_type not in LOCAL_OPS]
+    # torch's dry run completes (it raises on a hang) and runs every action; it does not read an
+    # OVERLAP_F_B's sub_actions (torch's own DualPipeV fails it so), so they go in, in order
+    comms = {r: [s for a in actions if a.computation_type not in LOCAL_OPS for s in a.sub_actions or (a,)]
              for r, actions in runtime.pipeline_order_with_comms.items()}
     timeline = _simulate_comms_compute(comms, lambda s: runtime.stage_index_to_group_rank[s], schedule.stages)
     for rank, actions in comms.items():

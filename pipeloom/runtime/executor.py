@@ -4,6 +4,10 @@ Nothing here names a kind: :mod:`.handlers` maps each kind to its work, and
 the context managers a technique wraps around another kind's work
 (:func:`~.handlers.around`) are entered around ``run``. A handler's ``prepare`` (waiting for the action's inputs) runs before the
 action's start mark, so waiting for a peer does not count as the action's time.
+A compound action (DualPipeV's overlapped F and B) runs its parts one after
+the other, each by its own kind's handler and wrappers, as one timed action:
+in order they are correct; overlapping them would need a second stream or
+thread.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ from contextlib import ExitStack
 from typing import Callable, Mapping
 
 from .context import Context, Step
-from .handlers import AROUND, handler_of
+from ..schedule.kinds import COMPOUND, parts
+from .handlers import AROUND, Handler, handler_of
 
 
 class Executor:
@@ -21,7 +26,7 @@ class Executor:
 
     def __init__(self, context: Context, actions):
         self.context, self.actions = context, tuple(actions)
-        self.plan = [(action, handler_of(action), tuple(AROUND.get(action.kind, ()))) for action in self.actions]
+        self.plan = [_planned(action) for action in self.actions]
 
     def run(self, step: Step, after: Mapping[int, list[Callable[[], None]]]) -> None:
         """Run the actions in order for ``step``; after action ``k``, the calls ``after[k]``."""
@@ -41,6 +46,25 @@ class Executor:
                 marks.append((action, start, clock.mark()))
             for call in after.get(k, ()):
                 call()
+
+
+def _planned(action) -> tuple:
+    """(action, its handler, the wrappers of its run); a compound action's handler
+    prepares, then runs, its parts in order."""
+    if action.kind not in COMPOUND:
+        return action, handler_of(action), tuple(AROUND.get(action.kind, ()))
+    steps = [_planned(part) for part in parts(action)]
+
+    def prepare(_, context) -> None:
+        for part, handler, _wrappers in steps:
+            if handler.prepare:
+                handler.prepare(part, context)
+
+    def run(_, context) -> None:
+        for part, handler, wrappers in steps:
+            _run_wrapped(handler, part, context, wrappers)
+
+    return action, Handler(run, prepare), ()
 
 
 def _run_wrapped(handler, action, context: Context, wrappers) -> None:

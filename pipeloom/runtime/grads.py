@@ -20,6 +20,7 @@ from torch import nn
 
 from ..errors import PipeloomError
 from ..schedule import BW, B, W
+from ..schedule.kinds import parts
 from ..schedule.lower import SEND_B
 from .context import Context
 
@@ -32,8 +33,9 @@ def finals(actions, microbatches: int) -> dict[int, list[tuple[int, int]]]:
     final: index -> [(stage, step of the call)]."""
     last = {}
     for k, action in enumerate(actions):
-        if action.kind in (B, W, BW, SEND_B):
-            last[action.stage, action.microbatch // microbatches] = k
+        for part in parts(action):
+            if part.kind in (B, W, BW, SEND_B):
+                last[part.stage, part.microbatch // microbatches] = k
     plan: dict[int, list[tuple[int, int]]] = {}
     for (s, t), k in sorted(last.items()):
         plan.setdefault(k, []).append((s, t))

@@ -12,7 +12,7 @@ from typing import Mapping, Sequence, Union
 
 from ..errors import PipeloomError
 from .deps import memory_delta
-from .kinds import get
+from .kinds import get, parts
 
 Value = Union[float, Sequence[float]]
 
@@ -130,6 +130,9 @@ register_field("comm", split=False)
 #: Memory a recomputed stage holds again while its backward reruns its forward (the stage's
 #: activations without recomputation); read by the memory model, not by any action's timing.
 register_field("m_rerun")
+#: The share of a compound action's shorter parts hidden under its longest (DualPipeV's overlapped
+#: F and B: 0, the default, runs them one after the other; 1 takes only the longer), in [0, 1].
+register_field("overlap", split=False)
 #: The fields of :class:`Costs` given per rank: the vocabulary passes.
 VOCAB_FIELDS = ("s", "t", "c", "r", "e_f", "e_b", "e_comm", "m_v")
 for _name in VOCAB_FIELDS:
@@ -158,9 +161,16 @@ class StageCosts:
 
     def duration(self, action) -> float:
         """Time of one action: the sum of its kind's cost fields (the collectives
-        take no time on their rank: theirs is in :meth:`transfer`)."""
-        s, values = action.stage, self.values
-        return sum(values[name][s] for name in get(action.kind).cost)
+        take no time on their rank: theirs is in :meth:`transfer`); a compound
+        action's, its longest part's and the rest of its parts' not hidden (:class:`~.kinds.Kind`)."""
+        s, values, kind = action.stage, self.values, get(action.kind)
+        if kind.compound:
+            times = [self.duration(part) for part in parts(action)]
+            hidden = values[kind.overlap][s] if kind.overlap else 0.0
+            if not 0.0 <= hidden <= 1.0:
+                raise PipeloomError(f"costs: {kind.overlap}={hidden:g} is a share of time; give a number in [0, 1]")
+            return max(times) + (1.0 - hidden) * (sum(times) - max(times))
+        return sum(values[name][s] for name in kind.cost)
 
     def transfer(self, producer) -> float:
         """Time from ``producer``'s end until a consumer on another rank (or

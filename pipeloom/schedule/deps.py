@@ -4,7 +4,9 @@ Dependencies are implied by the kinds (:mod:`~.kinds`): each kind's ``needs``
 rule says which actions an action consumes (the compute kinds' rules are in
 :mod:`~.compute`, the vocabulary passes' in :mod:`~.transforms.vocab`), and a
 technique's input rules add inputs to other kinds' actions (stage 0's F after
-the vocabulary input layer, say). :func:`asap` runs every rank's list in
+the vocabulary input layer, say). A compound action (:mod:`~.kinds`) needs
+what its parts need, and stands for its parts wherever another action needs
+one. :func:`asap` runs every rank's list in
 order, each action as soon as its rank is free and its inputs exist; the
 simulator times schedules with it and the validator finds deadlocks with it.
 """
@@ -17,7 +19,7 @@ from typing import Callable, Iterable
 from ..errors import ScheduleError
 from . import compute  # noqa: F401  (registers F, B, W, BW)
 from .ir import BW, B, Action, Schedule
-from .kinds import INPUT_RULES, KINDS, RANK, get
+from .kinds import COMPOUND, INPUT_RULES, KINDS, RANK, get, parts
 
 _new = tuple.__new__  # builds an Action without NamedTuple's slower constructor (hot path)
 
@@ -32,12 +34,21 @@ class Dependencies:
         self.schedule = schedule
         self.last = schedule.stages - 1
         self.ranks = range(schedule.pp)
-        self.split = frozenset(a.stage for actions in schedule.ranks for a in actions if a.kind == B)
+        watched = {B, BW} | COMPOUND
+        found = [a for actions in schedule.ranks for a in actions if a[0] in watched]
+        #: the compound action standing for each part
+        self.compound = {part: a for a in found if a[0] in COMPOUND for part in parts(a)}
+        backwards = found + list(self.compound) if self.compound else found
+        self.split = frozenset(a[1] for a in backwards if a[0] == B)
+        #: (stage, microbatch) of the fused backwards of stages that split others (DualPipeV mixes them)
+        self.fused = self.split and frozenset((a[1], a[2]) for a in backwards if a[0] == BW and a[1] in self.split)
         self._facts: dict = {}
-        self._needs = {name: kind.needs for name, kind in KINDS.items()}
+        self._needs = {name: self._parts_need if kind.compound else kind.needs for name, kind in KINDS.items()}
         self.rules = [rule for factory in INPUT_RULES if (rule := factory(schedule)) is not None]
 
-    def __call__(self, action: Action) -> tuple[Action, ...]:
+    def __call__(self, action: Action, plain: bool = False) -> tuple[Action, ...]:
+        """The actions ``action`` consumes: a compound action stands for each of its parts
+        (``plain``: the parts themselves)."""
         needs = self._needs.get(action[0])
         if needs is None:
             get(action.kind)  # raises, naming the registered kinds
@@ -46,11 +57,17 @@ class Dependencies:
             extra = rule(action, self)
             if extra:
                 found = found + extra
+        if self.compound and not plain:
+            found = tuple(self.compound.get(dep, dep) for dep in found)
         return found
+
+    def _parts_need(self, action: Action, deps) -> tuple[Action, ...]:
+        return tuple(dict.fromkeys(dep for part in parts(action) for dep in self(part, True)))
 
     def backward(self, s: int, i: int) -> Action:
         """The backward of stage ``s`` for microbatch ``i``: B where the stage splits it, else BW."""
-        return _new(Action, (B if s in self.split else BW, s, i, ()))
+        split = s in self.split and not (self.fused and (s, i) in self.fused)
+        return _new(Action, (B if split else BW, s, i, ()))
 
     def every(self, kind: str, i: int) -> tuple[Action, ...]:
         """``kind`` of microbatch ``i`` on every rank: the inputs of a collective."""
@@ -65,8 +82,12 @@ class Dependencies:
 
 def memory_delta(action: Action, value: Callable[[str, Action], float], memory: str = "memory") -> float:
     """Change of the rank's activation memory caused by ``action`` (``memory="host"``: of its
-    host memory): the sum of its kind's terms, ``value(field, action)`` giving each cost field's value."""
-    return sum(coefficient * value(name, action) for coefficient, name in getattr(get(action.kind), memory))
+    host memory): the sum of its kind's terms (a compound's: its parts'), ``value(field, action)`` giving
+    each cost field's value."""
+    kind = get(action.kind)
+    if kind.compound:
+        return sum(memory_delta(part, value, memory) for part in parts(action))
+    return sum(coefficient * value(name, action) for coefficient, name in getattr(kind, memory))
 
 
 def asap(
@@ -190,9 +211,11 @@ def _deadlock_message(schedule: Schedule, pos: list[int], blocked_on: dict[int, 
 
 def peak_activation(actions: Iterable[Action], delta: Callable[[Action], float]) -> float:
     """Peak activation memory of one rank's list, which depends on the order
-    only; ``delta(action)`` is the action's :func:`memory_delta`."""
+    only; ``delta(action)`` is the action's :func:`memory_delta` (a compound's
+    parts count one after the other)."""
     level = peak = 0.0
     for action in actions:
-        level += delta(action)
-        peak = max(peak, level)
+        for part in parts(action):
+            level += delta(part)
+            peak = max(peak, level)
     return peak

@@ -28,6 +28,7 @@ W = "W"
 BW = "BW"
 
 _ACTION_RE = re.compile(r"^(\d+)([A-Z_]+)(\d+)$")
+_COMPOUND_RE = re.compile(r"^\(([^()]+)\)([A-Z_]+)$")
 
 
 class Action(NamedTuple):
@@ -38,7 +39,8 @@ class Action(NamedTuple):
     the kind's owner. ``str(action)`` is PyTorch's action string (``1F3``,
     ``1I3``, ``1W3``, ``1B3``, ``1SEND_F3``: stage, kind, microbatch), which
     :meth:`parse` reads back; kinds torch lacks print as themselves (``3S7``:
-    rank 3's S pass of microbatch 7).
+    rank 3's S pass of microbatch 7). A compound action (:mod:`~.kinds`) prints as
+    torch prints one with ``sub_actions``: its parts, then its code (``(0F3;7B1)OVERLAP_F_B``).
     """
 
     kind: str
@@ -48,10 +50,18 @@ class Action(NamedTuple):
 
     def __str__(self) -> str:
         kind = kinds.KINDS.get(self.kind)
-        return f"{self.stage}{kind.code if kind else self.kind}{self.microbatch}"
+        code = kind.code if kind else self.kind
+        if kind and kind.compound:
+            return f"({';'.join(map(str, kinds.parts(self)))}){code}"
+        return f"{self.stage}{code}{self.microbatch}"
 
     @classmethod
     def parse(cls, text: str) -> Action:
+        compound = _COMPOUND_RE.match(text.strip())
+        if compound:
+            parts = [cls.parse(part) for part in compound.group(1).split(";")]
+            payload = tuple(x for part in parts for x in part[:3])
+            return cls(kinds.from_code(compound.group(2)), parts[0].stage, parts[0].microbatch, payload)
         match = _ACTION_RE.match(text.strip())
         if not match:
             raise ScheduleError(

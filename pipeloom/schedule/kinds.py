@@ -10,7 +10,15 @@ actions with :func:`register_inputs`, and nothing else changes.
 
 The built-in kinds F, B, W and BW are registered below like any other; the
 vocabulary passes register in :mod:`.transforms.vocab`, the sends and
-receives in :mod:`.lower`.
+receives in :mod:`.lower`, DualPipeV's overlapped pair in
+:mod:`.families.dualpipe`.
+
+A *compound* kind's action stands for several actions run as one (torch's
+``OVERLAP_F_B`` and its ``sub_actions``): its payload holds its parts as
+(kind, stage, microbatch) triples, :func:`parts` reads them, and its stage
+and microbatch are its first part's. Its inputs, completeness, messages and
+memory are its parts'; an action that consumes a part's result waits for the
+compound (:class:`~.deps.Dependencies` maps each part to it).
 """
 
 from __future__ import annotations
@@ -61,6 +69,10 @@ class Kind:
     with the stream's other actions, and does not hold up the rank.
     ``check(schedule)``: the kind's completeness rule, run by the validator
     on every schedule.
+    ``compound``: the action stands for its parts (see the module docstring);
+    its time is the longest part's plus ``1 - overlap`` of the others' (the
+    cost field ``overlap`` names the share of them hidden: 0 runs the parts
+    one after the other, 1 entirely beside the longest).
     """
 
     name: str
@@ -79,6 +91,8 @@ class Kind:
     drawn: bool = True
     stream: str | None = None
     check: Callable[[Schedule], None] | None = None
+    compound: bool = False
+    overlap: str | None = None
 
     def __post_init__(self):
         if self.owner not in (STAGE, RANK):
@@ -97,6 +111,8 @@ class Kind:
 
 #: Every registered kind by name.
 KINDS: dict[str, Kind] = {}
+#: The names of the compound kinds.
+COMPOUND: set[str] = set()
 #: Factories of extra input rules: ``factory(schedule)`` gives a rule adding
 #: inputs to other kinds' actions in that schedule, or None where it does not apply.
 INPUT_RULES: list[Callable[[Schedule], Rule | None]] = []
@@ -110,6 +126,7 @@ def register(kind: Kind) -> Kind:
         raise ScheduleError(f"kind {kind.name}: its code {kind.code!r} is kind {taken}'s already")
     KINDS[kind.name] = kind
     _BY_CODE[kind.code] = kind.name
+    (COMPOUND.add if kind.compound else COMPOUND.discard)(kind.name)
     return kind
 
 
@@ -130,6 +147,14 @@ def get(name: str) -> Kind:
 def from_code(code: str) -> str:
     """The kind an action string's code spells (torch's ``I`` is B, its ``B`` is BW)."""
     return _BY_CODE.get(code, code)
+
+
+def parts(action: Action) -> tuple[Action, ...]:
+    """The actions ``action`` stands for: a compound action's parts, else itself alone."""
+    if action[0] not in COMPOUND:
+        return (action,)
+    p = action[3]
+    return tuple(tuple.__new__(type(action), (p[k], p[k + 1], p[k + 2], ())) for k in range(0, len(p) - 2, 3))
 
 
 def rank_of(action: Action, placement: tuple[int, ...]) -> int:

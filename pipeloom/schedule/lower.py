@@ -13,13 +13,15 @@ stage that acts:
   output gradient from the rank of stage ``s + 1``.
 
 Only hand-offs between different ranks become messages. A send follows the
-action that produced its data. A backend that matches a link's messages in
-posting order (NCCL; gloo with one tag) needs each receiver to post a link's
-receives in the order they are sent, even where it needs a later message
-first (V schedules cross so): the receive an action needs is posted when the
-action needing the previous received input starts (the first before the
-list), together with the messages its link sends before it. Posting does
-not block; the action that consumes a message waits for it.
+action that produced its data (a compound action's parts' sends follow it,
+as torch's ``_add_send_recv`` puts them after an ``OVERLAP_F_B``). A backend
+that matches a link's messages in posting order (NCCL; gloo with one tag)
+needs each receiver to post a link's receives in the order they are sent,
+even where it needs a later message first (V schedules cross so): the
+receive an action needs is posted when the action needing the previous
+received input starts (the first before the list), together with the
+messages its link sends before it. Posting does not block; the action that
+consumes a message waits for it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import replace
 
 from ..errors import ScheduleError
 from .ir import BW, B, F, Action, Schedule
-from .kinds import Kind, register, register_inputs
+from .kinds import Kind, parts, register, register_inputs
 
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 #: The kinds this pass adds.
@@ -79,8 +81,7 @@ def links(schedule: Schedule) -> dict[tuple[int, int], list[Action]]:
     """For each link ``(src, dst)`` of pipeline ranks, its sends in the order ``src`` makes them."""
     out: dict[tuple[int, int], list[Action]] = {}
     for src, actions in enumerate(schedule.ranks):
-        for action in actions:
-            send = _send(schedule, action)
+        for send in (_send(schedule, part) for action in actions for part in parts(action)):
             if send:
                 out.setdefault((src, peer(schedule, send)), []).append(send)
     return dict(sorted(out.items()))
@@ -100,21 +101,19 @@ def lower(schedule: Schedule) -> Schedule:
         posts: dict[int, list[Action]] = {}
         point = 0
         for k, action in enumerate(actions):
-            need = _receive(schedule, action)
-            if need is None:
-                continue
-            src, upto = peer(schedule, need), position[need] + 1
-            if upto > posted[src]:
-                posts.setdefault(point, []).extend(incoming[src][posted[src]:upto])
-                posted[src] = upto
-            point = k
+            needs = [need for part in parts(action) if (need := _receive(schedule, part))]
+            for need in needs:
+                src, upto = peer(schedule, need), position[need] + 1
+                if upto > posted[src]:
+                    posts.setdefault(point, []).extend(incoming[src][posted[src]:upto])
+                    posted[src] = upto
+            if needs:
+                point = k
         lowered: list[Action] = []
         for k, action in enumerate(actions):
             lowered += posts.get(k, ())
             lowered.append(action)
-            send = _send(schedule, action)
-            if send:
-                lowered.append(send)
+            lowered += [send for part in parts(action) if (send := _send(schedule, part))]
         lists.append(tuple(lowered))
     return replace(schedule, ranks=tuple(lists), options={**schedule.options, "lowered": True})
 

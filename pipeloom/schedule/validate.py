@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 from ..errors import ScheduleError
 from .costs import Costs
 from .deps import asap, peak_activation
 from .ir import Schedule
-from .kinds import KINDS, RANK, checks, get
+from .kinds import COMPOUND, KINDS, RANK, checks, get, parts
 
 
 def validate(
@@ -21,7 +22,8 @@ def validate(
 
     Checks: every stage is placed on a real rank and every action is of a
     registered kind (:mod:`~.kinds`) and sits on the rank that owns it (its
-    stage's, or the rank a rank-owned kind names); no action appears twice;
+    stage's, or the rank a rank-owned kind names), a compound action's parts
+    too (plain actions, two at least); no action appears twice;
     each kind's completeness rule holds (each (stage, microbatch) has one F
     and either one BW or one B and one W; the passes of a vocabulary
     algorithm, the sends and receives of a lowered schedule); every action
@@ -36,9 +38,10 @@ def validate(
     an input that is not ready must come from a later action of another rank.
     """
     _check_shape(schedule)
-    _check_once(schedule)
+    flat = replace(schedule, ranks=tuple(tuple(p for a in actions for p in parts(a)) for actions in schedule.ranks))
+    _check_once(flat)
     for check in checks():
-        check(schedule)
+        check(flat)
     asap(schedule, duration=lambda action: 0.0)
     if memory_limit is not None:
         units = Costs(m_b=1.0, m_w=m_w).per_stage(schedule.stages, schedule.chunks)
@@ -63,7 +66,7 @@ def _check_shape(schedule: Schedule) -> None:
         if not 0 <= rank < p:
             raise ScheduleError(f"stage {stage} is placed on rank {rank}, outside 0..{p - 1}")
     for rank, actions in enumerate(schedule.ranks):
-        for action in actions:
+        for action in (p for a in actions for p in _parts(rank, a)):
             if action.kind not in KINDS:
                 raise ScheduleError(f"rank {rank}: action {action}: unknown kind {action.kind!r}; "
                                     f"registered kinds: {', '.join(KINDS)}")
@@ -87,6 +90,21 @@ def _check_shape(schedule: Schedule) -> None:
             if owner != rank:
                 holds = f"shard {owner}" if by_rank else f"stage {action.stage}"
                 raise ScheduleError(f"rank {rank}: action {action} belongs to rank {owner}, which holds {holds}")
+
+
+def _parts(rank: int, action) -> tuple:
+    """A compound action's parts, checked to be two plain actions at least; else the action."""
+    if action.kind not in COMPOUND:
+        return (action,)
+    if len(action.payload) % 3 or len(action.payload) < 6:
+        raise ScheduleError(f"rank {rank}: compound action {action} needs two parts at least, each as "
+                            f"(kind, stage, microbatch) in its payload; got {action.payload!r}")
+    found = parts(action)
+    inner = next((p for p in found if p.kind in COMPOUND or p.kind not in KINDS), None)
+    if inner is not None:
+        raise ScheduleError(f"rank {rank}: compound action {action} holds {inner.kind!r}; its parts are plain "
+                            f"registered kinds")
+    return found
 
 
 def _check_once(schedule: Schedule) -> None:

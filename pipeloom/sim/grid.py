@@ -5,17 +5,18 @@ host copies of offload); time is cut into columns and each column shows the kind
 of action that fills most of it, by its kind's letter (:attr:`~pipeloom.schedule.kinds.Kind.grid_letter`:
 PyTorch's F forward, I input grad, W weight grad, B fused backward; the
 vocabulary passes s, t, e (input layer forward), g (input layer grad);
-offload o and reload r), or
+offload o and reload r; & an overlapped F and B), or
 ``.`` when the rank is idle most of it. A box wide enough shows
-its microbatch after the letter (``F12``). Long schedules are compressed to
-fit ``width``; a legend line follows.
+its microbatch after the letter (``F12``; a compound action its parts',
+``F3B1``). Long schedules are compressed to fit ``width``; a legend line
+follows.
 """
 
 from __future__ import annotations
 
 import math
 
-from ..schedule.kinds import get
+from ..schedule.kinds import get, parts
 from .simulate import Result
 
 IDLE = "."
@@ -63,7 +64,7 @@ def _row(events, scale: float, length: int) -> str:
     cells = [_letter(max(kinds, key=kinds.get)) if sum(kinds.values()) >= 0.5 else IDLE for kinds in time_in]
     for ev in events:
         first, stop = math.ceil(ev.start * scale - 0.5), math.ceil(ev.end * scale - 0.5)
-        text = f"{_letter(ev.action.kind)}{ev.action.microbatch}"
+        text = "".join(f"{_letter(part.kind)}{part.microbatch}" for part in parts(ev.action))
         if stop - first >= len(text):
             cells[first:stop] = text.ljust(stop - first)
     return "".join(cells)

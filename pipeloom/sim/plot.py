@@ -2,7 +2,9 @@
 
 Top panel: one row per rank (rank 0 on top), one box per action coloured by
 kind, later chunks of interleaved and V schedules in lighter shades,
-microbatch numbers where the boxes are big enough. Bottom panel: activation
+microbatch numbers where the boxes are big enough; a compound action
+(DualPipeV's overlapped F and B) is one framed box, its parts stacked in it
+as in DeepSeek's pictures. Bottom panel: activation
 memory of every rank over time. Side-stream actions (offload's host copies)
 get a lane under their rank's row, and host memory a dotted line. :func:`plot_schedules` draws several
 schedules' timelines one above the other on one time axis (``pipeloom
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from ..errors import PipeloomError
 from ..paths import suffix_problem
-from ..schedule.kinds import RANK, get
+from ..schedule.kinds import COMPOUND, RANK, get, parts
 from .simulate import Result
 
 SUFFIXES = (".png", ".svg")
@@ -80,8 +82,22 @@ def _shade(colour: str, chunk: int, chunks: int) -> tuple[float, float, float]:
     return tuple(c + (1.0 - c) * mix for c in to_rgb(colour))
 
 
-def _box_colours(result: Result) -> list[list[tuple[float, float, float]]]:
-    """The fill of every event's box, per rank: its kind's colour, lighter for later chunks."""
+def _boxes(result: Result) -> list[list[tuple]]:
+    """Per rank, every box as (event, lo, hi): its band in the rank's row (:func:`_rows`),
+    shared by a compound action's parts, each an event of its own, stacked in it."""
+    out = []
+    for events in result.events:
+        boxes = []
+        for ev, (lo, hi) in zip(events, _rows(events)):
+            split = parts(ev.action)
+            step = (hi - lo) / len(split)
+            boxes += [(ev._replace(action=part), lo + j * step, lo + (j + 1) * step) for j, part in enumerate(split)]
+        out.append(boxes)
+    return out
+
+
+def _box_colours(result: Result, boxes) -> list[list[tuple[float, float, float]]]:
+    """The fill of every box, per rank: its kind's colour, lighter for later chunks."""
     schedule = result.schedule
     chunk_of = {s: k for r in range(schedule.pp) for k, s in enumerate(schedule.stages_of(r))}
 
@@ -90,12 +106,12 @@ def _box_colours(result: Result) -> list[list[tuple[float, float, float]]]:
         return action.kind, 0 if get(action.kind).owner == RANK else chunk_of[action.stage]
 
     palette = {}
-    for events in result.events:
-        for ev in events:
+    for row in boxes:
+        for ev, _, _ in row:
             k = key(ev.action)
             if k not in palette:
                 palette[k] = _shade(get(k[0]).colour, k[1], schedule.chunks)
-    return [[palette[key(ev.action)] for ev in events] for events in result.events]
+    return [[palette[key(ev.action)] for ev, _, _ in row] for row in boxes]
 
 
 def _draw_timeline(ax, result: Result, rows_in: float, span: float | None = None) -> None:
@@ -104,12 +120,14 @@ def _draw_timeline(ax, result: Result, rows_in: float, span: float | None = None
     from matplotlib.collections import PolyCollection
 
     p, span = result.schedule.pp, span or result.makespan or 1.0
-    colours = _box_colours(result)
-    rows = [_rows(events) for events in result.events]
-    spans = [(ev.start, ev.end, rank + lo, rank + hi)
-             for rank, events in enumerate(result.events) for ev, (lo, hi) in zip(events, rows[rank])]
-    x0, x1, lo, hi = np.array(spans, dtype=float).reshape(-1, 4).T
-    boxes = np.stack([np.stack(corner, axis=1) for corner in ((x0, lo), (x1, lo), (x1, hi), (x0, hi))], axis=1)
+    drawn = _boxes(result)
+    colours = _box_colours(result, drawn)
+
+    def corners(spans):
+        x0, x1, lo, hi = np.array(spans, dtype=float).reshape(-1, 4).T
+        return np.stack([np.stack(corner, axis=1) for corner in ((x0, lo), (x1, lo), (x1, hi), (x0, hi))], axis=1)
+
+    boxes = corners([(ev.start, ev.end, rank + lo, rank + hi) for rank, row in enumerate(drawn) for ev, lo, hi in row])
     px_per_unit = WIDTH_IN * DPI * 0.9 / span
     shortest = min((ev.end - ev.start for evs in result.events for ev in evs), default=0.0)
     wide = shortest * px_per_unit >= 4  # white edges between boxes; none (and no seams) when dense
@@ -118,9 +136,15 @@ def _draw_timeline(ax, result: Result, rows_in: float, span: float | None = None
         boxes, facecolors=fills, edgecolors="white" if wide else "none", linewidths=0.5,
         antialiased=wide, rasterized=len(boxes) > RASTER_ABOVE,
     ))
+    framed = [(ev, rank + lo, rank + hi) for rank, events in enumerate(result.events)
+              for ev, (lo, hi) in zip(events, _rows(events)) if ev.action.kind in COMPOUND]
+    if framed:
+        frames = corners([(ev.start, ev.end, lo, hi) for ev, lo, hi in framed])
+        edges = [get(ev.action.kind).colour for ev, _, _ in framed]
+        ax.add_collection(PolyCollection(frames, facecolors="none", edgecolors=edges, linewidths=1.2))
     row_px = rows_in * DPI / p
     if len(boxes) <= MAX_LABELS and row_px >= 10:
-        _label_boxes(ax, result, colours, px_per_unit, fontsize=min(8.0, row_px * 0.45))
+        _label_boxes(ax, drawn, colours, px_per_unit, fontsize=min(8.0, row_px * 0.45))
     ax.set_xlim(0, span)
     ax.set_ylim(p - 0.5, -0.5)
     step = max(1, p // 16)
@@ -145,17 +169,19 @@ def _rows(events) -> list[tuple[float, float]]:
 def _legend(ax, result: Result) -> None:
     from matplotlib.patches import Patch
 
-    kinds = dict.fromkeys(ev.action.kind for evs in result.events for ev in evs if ev.end > ev.start)
-    handles = [Patch(color=get(k).colour, label=f"{k} {get(k).label}") for k in kinds]
+    kinds = dict.fromkeys(part.kind for evs in result.events for ev in evs if ev.end > ev.start
+                          for part in (ev.action, *parts(ev.action)))
+    handles = [Patch(facecolor="none", edgecolor=get(k).colour, label=f"{k} {get(k).label}: parts in one frame")
+               if k in COMPOUND else Patch(color=get(k).colour, label=f"{k} {get(k).label}") for k in kinds]
     if result.schedule.chunks > 1:
         handles.append(Patch(color=_shade("#8c8c8c", 1, 2), label="lighter: later chunk"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
 
 
-def _label_boxes(ax, result: Result, colours, px_per_unit: float, fontsize: float) -> None:
+def _label_boxes(ax, boxes, colours, px_per_unit: float, fontsize: float) -> None:
     """Microbatch numbers in the boxes wide enough to hold them, white on dark boxes, black on light."""
-    for rank, events in enumerate(result.events):
-        for ev, fill, (lo, hi) in zip(events, colours[rank], _rows(events)):
+    for rank, row in enumerate(boxes):
+        for (ev, lo, hi), fill in zip(row, colours[rank]):
             text = str(ev.action.microbatch)
             size = fontsize * min(1.0, (hi - lo) / 0.84)
             if (ev.end - ev.start) * px_per_unit >= size * 0.75 * len(text) + 3:

@@ -11,7 +11,7 @@ from ..errors import PipeloomError
 from ..schedule.costs import Costs, StageCosts
 from ..schedule.deps import asap
 from ..schedule.ir import Action, Schedule
-from ..schedule.kinds import KINDS
+from ..schedule.kinds import COMPOUND, KINDS, parts
 
 
 class Event(NamedTuple):
@@ -134,16 +134,19 @@ class Result:
 
 def _levels(times, delta) -> list[tuple[float, float]]:
     """(time, level) after each change of a memory that ``delta(action)`` changes,
-    from (action, start, end) triples: a rise at the start, a fall at the end;
-    changes at one instant in list order."""
+    from (action, start, end) triples: a rise at the start, a fall at the end
+    (each part of a compound action on its own: the F of an overlapped pair
+    holds its activations from the start, the backward frees its own at the
+    end); changes at one instant in list order."""
     changes, ordered, last = [], True, 0.0
-    for k, (action, start, end) in enumerate(times):
-        d = delta(action)
-        if d:
-            t = start if d > 0 else end
-            ordered = ordered and t >= last
-            last = t
-            changes.append((t, k, d))
+    for action, start, end in times:
+        for part in parts(action) if action[0] in COMPOUND else (action,):
+            d = delta(part)
+            if d:
+                t = start if d > 0 else end
+                ordered = ordered and t >= last
+                last = t
+                changes.append((t, len(changes), d))
     points, level = [(0.0, 0.0)], 0.0
     for t, _, d in changes if ordered else sorted(changes):
         level += d

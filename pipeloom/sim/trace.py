@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple, Sequence
 
 from ..schedule.deps import Dependencies
 from ..schedule.ir import BW, B, F, Action, Schedule
-from ..schedule.kinds import RANK, get
+from ..schedule.kinds import RANK, get, parts
 from .simulate import Event, Result
 
 #: Microseconds per simulator time unit (1 unit = 1 ms).
@@ -50,14 +50,15 @@ def transfers_of(
     comm_time: Callable[[Action], float],
 ) -> list[Transfer]:
     """Every dependency that crosses ranks, starting when its producer ends
-    and taking ``comm_time(producer_action)``."""
+    and taking ``comm_time(producer_action)``; a compound action's part (an
+    overlapped pair's F or B) produces in the event of its compound."""
     deps = Dependencies(schedule)
-    by_action = {ev.action: ev for events in events_per_rank for ev in events}
+    by_action = {part: ev for events in events_per_rank for ev in events for part in parts(ev.action)}
     transfers = []
     for events in events_per_rank:
         for consumer in events:
-            for dep in deps(consumer.action):
-                producer = by_action[dep]
+            for dep in deps(consumer.action, plain=True):
+                producer = by_action[dep]._replace(action=dep)
                 if producer.rank != consumer.rank:
                     transfers.append(Transfer(producer, consumer, producer.end, producer.end + comm_time(dep)))
     return transfers

@@ -50,7 +50,7 @@ from ..costs import Costs, StageCosts, register_field
 from ..deps import asap
 from ..ir import BW, B, F, W, Action, Schedule
 from ..kinds import KINDS, Kind, register, register_inputs
-from . import insert
+from . import insert, refuse_compound
 
 KFAC_A = "KFAC_A"
 KFAC_G = "KFAC_G"
@@ -96,6 +96,7 @@ class Kfac:
             raise ScheduleError("the schedule holds K-FAC work already")
         if schedule.options.get("lowered"):
             raise ScheduleError("add K-FAC work before lowering communication")
+        refuse_compound(schedule, self.name)
         units = _units(self.units, schedule.stages)
         per_stage = (costs or Costs()).per_stage(schedule.stages, schedule.chunks)
         base = _with_preconditioning(schedule)

@@ -47,7 +47,7 @@ from ..costs import Costs, StageCosts, register_field
 from ..deps import asap
 from ..ir import BW, B, F, Action, Schedule
 from ..kinds import Kind, register, register_inputs
-from . import insert
+from . import insert, refuse_compound
 
 #: Copy a pair's saved activations to host memory (after its F).
 OFFLOAD = "OFFLOAD"
@@ -89,6 +89,7 @@ class Offload:
     def apply(self, schedule: Schedule, costs: Costs | None = None) -> Schedule:
         if self.policy == "none":
             return schedule
+        refuse_compound(schedule, self.name)
         if schedule.options.get("offload"):
             raise ScheduleError("the schedule is offloaded already")
         if schedule.options.get("lowered"):
