@@ -80,7 +80,7 @@ from ..partition import balanced_layers, split_layers, stage_totals
 from ..presets import SIZES
 from ..schedule import build
 from ..schedule.costs import Costs
-from ..schedule.kinds import STAGE
+from ..schedule.kinds import STAGE, parts
 from ..schedule.kinds import get as get_kind
 from .simulate import Result, simulate
 
@@ -645,12 +645,12 @@ def _with_gradients(result: Result, rank: int, grads: dict[int, float]) -> float
     """The peak over the step of ``rank``'s activation memory plus the gradients
     (``grads``: bytes per stage) of the stages whose backward has begun: a
     stage's gradient appears when its first action timed by the ``b`` or ``w``
-    cost starts."""
+    cost (or a compound action holding one) starts."""
     first = {}
     for event in result.events[rank]:
-        kind, stage = get_kind(event.action.kind), event.action.stage
-        if kind.owner == STAGE and stage not in first and {"b", "w"} & set(kind.cost):
-            first[stage] = event.start
+        for kind, stage, _, _ in parts(event.action):
+            if get_kind(kind).owner == STAGE and stage not in first and {"b", "w"} & set(get_kind(kind).cost):
+                first[stage] = event.start
     appear = sorted((first.get(s, math.inf), g) for s, g in grads.items())
     peak, held, k = 0.0, 0.0, 0
     for t, level in result.memory_timeline(rank):
