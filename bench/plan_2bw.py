@@ -76,7 +76,8 @@ def best(model: ModelSpec, gpus: int, batch: int, memory_gib: float, family: str
     searched = time.perf_counter() - started
     if c.schedule == "2bw":  # as pipeloom train runs it: calls of several steps, each ending in a flush
         steps = schedule_of(c).steps
-        call = simulate(schedule_of(c, steps), Costing(request).costs(c)).makespan / steps + plan.allreduce_ms
+        call = (simulate(schedule_of(c, steps), Costing(request).costs(c)).makespan / steps + plan.allreduce_ms
+                + plan.optimizer_ms)
         as_run = {"steps_per_call": steps, "per_call_step_ms": round(call, 2),
                   "per_call_samples_per_s": round(batch / call * 1e3, 2)}
     else:

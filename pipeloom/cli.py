@@ -728,6 +728,8 @@ def _profile_table(profile, preset) -> str:
     host = f"{profile.host_bandwidth / 1e9:.3g} GB/s" if profile.host_bandwidth else "not measured (no device copies)"
     lines += ["", f"stage-to-stage transfer: {link}", f"host <-> device copies: {host}",
               f"model state: {profile.bytes_per_param:.4g} bytes per parameter"]
+    if profile.optimizer_ns_per_param is not None:
+        lines.append(f"optimizer step (clipping, AdamW): {profile.optimizer_ns_per_param:.3g} ns per parameter")
     return "\n".join(lines)
 
 

@@ -126,7 +126,7 @@ def _fields(plan, request, command) -> dict:
         "vocab_parallel": c.vocab_parallel, "offload": c.offload, "offload_ratio": c.offload_ratio,
         "step_ms": plan.step_ms, "tokens_per_s": plan.tokens_per_s, "samples_per_s": plan.samples_per_s,
         "mfu": plan.mfu, "peak_memory_bytes": plan.peak_memory_bytes, "bubble_rate": plan.bubble_rate,
-        "allreduce_ms": plan.allreduce_ms, "command": command(request, c),
+        "allreduce_ms": plan.allreduce_ms, "optimizer_ms": plan.optimizer_ms, "command": command(request, c),
     }
 
 

@@ -154,3 +154,21 @@ def test_cli_infeasible_is_one_line():
     assert len(lines) == 1 and "the smallest needs" in lines[0], done.stderr
     done = run_cli("--gpus", "8", "--schedules", "1f1b,nope")
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "nope" in done.stderr
+
+
+def test_each_rank_ends_its_step_with_the_all_reduce_and_its_optimizer_step():
+    """The step is the slowest rank's last action, gradient all-reduce and AdamW over its parameters
+    (at the device's memory bandwidth: 32 bytes a parameter)."""
+    from pipeloom.plan.evaluate import allreduce_ms, optimizer_ms, stages_of_ranks
+    from pipeloom.sim.model import stage_parameters
+
+    want = request(4, 80, 16, schedules=("1f1b",), recompute=("none",), vocab_parallel=("none",), offload=("none",))
+    plan = next(p for p in exhaustive(want) if (p.candidate.pp, p.candidate.dp) == (2, 2))
+    c, params = plan.candidate, stage_parameters(SMALL, 2, 1024)
+    device = want.cluster.device
+    assert optimizer_ms(want, c) == pytest.approx([1e3 * 32 * params[s] / device.memory_bandwidth for s in (0, 1)])
+    ends = [max(e) for e in plan.result.ends]
+    tails = [a + o for a, o in zip(allreduce_ms(want, c), optimizer_ms(want, c))]
+    assert plan.step_ms == pytest.approx(max(e + t for e, t in zip(ends, tails)))
+    assert plan.optimizer_ms == pytest.approx(max(optimizer_ms(want, c))) and plan.optimizer_ms > 0
+    assert stages_of_ranks(c) == ((0,), (1,))

@@ -36,6 +36,7 @@ def profile_dict(seq=64, link=(2e9, 0.05), host=None):
         "seq": seq,
         "repeats": 3,
         "bytes_per_param": 16.0,
+        "optimizer_ns_per_param": 5.0,
         "link": {"bandwidth": link[0] if link else None, "latency_ms": link[1] if link else None,
                  "reason": None if link else "one GPU"},
         "host_bandwidth": host,
@@ -44,6 +45,15 @@ def profile_dict(seq=64, link=(2e9, 0.05), host=None):
 
 
 # -- the format ----------------------------------------------------------------
+
+def test_a_profile_without_the_optimizer_time_loads_and_leaves_it_to_the_device():
+    data = profile_dict()
+    del data["optimizer_ns_per_param"]
+    assert Profile.from_dict(data).optimizer_ns_per_param is None
+    assert Profile.from_dict({**data, "optimizer_ns_per_param": None}).optimizer_ns_per_param is None
+    with pytest.raises(PipeloomError, match="optimizer_ns_per_param is -1; expected a positive number or null"):
+        Profile.from_dict({**data, "optimizer_ns_per_param": -1})
+
 
 def test_round_trip_through_a_file(tmp_path):
     data = profile_dict()

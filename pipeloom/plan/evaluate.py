@@ -2,10 +2,11 @@
 
 The step of a synchronous schedule is the simulated step, each rank then
 all-reducing its stages' fp32 gradients over its ``dp x sp`` replicas (a
-ring, at the slower tier the group spans) from the end of its last action:
-``step = max over ranks (end + all-reduce)``. 2bw never flushes: its step is
-the steady-state one, the simulated time of 2 steps less that of 1, plus the
-longest all-reduce. Memory per rank is :func:`~pipeloom.sim.model.peak_memory_bytes`
+ring, at the slower tier the group spans) from the end of its last action,
+then taking its optimizer step (:func:`~pipeloom.sim.model.optimizer_ms`):
+``step = max over ranks (end + all-reduce + optimizer)``. 2bw never flushes:
+its step is the steady-state one, the simulated time of 2 steps less that of
+1, plus the longest all-reduce and optimizer step. Memory per rank is :func:`~pipeloom.sim.model.peak_memory_bytes`
 (model state with 2bw's weight versions, gradients from a stage's first
 backward, simulated activations, the transients of attention and recomputation).
 """
@@ -25,6 +26,7 @@ from ..sim import Result, simulate
 from ..sim.model import (
     GRAD_BYTES_PER_PARAM, costs_from_model, layer_flops, peak_memory_bytes, stage_parameters, state_bytes_per_param,
 )
+from ..sim.model import optimizer_ms as sim_optimizer_ms
 from .bounds import CriticalPath, critical_path
 from .space import OFFLOADS, RECOMPUTES, Candidate, PlanRequest
 
@@ -43,6 +45,7 @@ class Plan:
     peak_memory_bytes: list[float]
     bubble_rate: float
     allreduce_ms: float
+    optimizer_ms: float
     fits: bool
     result: Result = field(repr=False, compare=False, default=None)
 
@@ -76,7 +79,7 @@ class Costing:
         self._costs: dict[tuple, tuple[Costs, StageCosts]] = {}
         self._schedules: dict[tuple, Schedule | PipeloomError] = {}
         self._paths: dict[tuple, CriticalPath] = {}
-        self._reduce: dict[tuple, list[float]] = {}
+        self._tail: dict[tuple, list[float]] = {}
 
     def costs(self, c: Candidate) -> Costs:
         """The per-stage costs of ``c`` on the request's cluster (profile or formulas)."""
@@ -108,7 +111,7 @@ class Costing:
         bound = self.lower_bound_ms(c)
         path = self._paths.get(_shape(c))
         if path is not None:
-            bound = max(bound, path.length(self._both(c)[1]) + self.allreduce_ms(c)[path.rank])
+            bound = max(bound, path.length(self._both(c)[1]) + self.tail_ms(c)[path.rank])
         return bound
 
     def schedule(self, c: Candidate, steps: int | None = None) -> Schedule:
@@ -123,24 +126,25 @@ class Costing:
             raise self._schedules[key]
         return self._schedules[key]
 
-    def allreduce_ms(self, c: Candidate) -> list[float]:
-        """:func:`allreduce_ms`, once per layout."""
+    def tail_ms(self, c: Candidate) -> list[float]:
+        """Per rank, what follows its last action: :func:`allreduce_ms` plus :func:`optimizer_ms`,
+        once per layout."""
         key = c.pp, c.dp, c.sp, c.chunks, c.vocab_parallel, get_family(c.schedule).chunks == (2,)
-        if key not in self._reduce:
-            self._reduce[key] = allreduce_ms(self.request, c)
-        return self._reduce[key]
+        if key not in self._tail:
+            self._tail[key] = [a + o for a, o in zip(allreduce_ms(self.request, c), optimizer_ms(self.request, c))]
+        return self._tail[key]
 
     def lower_bound_ms(self, c: Candidate) -> float:
         """A step time no schedule of ``c`` can beat: each rank's compute (F, B and W of its stages
-        for every microbatch) and all-reduce, after the first microbatch's forwards reach it (none
+        for every microbatch), all-reduce and optimizer step, after the first microbatch's forwards reach it (none
         for 2bw, whose steady state has no such wait, nor with vocabulary passes, which start
         every rank)."""
-        costs, reduce = self._both(c)[1], self.allreduce_ms(c)
+        costs, tail = self._both(c)[1], self.tail_ms(c)
         bound = 0.0
         for rank, stages in enumerate(stages_of_ranks(c)):
             busy = c.microbatches * sum(costs.f[s] + costs.b[s] + costs.w[s] for s in stages)
             wait = 0.0 if c.schedule == "2bw" or c.vocab_parallel != "none" else sum(costs.f[:min(stages)])
-            bound = max(bound, wait + busy + (max(reduce) if c.schedule == "2bw" else reduce[rank]))
+            bound = max(bound, wait + busy + (max(tail) if c.schedule == "2bw" else tail[rank]))
         return bound
 
     def memory_lower_bound(self, c: Candidate) -> float:
@@ -188,6 +192,14 @@ def schedule_of(c: Candidate, steps: int | None = None) -> Schedule:
                  **options)
 
 
+def optimizer_ms(request: PlanRequest, c: Candidate) -> list[float]:
+    """Per rank: the optimizer step over its stages' parameters (and vocabulary shard)."""
+    shard, params = _parameters(request, c)
+    device = request.cluster.device
+    return [sim_optimizer_ms(shard + sum(params[s] for s in stages), device, request.profile)
+            for stages in stages_of_ranks(c)]
+
+
 def allreduce_ms(request: PlanRequest, c: Candidate) -> list[float]:
     """Per rank: the ring all-reduce of its stages' gradients (and vocabulary shard) over dp x sp."""
     replicas = c.dp * c.sp
@@ -202,22 +214,23 @@ def allreduce_ms(request: PlanRequest, c: Candidate) -> list[float]:
 def evaluate(request: PlanRequest, c: Candidate, stage_costs: Costs, build_schedule=schedule_of) -> Plan:
     """Simulate ``c`` under ``stage_costs`` and cost it (raises :class:`~pipeloom.errors.PipeloomError`
     when its schedule cannot be built); ``build_schedule(c, steps)`` gives its schedule."""
-    reduce = allreduce_ms(request, c)
+    reduce, update = allreduce_ms(request, c), optimizer_ms(request, c)
+    tail = [a + o for a, o in zip(reduce, update)]
     if c.schedule == "2bw":
         one, result = (simulate(build_schedule(c, steps), stage_costs) for steps in (1, 2))
         steady = result.makespan - one.makespan
-        step = steady + max(reduce)
+        step = steady + max(tail)
         bubble = max(1 - (two.busy - first.busy) / steady for two, first in zip(result.ranks, one.ranks))
     else:
         result = simulate(build_schedule(c), stage_costs)
-        step = max(max(ends, default=0.0) + ar for ends, ar in zip(result.ends, reduce))
+        step = max(max(ends, default=0.0) + t for ends, t in zip(result.ends, tail))
         bubble = result.bubble_rate
     memory = peak_memory_bytes(request.model, result, request.seq, microbatch_size=c.microbatch_size, sp=c.sp,
                                bytes_per_param=request.bytes_per_param, vocab_parallel=_vocab(c))
     seconds = step / 1e3
     return Plan(c, step, request.global_batch * request.seq / seconds, request.global_batch / seconds,
                 model_flops(request) / seconds / (request.cluster.gpus * request.cluster.device.peak_flops), memory,
-                bubble, max(reduce), max(memory) <= request.cluster.gpu_memory, result)
+                bubble, max(reduce), max(update), max(memory) <= request.cluster.gpu_memory, result)
 
 
 def model_flops(request: PlanRequest) -> float:

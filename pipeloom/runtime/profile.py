@@ -23,7 +23,8 @@ send/recv ping-pong between two local processes and fitted to
 two ranks on one device): it is left null with the reason, and pinned
 host<->device copies are timed instead (the offload link). Bytes of model
 state per parameter come from one AdamW step on a layer, as ``pipeloom train``
-keeps it.
+keeps it, and the optimizer step's time per parameter from clipping and
+AdamW steps on the profiled layer's parameters.
 
 The result is the JSON object of :mod:`pipeloom.sim.profile`.
 """
@@ -83,6 +84,7 @@ def measure(config: GPTConfig, seq: int, microbatch_sizes=(1,), *, device: str =
         run = _Runner(stages, where, PRECISIONS[precision], repeats, warmup, config.vocab_size)
         samples = {str(b): run.sample(b, seq) for b in sizes}
         state = bytes_per_param(where, PRECISIONS[precision])
+        optimizer = optimizer_ns_per_param(run.layer, run.timer, repeats, warmup)
     finally:
         torch.set_num_threads(kept_threads)
     messages = [samples[str(b)]["message_bytes"] for b in sizes]
@@ -103,6 +105,7 @@ def measure(config: GPTConfig, seq: int, microbatch_sizes=(1,), *, device: str =
         "seq": seq,
         "repeats": repeats,
         "bytes_per_param": state,
+        "optimizer_ns_per_param": optimizer,
         "link": link,
         "host_bandwidth": host,
         "microbatch_sizes": samples,
@@ -312,6 +315,24 @@ def bytes_per_param(device: torch.device, autocast) -> float:
         state = [v for v in optimizer.state[p].values() if torch.is_tensor(v) and v.numel() == p.numel()]
         total += sum(t.numel() * t.element_size() for t in (p, p.grad, *state))
     return total / sum(p.numel() for p in params)
+
+
+def optimizer_ns_per_param(module: nn.Module, timer: Timer, repeats: int, warmup: int) -> float:
+    """Nanoseconds per parameter of the optimizer step ``pipeloom train`` takes (clipping by
+    the gradient norm, then AdamW) over ``module``'s parameters, the median over ``repeats``."""
+    params = list(module.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-9)
+
+    def step():
+        nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+
+    times = [timer(step) for _ in range(warmup + repeats)][warmup:]
+    for p in params:
+        p.grad = None
+    return 1e6 * statistics.median(times) / sum(p.numel() for p in params)
 
 
 def measure_link(message_bytes, repeats: int = 10, timeout: float = 120.0) -> dict:

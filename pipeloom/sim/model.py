@@ -101,6 +101,24 @@ GRAD_BYTES_PER_PARAM = 4
 VERSION_BYTES_PER_PARAM = 8
 
 
+#: Bytes an AdamW step with gradient clipping moves per fp32 parameter: reads the weight,
+#: gradient and two moments (and the gradient once more for the norm), writes weight and moments.
+OPTIMIZER_BYTES_PER_PARAM = 32
+#: See :data:`DEVICES`.
+CPU_MEMORY_BANDWIDTH = 7e9
+
+
+def optimizer_ms(params: float, device: Device, profile: Profile | None = None) -> float:
+    """Milliseconds of the optimizer step (clipping, AdamW) over ``params`` parameters: the
+    profile's measured time per parameter, else :data:`OPTIMIZER_BYTES_PER_PARAM` at the device's
+    memory bandwidth (0 without one)."""
+    if profile is not None and profile.optimizer_ns_per_param is not None:
+        return params * profile.optimizer_ns_per_param / 1e6
+    if device.memory_bandwidth is None:
+        return 0.0
+    return 1e3 * params * OPTIMIZER_BYTES_PER_PARAM / device.memory_bandwidth
+
+
 def state_bytes_per_param(bytes_per_param: float, versions: int) -> tuple[float, float]:
     """(bytes of model state per parameter held all step, bytes of its gradient, which
     appears at the stage's first backward) with ``versions`` weight versions (0: none)."""
@@ -175,8 +193,9 @@ MODELS: dict[str, ModelSpec] = {
 class Device:
     """One accelerator: dense 16-bit peak FLOP/s, memory bytes, achievable
     point-to-point bandwidth to the next pipeline rank and to host memory
-    (bytes/s), and ``efficiency``, the fraction of peak a transformer layer
-    reaches (MFU-like; every FLOP count is divided by ``peak_flops * efficiency``)."""
+    (bytes/s), ``efficiency``, the fraction of peak a transformer layer
+    reaches (MFU-like; every FLOP count is divided by ``peak_flops * efficiency``),
+    and ``memory_bandwidth`` (bytes/s), which times the optimizer step (None: not timed)."""
 
     name: str
     peak_flops: float
@@ -184,11 +203,15 @@ class Device:
     link_bandwidth: float
     host_bandwidth: float
     efficiency: float = 0.5
+    memory_bandwidth: float | None = None
 
     def __post_init__(self):
         for field in ("peak_flops", "memory", "link_bandwidth", "host_bandwidth"):
             if not getattr(self, field) > 0:
                 raise PipeloomError(f"device {self.name!r}: {field} must be positive, got {getattr(self, field)!r}")
+        if self.memory_bandwidth is not None and not self.memory_bandwidth > 0:
+            raise PipeloomError(f"device {self.name!r}: memory_bandwidth must be positive or None, "
+                                f"got {self.memory_bandwidth!r}")
         if not 0 < self.efficiency <= 1:
             raise PipeloomError(f"device {self.name!r}: efficiency must be in (0, 1], got {self.efficiency!r}")
 
@@ -207,23 +230,27 @@ _GiB = 2**30
 #: (PCIe 4) of "PipeOffload: Improving Scalability of Pipeline Parallelism with
 #: Memory Optimization"; H100: 55 GB/s, pinned copies of 64 MiB to 1 GiB
 #: measured both ways on an H200 (PCIe 5) for this project; ~10 GB/s for PCIe 3.
+#: Memory bandwidth: the HBM datasheet figures (A100 80 GB 2.0 TB/s, H100 SXM
+#: 3.35, V100 0.9); the CPU's is what one thread's clipping and AdamW step
+#: achieve over :data:`OPTIMIZER_BYTES_PER_PARAM` on the development VM (about
+#: 5 ns per parameter: ``pipeloom train``'s measured step less its actions' span).
 DEVICES: dict[str, Device] = {
     d.name: d
     for d in (
         # A100 SXM 80 GB: 312 TFLOP/s dense bf16. Efficiency 0.5 puts the
         # zero-bubble paper's four models within ~20% of their profiled T_F.
-        Device("a100", 312e12, 80 * _GiB, 50e9, 15e9, 0.5),
+        Device("a100", 312e12, 80 * _GiB, 50e9, 15e9, 0.5, 2.0e12),
         # H100 SXM 80 GB: 989 TFLOP/s dense bf16. Efficiency measured: one
         # layer's F, B and W (bench/gpu_layer.py, bf16, on an H200, the same
         # compute) of the zero-bubble 1.5B and 6.2B shapes and gpt-1.3b reach
         # 0.42-0.63 of peak, 0.53 over their summed time; the issue's H100
         # figures for the 6.2B layer (T_F 2.07 ms) give 0.62 for F.
-        Device("h100", 989e12, 80 * _GiB, 75e9, 55e9, 0.53),
+        Device("h100", 989e12, 80 * _GiB, 75e9, 55e9, 0.53, 3.35e12),
         # V100 SXM2 32 GB: 125 TFLOP/s fp16 tensor cores (no bf16 on V100).
-        Device("v100", 125e12, 32 * _GiB, 25e9, 10e9, 0.4),
+        Device("v100", 125e12, 32 * _GiB, 25e9, 10e9, 0.4, 0.9e12),
         # A small x86 VM (2 AVX-512 cores): ~0.26 TFLOP/s fp32 matmul measured
         # with numpy on the development machine; gloo over loopback between ranks.
-        Device("cpu", 0.26e12, 16 * _GiB, 5e9, 10e9, 0.5),
+        Device("cpu", 0.26e12, 16 * _GiB, 5e9, 10e9, 0.5, CPU_MEMORY_BANDWIDTH),
     )
 }
 

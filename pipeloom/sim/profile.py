@@ -10,6 +10,7 @@ measured on one machine (a CPU, or one GPU) with the runtime's own modules
      "seq": int,
      "repeats": int,
      "bytes_per_param": float,
+     "optimizer_ns_per_param": float|null,
      "link": {"bandwidth": float|null, "latency_ms": float|null, "reason": str|null},
      "host_bandwidth": float|null,
      "microbatch_sizes": {
@@ -34,7 +35,10 @@ input, what a recomputed stage keeps), and what B leaves queued for W
 the output layer's ``b`` and ``w``, and ``full``, what its stage keeps when
 recomputed (its input and the loss's log-probabilities). ``bytes_per_param``:
 model state per parameter as the runtime keeps it (weights, gradients,
-AdamW's moments). ``link``: a stage-to-stage transfer, ``latency_ms + bytes
+AdamW's moments); ``optimizer_ns_per_param``: the optimizer step (gradient
+clipping and AdamW, as ``pipeloom train`` runs it) per parameter, on one
+layer's parameters (null or absent in older profiles: the device's memory
+bandwidth times it then). ``link``: a stage-to-stage transfer, ``latency_ms + bytes
 / bandwidth``, fitted to timed sends between two processes; null (with
 ``reason``) where it could not be measured, and then the device preset's
 link is used. ``host_bandwidth``: pinned host<->device copies (offload);
@@ -157,6 +161,7 @@ class Profile:
     host_bandwidth: float | None
     samples: dict[int, Sample]
     repeats: int | None = None
+    optimizer_ns_per_param: float | None = None
     source: str = field(default="", compare=False)
 
     @property
@@ -202,6 +207,8 @@ class Profile:
             host_bandwidth=read.number(data, ("host_bandwidth",), positive=True, null=True),
             samples=dict(sorted(samples.items())),
             repeats=data.get("repeats") if isinstance(data.get("repeats"), int) else None,
+            optimizer_ns_per_param=read.number(data, ("optimizer_ns_per_param",), positive=True, null=True)
+            if "optimizer_ns_per_param" in data else None,
             source=source,
         )
 
@@ -223,6 +230,7 @@ class Profile:
             "seq": self.seq,
             "repeats": self.repeats,
             "bytes_per_param": self.bytes_per_param,
+            "optimizer_ns_per_param": self.optimizer_ns_per_param,
             "link": {"bandwidth": self.link_bandwidth, "latency_ms": self.link_latency_ms, "reason": self.link_reason},
             "host_bandwidth": self.host_bandwidth,
             "microbatch_sizes": sizes,
