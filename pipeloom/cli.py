@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 
 from . import plan_cli
@@ -55,17 +56,24 @@ def _parser() -> argparse.ArgumentParser:
 # -- simulate ----------------------------------------------------------------
 
 def _add_simulate(sub) -> None:
-    from .schedule import FAMILIES
+    from .schedule import FAMILIES, TORCH_SCHEDULES
 
     p = sub.add_parser(
         "simulate",
         help="predict time, bubbles and memory of a schedule and draw it",
         description="Build a schedule, validate it, simulate it and print a table and a text picture.",
     )
-    p.add_argument("--schedule", default="1f1b", metavar="NAME", help=f"one of: {', '.join(FAMILIES)} (default 1f1b)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--schedule", default="1f1b", metavar="NAME",
+                       help=f"one of: {', '.join(FAMILIES)} (default 1f1b); or torch:CLASS, torch:FILE.csv")
+    which.add_argument("--torch-schedule", metavar="CLASS|FILE.csv",
+                       help="the order of a torch.distributed.pipelining schedule: one of "
+                            f"{', '.join(TORCH_SCHEDULES)}, or a CSV its _dump_csv wrote (the same as --schedule "
+                            "torch:CLASS)")
     p.add_argument("--compare", metavar="A,B,...",
-                   help="simulate several schedules on the same costs, side by side; --plot draws them in one "
-                        "picture, --trace and --torch-csv FILE write one file per schedule, STEM-NAME.SUFFIX")
+                   help="simulate several schedules on the same costs, side by side (torch's as torch:CLASS or "
+                        "torch:FILE.csv); --plot draws them in one picture, --trace and --torch-csv FILE write one "
+                        "file per schedule, STEM-NAME.SUFFIX")
     p.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
     p.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
     p.add_argument("--chunks", type=int, help="stages per rank (interleaved-1f1b: >= 2, default 2)")
@@ -163,7 +171,13 @@ def _run_simulate(args) -> int:
 def _schedules(args) -> list[str]:
     """The schedules to simulate, checked: --schedule, or the names of --compare."""
     from .schedule import FAMILIES, get_family
+    from .schedule.torch_csv import TORCH_PREFIX
 
+    if args.torch_schedule is not None:
+        if args.compare is not None:
+            raise PipeloomError(f"--compare takes torch's schedules in its list: name it there as "
+                                f"{TORCH_PREFIX}{args.torch_schedule}, without --torch-schedule")
+        args.schedule = TORCH_PREFIX + args.torch_schedule
     names = [args.schedule] if args.compare is None else _names("--compare", args.compare)
     families = [get_family(name) for name in names]
     if args.compare is not None and args.chunks is not None and all(_chunks(f, args.chunks) is None for f in families):
@@ -223,16 +237,18 @@ def _costs_source(args, device) -> str:
 
 def _output_files(args, names: list[str]) -> dict:
     """--torch-csv and --trace, checked and ready: a file per schedule, with --compare
-    STEM-NAME.SUFFIX beside the FILE given."""
+    STEM-NAME.SUFFIX beside the FILE given (a run of characters other than letters, digits,
+    dots and dashes in NAME becomes one dash)."""
     from pathlib import Path
 
     from .paths import prepare_output
 
-    files = {}
+    files, labels = {}, [re.sub(r"[^\w.-]+", "-", name) for name in names]  # torch:a/b.csv: torch-a-b.csv
     for flag, given in (("--torch-csv", args.torch_csv), ("--trace", args.trace)):
         if given is not None:
             path = Path(given)
-            each = [given] if args.compare is None else [str(path.parent / f"{path.stem}-{n}{path.suffix}") for n in names]
+            each = [given] if args.compare is None else [
+                str(path.parent / f"{path.stem}-{label}{path.suffix}") for label in labels]
             files[flag] = [prepare_output(flag, p) for p in each]
     return files
 
@@ -589,12 +605,13 @@ def _vocab_table(reports: list[dict]) -> str:
 
 def _compare_table(reports: list[dict]) -> str:
     offload, kfac = "offload" in reports[0], "kfac" in reports[0]
+    width = max(18, *(len(r["schedule"]) for r in reports))
     lines = [*([f"costs: {reports[0]['costs']}"] if "costs" in reports[0] else []),
-             f"{'schedule':<18} {'stages':>6} {'makespan':>10}  {'span bubble':>11}  {'step bubble':>11} "
+             f"{'schedule':<{width}} {'stages':>6} {'makespan':>10}  {'span bubble':>11}  {'step bubble':>11} "
              f"{'max peak act':>13}" + (f" {'max host':>10} {'max exposed':>11}" if offload else "")
              + (f" {'K-FAC k':>7} {'step before':>11} {'step after':>10}" if kfac else "")]
     for r in reports:
-        line = (f"{r['schedule']:<18} {r['stages']:>6} {r['makespan']:>10.4g}  {r['bubble_rate']:>11.1%}  "
+        line = (f"{r['schedule']:<{width}} {r['stages']:>6} {r['makespan']:>10.4g}  {r['bubble_rate']:>11.1%}  "
                 f"{r['step_bubble_rate']:>11.1%} {max(r['peak_activation']):>13.4g}")
         if offload:
             rows = r["offload"]["ranks"]
@@ -747,7 +764,9 @@ def _add_train(sub) -> None:
                     "pp x dp x sp worker processes on this machine; under torchrun each process is one rank.",
     )
     g = p.add_argument_group("parallelism")
-    g.add_argument("--schedule", default="1f1b", metavar="NAME", help=f"one of: {', '.join(FAMILIES)} (default 1f1b)")
+    g.add_argument("--schedule", default="1f1b", metavar="NAME",
+                   help=f"one of: {', '.join(FAMILIES)} (default 1f1b); or torch:CLASS, torch:FILE.csv: the order of a "
+                        "torch.distributed.pipelining schedule")
     g.add_argument("--pp", type=int, default=2, help="pipeline ranks (default 2)")
     g.add_argument("--dp", type=int, help="data-parallel replicas (default 1; under torchrun: world size / (pp x sp))")
     g.add_argument("--chunks", type=int, help="stages per rank (interleaved-1f1b: >= 2, default 2; V schedules: 2)")

@@ -12,14 +12,14 @@ from .transforms import Transform
 from .transforms.kfac import Kfac
 from .transforms.offload import OFFLOAD, RELOAD, Offload
 from .transforms.vocab import VOCAB_PASSES, VocabPasses, add_vocab_passes
-from .torch_csv import to_torch_csv, write_torch_csv
+from .torch_csv import TORCH_SCHEDULES, from_torch, to_torch_csv, write_torch_csv
 from .validate import validate
 from . import families  # noqa: E402,F401  (registers the built-in families)
 
 __all__ = [
     "Action", "Schedule", "Costs", "StageCosts", "F", "B", "W", "BW",
     "FAMILIES", "build", "get_family", "validate", "looped_placement", "v_placement",
-    "to_torch_csv", "write_torch_csv", "VOCAB_PASSES", "add_vocab_passes",
+    "to_torch_csv", "write_torch_csv", "from_torch", "TORCH_SCHEDULES", "VOCAB_PASSES", "add_vocab_passes",
     "lower", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "KINDS", "Kind",
     "Transform", "VocabPasses", "Offload", "OFFLOAD", "RELOAD", "Kfac",
 ]

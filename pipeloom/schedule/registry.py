@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Callable
 
 from ..errors import PipeloomError
 from ..modes import VocabMode
 from .ir import Schedule
 from .lower import lower
+from .torch_csv import TORCH_PREFIX, from_torch, torch_chunks
 from .transforms import Transform, apply_all
 from .transforms.vocab import VocabPasses
 from .validate import validate
@@ -49,9 +51,16 @@ def register(name: str, summary: str, chunks: tuple[int, ...] | None = (1,), def
 
 
 def get_family(name: str) -> Family:
-    """The family registered as ``name``; an unknown name raises, listing the valid ones."""
+    """The family registered as ``name``, or torch's schedule ``torch:SOURCE`` (a class name or a CSV,
+    see :func:`~.torch_csv.from_torch`); an unknown name raises, listing the valid ones."""
+    if name.startswith(TORCH_PREFIX):
+        source = name[len(TORCH_PREFIX):]
+        chunks = torch_chunks(source)
+        return Family(name, f"torch.distributed.pipelining's {source}", partial(from_torch, source), chunks,
+                      2 if chunks is None else chunks[0])
     if name not in FAMILIES:
-        raise PipeloomError(f"unknown schedule {name!r}; valid schedules: {', '.join(FAMILIES)}")
+        raise PipeloomError(f"unknown schedule {name!r}; valid schedules: {', '.join(FAMILIES)}; "
+                            f"or {TORCH_PREFIX}NAME: one of torch's schedule classes, or a CSV torch wrote")
     return FAMILIES[name]
 
 
