@@ -4,7 +4,8 @@ Each worker runs ``python -m pipeloom train`` with the same arguments under
 torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...), so a
 self-launched run and one started by hand with torchrun take the same path.
 Workers share this terminal. If one fails, the launcher stops the others and
-this returns the failing worker's exit code, after the workers' own messages
+this returns the failing worker's exit code (a worker the launcher stopped is
+not counted as failing), after the workers' own messages
 (each worker says why it stopped; the launcher speaks only for one that died
 of a signal). SIGINT, SIGTERM and SIGHUP reach the launcher, which passes
 them on: the workers stop after the same step
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import uuid
 
@@ -51,11 +53,20 @@ def launch(argv: list[str], nproc: int) -> int:
     except SignalException as err:  # the workers got the signal too, and said where they stopped
         return 128 + int(err.sigval)
     except ChildFailedError as err:
-        failed = sorted(err.failures.items())
-        unsaid = [(rank, f) for rank, f in failed if f.exitcode not in SAID]
-        if unsaid:
-            said = "; ".join(f"rank {rank} " + (f"died of {f.signal_name()}" if f.exitcode < 0
-                                                else f"exited with code {f.exitcode}") for rank, f in unsaid)
-            print(f"pipeloom train: stopped: {said}", file=sys.stderr)
-        return max(f.exitcode if f.exitcode > 0 else 128 - f.exitcode for _, f in failed)
+        return exit_code(err.failures)
     return 0
+
+
+def exit_code(failures: dict) -> int:
+    """The run's exit code from the failed workers (rank -> torchelastic's ``ProcessFailure``), after
+    a line for those that did not say why they stopped. A worker that died of SIGTERM while another
+    exited on its own was the launcher stopping the rest: neither counted nor reported."""
+    failed = sorted(failures.items())
+    if any(f.exitcode > 0 for _, f in failed):
+        failed = [(rank, f) for rank, f in failed if f.exitcode != -signal.SIGTERM]
+    unsaid = [(rank, f) for rank, f in failed if f.exitcode not in SAID]
+    if unsaid:
+        said = "; ".join(f"rank {rank} " + (f"died of {f.signal_name()}" if f.exitcode < 0
+                                            else f"exited with code {f.exitcode}") for rank, f in unsaid)
+        print(f"pipeloom train: stopped: {said}", file=sys.stderr)
+    return max(f.exitcode if f.exitcode > 0 else 128 - f.exitcode for _, f in failed)

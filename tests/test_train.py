@@ -406,3 +406,20 @@ def test_a_checkpoint_that_does_not_fit_is_refused_in_one_line(tmp_path):
         errors = [line for line in done.stderr.splitlines() if "error:" in line]
         assert len(errors) == 1 and message in errors[0] and checkpoint in errors[0], done.stderr[-2000:]
         assert not (tmp_path / "m.jsonl").exists() or not (tmp_path / "m.jsonl").read_text()
+
+
+def test_a_worker_the_launcher_stopped_does_not_set_the_exit_code(capsys):
+    """Rank 1 exits with the run's error (1) while rank 0, which said it, is still shutting down: the
+    launcher's SIGTERM to rank 0 is not the run's failure. A worker killed from outside still is."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from pipeloom.launch import exit_code
+
+    def failure(rank, code):
+        return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=code, error_file="")
+
+    assert exit_code({0: failure(0, -signal.SIGTERM), 1: failure(1, 1)}) == 1
+    assert capsys.readouterr().err == ""
+    assert exit_code({0: failure(0, 1), 1: failure(1, -signal.SIGKILL)}) == 128 + signal.SIGKILL
+    assert "rank 1 died of SIGKILL" in capsys.readouterr().err
+    assert exit_code({0: failure(0, -signal.SIGTERM), 1: failure(1, -signal.SIGTERM)}) == 128 + signal.SIGTERM
