@@ -50,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_profile(sub)
     plan_cli.add_parser(sub)
     _add_train(sub)
+    _add_generate(sub)
     return parser
 
 
@@ -823,13 +824,27 @@ def _add_train(sub) -> None:
                         "(--vocab-size tokens, default 32000; cached), or by a saved tokenizers tokenizer.json")
     g.add_argument("--vocab-size", type=int,
                    help="the size of a BPE vocabulary to train, or the vocabulary of a token file (default: its largest id + 1)")
+    g.add_argument("--val-fraction", type=float, default=0.05, metavar="F",
+                   help="hold out the last F of the token stream for validation; training never sees it (default 0.05)")
+    g.add_argument("--eval-every", type=int, metavar="N",
+                   help="every N steps and at the end: the mean loss on --eval-batches validation batches, forward "
+                        "only through the pipeline (metrics: val_loss; default: no validation)")
+    g.add_argument("--eval-batches", type=int, default=10, metavar="K",
+                   help="validation batches per evaluation, each the size of a step's, the same every time (default 10)")
     g = p.add_argument_group("checkpoints and output")
     g.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints (torch.distributed.checkpoint) under DIR")
     g.add_argument("--checkpoint-every", type=int, metavar="N", help="save every N steps (default: at the end only)")
     g.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
                    help="resume from CHECKPOINT (a step_* directory), or the latest under --checkpoint-dir; "
                         "pp and dp may differ from the saving run")
-    g.add_argument("--metrics", metavar="FILE.jsonl", help="one JSON object per step: step, loss, step_time, tokens_per_s, lr, grad_norm")
+    g.add_argument("--save", metavar="FILE.safetensors",
+                   help="at the end, write the model's weights by their unsplit names (safetensors; "
+                        "pipeloom generate --weights reads them)")
+    g.add_argument("--metrics", metavar="FILE.jsonl",
+                   help="one JSON object per step: step, loss, step_time, tokens_per_s, lr, grad_norm, val_loss")
+    g.add_argument("--tensorboard", metavar="DIR",
+                   help="write the metrics' scalars (loss, lr, grad_norm, tokens_per_s, val_loss) for TensorBoard "
+                        "under DIR (needs the tensorboard package)")
     g.add_argument("--trace", metavar="FILE.json", help="write the last step's measured timeline as a Chrome trace")
     g.add_argument("--plot", metavar="FILE.png|.svg", help="draw the last step's measured timeline with matplotlib")
     g.add_argument("--report", action="store_true",
@@ -854,6 +869,43 @@ def _run_train(args) -> int:
         raise PipeloomError("pipeloom train needs PyTorch, which is not installed: "
                             "pip install 'pipeloom[torch]' (or pip install torch)") from None
     from .train import run
+
+    return run(args)
+
+
+# -- generate ----------------------------------------------------------------
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="sample text from a model pipeloom train trained (a checkpoint, or --save's weights)",
+        description="Load a trained model on one process and continue a prompt with sampled tokens.",
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", metavar="DIR",
+                        help="a checkpoint (a step_* directory), or a --checkpoint-dir: its latest checkpoint")
+    source.add_argument("--weights", metavar="FILE.safetensors", help="the weights pipeloom train --save wrote")
+    p.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help="tokens to sample (default 200)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="divides the logits; 0 takes the most likely token (default 0.8)")
+    p.add_argument("--top-k", type=int, default=50, metavar="K",
+                   help="sample among the K most likely tokens (default 50)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
+    p.add_argument("--tokenizer", metavar="FILE.json",
+                   help="a tokenizers tokenizer.json to encode with (default: the run's; needed for a run on a token file)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run the model (default cpu)")
+    p.add_argument("--json", action="store_true", help="print the prompt, the sampled token ids and the text as JSON")
+    p.set_defaults(run=_run_generate)
+
+
+def _run_generate(args) -> int:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise PipeloomError("pipeloom generate needs PyTorch, which is not installed: "
+                            "pip install 'pipeloom[torch]' (or pip install torch)") from None
+    from .generate import run
 
     return run(args)
 

@@ -18,6 +18,8 @@ and the tokenizer.
 
 Batches are drawn at random positions from a generator seeded by (seed, step),
 so step ``n`` sees the same batch in an uninterrupted run and after a resume.
+:meth:`TokenData.split` holds out the end of the stream for validation.
+:class:`TextCodec` turns text into a run's token ids and back (``pipeloom generate``).
 Pure numpy: nothing here imports torch.
 """
 
@@ -27,7 +29,7 @@ import hashlib
 import json
 import os
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -43,14 +45,26 @@ _SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "
 
 @dataclass(frozen=True)
 class TokenData:
-    """A stream of token ids below ``vocab_size``, and where it came from."""
+    """A stream of token ids below ``vocab_size``, and where it came from. ``tokenizer``
+    made the ids from text: ``"bytes"``, the path of a BPE ``tokenizer.json``, or None
+    (a token file: ids from elsewhere)."""
 
     tokens: np.ndarray
     vocab_size: int
     source: str
+    tokenizer: str | None = "bytes"
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def split(self, fraction: float) -> tuple[TokenData, TokenData]:
+        """(training, validation): the stream without its last ``fraction`` (rounded to whole
+        tokens), and that last part, held out; the same for the same data every time."""
+        if not 0 <= fraction < 1:
+            raise PipeloomError(f"--val-fraction {fraction:g}: hold out a share of the data in [0, 1)")
+        cut = len(self.tokens) - round(len(self.tokens) * fraction)
+        return (replace(self, tokens=self.tokens[:cut]),
+                replace(self, tokens=self.tokens[cut:], source=f"the last {fraction:g} of {self.source}"))
 
     def batch(self, step: int, size: int, seq: int, seed: int = 0) -> np.ndarray:
         """``size`` windows of ``seq + 1`` consecutive tokens (int64 [size, seq + 1]),
@@ -111,7 +125,7 @@ def _bytes_data(files: list[Path], source: str) -> TokenData:
     data = np.frombuffer(b"".join(f.read_bytes() for f in files), dtype=np.uint8)
     if data.size == 0:
         raise PipeloomError(f"{source}: no text to train on")
-    return TokenData(data, BYTE_VOCAB, source)
+    return TokenData(data, BYTE_VOCAB, source, "bytes")
 
 
 def _bpe_data(files: list[Path], source: str, tokenizer: str, vocab_size: int) -> TokenData:
@@ -140,7 +154,7 @@ def _bpe_data(files: list[Path], source: str, tokenizer: str, vocab_size: int) -
         _write_atomically(tokens_path, ids.astype(np.uint16 if vocab <= 1 << 16 else np.uint32).tobytes())
     vocab = tokenizers.Tokenizer.from_file(str(tokenizer_path)).get_vocab_size()
     tokens = np.memmap(tokens_path, dtype=np.uint16 if vocab <= 1 << 16 else np.uint32, mode="r")
-    return TokenData(tokens, vocab, f"{source}, BPE {vocab} tokens ({len(tokens)} tokens)")
+    return TokenData(tokens, vocab, f"{source}, BPE {vocab} tokens ({len(tokens)} tokens)", str(tokenizer_path))
 
 
 def _train_bpe(files: list[Path], vocab_size: int):
@@ -195,4 +209,36 @@ def _token_file(path: Path, dtype: str, vocab_size: int | None) -> TokenData:
     elif vocab_size <= largest:
         raise PipeloomError(f"--vocab-size {vocab_size} is too small for {path}, whose largest token id is "
                             f"{largest}; use at least {largest + 1}")
-    return TokenData(tokens, vocab_size, f"{path} ({len(tokens)} {dtype} tokens)")
+    return TokenData(tokens, vocab_size, f"{path} ({len(tokens)} {dtype} tokens)", None)
+
+
+class TextCodec:
+    """Text to a run's token ids and back: by bytes (:meth:`by_bytes`), or by a BPE
+    tokenizer (:meth:`by_bpe`, from its ``tokenizer.json`` text)."""
+
+    def __init__(self, name: str, encode, decode):
+        self.name, self._encode, self._decode = name, encode, decode
+
+    @classmethod
+    def by_bytes(cls) -> TextCodec:
+        return cls("bytes", lambda text: list(text.encode("utf-8")),
+                   lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+
+    @classmethod
+    def by_bpe(cls, json_text: str) -> TextCodec:
+        try:
+            import tokenizers
+        except ImportError:
+            raise PipeloomError("this model's BPE tokenizer needs the tokenizers package: "
+                                "pip install 'pipeloom[bpe]'") from None
+        try:
+            model = tokenizers.Tokenizer.from_str(json_text)
+        except Exception as err:  # noqa: BLE001 -- the tokenizers package's own errors
+            raise PipeloomError(f"the BPE tokenizer cannot be read: {err}") from None
+        return cls("bpe", lambda text: model.encode(text).ids, lambda ids: model.decode(list(ids)))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._encode(text))
+
+    def decode(self, ids) -> str:
+        return self._decode([int(i) for i in ids])

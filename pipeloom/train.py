@@ -12,10 +12,18 @@ connections close) with a message naming the rank, the action and what it
 waited for; one that is alive and busy is waited for (on gloo; a line on
 stderr each ``--timeout``). A non-finite loss stops the run at that step
 (before the update, but with 2bw, whose stages update as they go).
+
+The last ``--val-fraction`` of the token stream is held out; with
+``--eval-every`` the pipeline runs its schedule's forwards alone on
+``--eval-batches`` batches of it (:meth:`~pipeloom.runtime.Pipeline.evaluate`)
+and the mean is the step's ``val_loss``. ``--save`` writes the final weights
+(safetensors, by their unsplit names) and ``--tensorboard`` the metrics'
+scalars.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -34,6 +42,8 @@ from .sim.plot import SUFFIXES
 
 #: Steps whose timelines feed ``--report`` (the last ones of the run).
 REPORT_STEPS = 5
+#: The metrics ``--tensorboard`` writes as scalars, by their names in ``--metrics``.
+SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "val_loss")
 
 
 def under_torchrun() -> bool:
@@ -52,6 +62,7 @@ def run(args) -> int:
 
         check_gpus(world)  # the launcher starts every rank on this machine
     data = load_data(args.data, args.token_dtype, args.vocab_size, args.tokenizer)  # a bad path stops here
+    _split(data, args)
     if args.resume:
         _check_resume(args, data.vocab_size)
     from .launch import launch
@@ -100,6 +111,14 @@ def check(args, world: int):
                             "pipeloom simulate --kfac")
     if args.optimizer == "kfac" and not args.kfac_damping > 0:
         raise PipeloomError(f"--kfac-damping must be positive, got {args.kfac_damping:g}")
+    if args.eval_every is not None and args.eval_every < 1:
+        raise PipeloomError(f"--eval-every must be at least 1, got {args.eval_every}")
+    if args.eval_batches < 1:
+        raise PipeloomError(f"--eval-batches must be at least 1, got {args.eval_batches}")
+    if not 0 <= args.val_fraction < 1:  # nan too
+        raise PipeloomError(f"--val-fraction {args.val_fraction:g}: hold out a share of the data in [0, 1)")
+    if args.eval_every and args.val_fraction == 0:
+        raise PipeloomError("--eval-every needs held-out data: give a --val-fraction above 0")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise PipeloomError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
     if args.checkpoint_every and not args.checkpoint_dir:
@@ -124,6 +143,9 @@ def check(args, world: int):
     if args.checkpoint_every and args.checkpoint_every % schedule.steps:
         raise PipeloomError(f"{args.schedule} can save only between its calls of {schedule.steps} steps; "
                             f"use a --checkpoint-every that is a multiple of {schedule.steps}")
+    if args.eval_every and args.eval_every % schedule.steps:
+        raise PipeloomError(f"{args.schedule} can evaluate only between its calls of {schedule.steps} steps; "
+                            f"use an --eval-every that is a multiple of {schedule.steps}")
     layers = PRESETS[args.model]["n_layer"]
     if schedule.stages > layers:
         raise PipeloomError(f"--model {args.model} has {layers} layers, too few for the {schedule.stages} stages of "
@@ -134,7 +156,33 @@ def check(args, world: int):
             prepare_output(flag, path, SUFFIXES if flag == "--plot" else ())
     if args.checkpoint_dir:
         prepare_output_dir("--checkpoint-dir", args.checkpoint_dir)
+    if args.save:
+        _installed("safetensors", "--save")
+        prepare_output("--save", args.save, (".safetensors",))
+    if args.tensorboard:
+        _installed("tensorboard", "--tensorboard")
+        prepare_output_dir("--tensorboard", args.tensorboard)
     return layout, schedule
+
+
+def _installed(package: str, flag: str) -> None:
+    """Refuse ``flag`` in one line when the optional ``package`` it needs is not installed."""
+    try:
+        importlib.import_module(package)
+    except ImportError:
+        raise PipeloomError(f"{flag} needs the {package} package, which is not installed: "
+                            f"pip install {package}") from None
+
+
+def _split(data, args):
+    """(training data, validation data): the last --val-fraction of the stream held out, refused in
+    one line when --eval-every needs more of it than one sequence holds."""
+    train, val = data.split(args.val_fraction)
+    if args.eval_every and len(val) < args.seq + 1:
+        raise PipeloomError(f"--val-fraction {args.val_fraction:g} holds out {len(val)} tokens of {data.source}, "
+                            f"fewer than one sequence of --seq {args.seq} plus its target; hold out at least "
+                            f"{(args.seq + 1) / len(data):.2g}, or use more data")
+    return train, val
 
 
 def _positions(args) -> dict:
@@ -280,6 +328,8 @@ class Trainer:
             lr=args.lr, betas=(0.9, 0.95),
         )
         self.batch = args.microbatch_size * args.microbatches * dp
+        self.data, self.val = _split(self.data, args)  # training draws from the first part only
+        self.val_batches = None  # the validation batches, drawn on the first evaluation
         if self.rank == 0:
             sp = f", sp={args.sp} ({self.pipe.attention})" if args.sp > 1 else ""
             vocab_parallel = f", vocab-parallel {vocab}" if vocab else ""
@@ -301,6 +351,7 @@ class Trainer:
         lead = self.rank == 0
         metrics = open(args.metrics, "a" if args.resume else "w") if lead and args.metrics else None
         progress = _Progress(args.steps, self.start) if lead else None
+        board = _board(args.tensorboard, self.start) if lead and args.tensorboard else None
         per_call = pipe.context.schedule.steps  # 2bw runs several steps per call, without a flush
         times, timelines = [], []
         done, stopped = self.start, 0
@@ -317,6 +368,9 @@ class Trainer:
                     timelines.append(gather_timeline(pipe))
                 measure = args.metrics and self.memory.measurable
                 peaks = self.memory.per_pipeline_rank(pipe.pp_rank, args.pp) if measure else None
+                last = first + per_call  # the 1-based number of the call's last step
+                if args.eval_every and (last % args.eval_every == 0 or last == args.steps):
+                    records[-1]["val_loss"] = round(self._evaluate(), 6)
                 for record in records:
                     record.update(step_time=round(elapsed, 6), tokens_per_s=round(self.batch * args.seq / elapsed, 1))
                     if peaks:
@@ -324,6 +378,10 @@ class Trainer:
                     if metrics:
                         metrics.write(json.dumps(record) + "\n")
                         metrics.flush()
+                    if board:
+                        for key in SCALARS:
+                            if key in record:
+                                board.add_scalar(key, record[key], record["step"])
                     if progress:
                         progress.update(record)
                 done = first + per_call
@@ -333,10 +391,14 @@ class Trainer:
         finally:
             if metrics:
                 metrics.close()
+            if board:
+                board.close()
             if progress:
                 progress.close()
         if stopped:
             return self._stopped(stopped, done)
+        if args.save:
+            self._save_weights(done)
         if self.start < args.steps:
             self._write_timeline()
         if timelines and lead:
@@ -394,6 +456,38 @@ class Trainer:
         return [{"step": first + 1, "loss": round(loss, 6), "lr": lr,
                  **({"grad_norm": round(norm, 6)} if norm is not None else {})}]
 
+    def _evaluate(self) -> float:
+        """The mean loss on the --eval-batches validation batches (the same every time),
+        forward only through the pipeline; every rank calls it."""
+        import torch
+
+        args = self.args
+        if self.val_batches is None:
+            self.val_batches = [torch.from_numpy(self.val.batch(k, self.batch, args.seq, args.seed))
+                                for k in range(args.eval_batches)]
+        return sum(self.pipe.evaluate(b[:, :-1], b[:, 1:]) for b in self.val_batches) / len(self.val_batches)
+
+    def _save_weights(self, step: int) -> None:
+        """--save: the model's weights by their unsplit names, gathered from every rank and
+        written by rank 0 with the run's metadata (and a BPE run's tokenizer)."""
+        from .generate import META_KEY, TOKENIZER_KEY
+
+        weights = self.pipe.gather_weights(to=0)
+        if self.rank != 0:
+            return
+        from safetensors.torch import save_file
+
+        extra = {META_KEY: json.dumps(self._meta(step))}
+        if self._tokenizer() == "bpe":
+            extra[TOKENIZER_KEY] = Path(self.data.tokenizer).read_text()
+        with _output("--save", self.args.save, True):
+            save_file(weights, self.args.save, metadata=extra)
+            _Progress.note(f"saved the weights of step {step} to {self.args.save}")
+
+    def _tokenizer(self) -> str | None:
+        """How the run's text became tokens: bytes, bpe (its tokenizer.json), or None (a token file)."""
+        return {"bytes": "bytes", None: None}.get(self.data.tokenizer, "bpe")
+
     def _write_timeline(self) -> None:
         """``--trace`` and ``--plot``: the last step's measured timeline (every rank takes part)."""
         from .runtime.timeline import gather_timeline, measured_result, write_trace
@@ -416,13 +510,15 @@ class Trainer:
         args = self.args
         return {"step": step, "model": args.model, "vocab_size": self.config.vocab_size, "seq": args.seq,
                 "schedule": args.schedule, "pp": args.pp, "dp": self.pipe.dp, "sp": args.sp, "microbatches": args.microbatches,
-                "microbatch_size": args.microbatch_size, "seed": args.seed, "data": self.data.source}
+                "microbatch_size": args.microbatch_size, "seed": args.seed, "data": self.data.source,
+                "tokenizer": self._tokenizer()}
 
     def _save(self, step: int) -> None:
         from .runtime import checkpoint
 
         directory = Path(self.args.checkpoint_dir) / f"step_{step:07d}"
-        checkpoint.save(self.pipe, self.optimizer, directory, self._meta(step))
+        files = {"tokenizer.json": Path(self.data.tokenizer).read_bytes()} if self._tokenizer() == "bpe" else None
+        checkpoint.save(self.pipe, self.optimizer, directory, self._meta(step), files)
         self.last_saved = directory
         if self.rank == 0:
             _Progress.note(f"saved checkpoint {directory}")
@@ -516,6 +612,13 @@ def _redistributed(config, args, schedule) -> tuple[int, ...]:
     return balanced_layers(spec, schedule.stages, args.seq)
 
 
+def _board(directory: str, start: int):
+    """rank 0's TensorBoard writer; a resumed run hides what an earlier run logged after its start."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(directory, purge_step=start + 1 if start else None)
+
+
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
 
@@ -526,6 +629,7 @@ class _Progress:
     def __init__(self, total: int, start: int):
         self.total, self.start, self.began = total, start, time.perf_counter()
         self.tty = sys.stderr.isatty()
+        self.open = False  # a bar on a terminal waits to be rewritten
         self.every = max(1, (total - start) // 10)
 
     def update(self, record: dict) -> None:
@@ -533,11 +637,13 @@ class _Progress:
         done = (step - self.start) / max(1, self.total - self.start)
         left = (time.perf_counter() - self.began) * (1 - done) / done if done else 0.0
         bar = "#" * round(20 * step / self.total)
-        line = (f"step {step:>{len(str(self.total))}}/{self.total} [{bar:<20}] loss {record['loss']:.4f}  "
+        val = f" val {record['val_loss']:.4f}" if "val_loss" in record else ""
+        line = (f"step {step:>{len(str(self.total))}}/{self.total} [{bar:<20}] loss {record['loss']:.4f}{val}  "
                 f"{record['tokens_per_s']:,.0f} tok/s  {left:4.0f}s left")
         if self.tty:
-            print("\r" + line, end="", file=sys.stderr, flush=True)
-        elif step == self.total or (step - self.start) % self.every == 0 or step == self.start + 1:
+            print("\r" + line, end="\n" if val else "", file=sys.stderr, flush=True)  # a validation line stays
+            self.open = not val
+        elif val or step == self.total or (step - self.start) % self.every == 0 or step == self.start + 1:
             print(line, file=sys.stderr, flush=True)
 
     @staticmethod
@@ -546,5 +652,5 @@ class _Progress:
         print(end + text, file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        if self.tty:
+        if self.open:
             print(file=sys.stderr, flush=True)

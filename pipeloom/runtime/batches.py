@@ -19,9 +19,11 @@ class Batches:
         self.schedule, self.mesh, self.stages, self.device, self.attention = schedule, mesh, stages, device, attention
         self.layouts: dict[int, object] = {}  # sequence-parallel layout by sequence length
 
-    def split(self, tokens: torch.Tensor, targets: torch.Tensor):
-        """This replica's microbatches of every step, in the schedule's numbering."""
-        m, steps, dp = self.schedule.microbatches, self.schedule.steps, self.mesh.layout.dp
+    def split(self, tokens: torch.Tensor, targets: torch.Tensor, steps: int | None = None):
+        """This replica's microbatches of every step (the schedule's ``steps``, or ``steps``
+        given), in the schedule's numbering."""
+        m, dp = self.schedule.microbatches, self.mesh.layout.dp
+        steps = self.schedule.steps if steps is None else steps
         if tokens.shape != targets.shape:
             raise PipeloomError(f"tokens {tuple(tokens.shape)} and targets {tuple(targets.shape)} differ in shape")
         whole = steps * dp * m

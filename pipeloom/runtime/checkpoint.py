@@ -9,13 +9,17 @@ so a checkpoint resumes with or without vocabulary parallelism. Each rank saves 
 (replicas and tied copies are written once) and loads what its stages need,
 whatever split saved them. A checkpoint is a directory; ``pipeloom.json``
 beside the tensor files holds the caller's metadata and is written last, so
-its presence marks a complete checkpoint.
+its presence marks a complete checkpoint (the caller's other files, such as a
+run's ``tokenizer.json``, are written before it). :func:`load_weights` loads
+the weights into an unsplit model on one process, without a process group
+(``pipeloom generate``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -28,14 +32,18 @@ from ..errors import PipeloomError, first_line
 META = "pipeloom.json"
 
 
-def save(pipe, optimizer: torch.optim.Optimizer, directory: str | Path, meta: dict) -> None:
-    """Save this pipeline's weights and ``optimizer`` state; every rank calls this."""
+def save(pipe, optimizer: torch.optim.Optimizer, directory: str | Path, meta: dict,
+         files: dict[str, bytes] | None = None) -> None:
+    """Save this pipeline's weights and ``optimizer`` state, with ``meta`` and ``files``
+    (name -> contents, written by rank 0); every rank calls this."""
     directory = Path(directory)
     if dist.get_rank() == 0:
         (directory / META).unlink(missing_ok=True)  # an overwritten checkpoint is incomplete until the end
     dcp.save(_state(pipe, optimizer)[0], storage_writer=dcp.FileSystemWriter(directory, overwrite=True))
     dist.barrier()
     if dist.get_rank() == 0:
+        for name, contents in (files or {}).items():
+            (directory / name).write_bytes(contents)
         partial = directory / (META + ".partial")
         partial.write_text(json.dumps(meta, indent=1))
         os.replace(partial, directory / META)
@@ -87,19 +95,19 @@ def read_meta(directory: str | Path) -> dict:
         raise PipeloomError(f"{directory}: its {META} cannot be read ({err}); resume from another checkpoint") from None
 
 
-def check_fits(directory: str | Path, model: torch.nn.Module, hint: str = "") -> None:
+def check_fits(directory: str | Path, model: torch.nn.Module, hint: str = "", flag: str = "--resume") -> None:
     """Refuse, in one line, a checkpoint whose weights do not fit ``model`` (an unsplit
     model; a ``meta``-device one is enough) or whose tensor files are missing or cut
-    short. ``hint`` says what the saving run used, for the message."""
-    index = _tensor_index(directory)
+    short. ``hint`` says what the saving run used, ``flag`` what named the checkpoint, for the message."""
+    index = _tensor_index(directory, flag)
     saved = index.state_dict_metadata
     fits = f" (it was saved {hint})" if hint else ""
     for name, p in model.named_parameters():
         entry = saved.get(f"model/{name}")
         if entry is None:
-            raise PipeloomError(f"--resume {directory}: it holds no weight {name}, which this model has{fits}")
+            raise PipeloomError(f"{flag} {directory}: it holds no weight {name}, which this model has{fits}")
         if tuple(entry.size) != tuple(p.shape):
-            raise PipeloomError(f"--resume {directory}: {name} is {list(entry.size)} there but {list(p.shape)} "
+            raise PipeloomError(f"{flag} {directory}: {name} is {list(entry.size)} there but {list(p.shape)} "
                                 f"in this model{fits}")
     ends: dict[str, int] = {}
     for info in (index.storage_data or {}).values():
@@ -109,17 +117,41 @@ def check_fits(directory: str | Path, model: torch.nn.Module, hint: str = "") ->
         size = path.stat().st_size if path.is_file() else None
         if size is None or size < end:
             state = "is missing" if size is None else f"has {size} bytes of the {end} its index names"
-            raise PipeloomError(f"--resume {directory}: its tensor file {file} {state} (cut short or corrupted); "
-                                "resume from another checkpoint")
+            raise PipeloomError(f"{flag} {directory}: its tensor file {file} {state} (cut short or corrupted); "
+                                f"{_another(flag)}")
 
 
-def _tensor_index(directory: str | Path):
+def load_weights(directory: str | Path, model: torch.nn.Module, hint: str = "", flag: str = "--checkpoint") -> None:
+    """Load the weights of the checkpoint at ``directory`` into ``model``, an unsplit model on
+    this process (its parameters on any device, allocated), by their names, with no process
+    group (``torch.distributed.checkpoint``'s ``no_dist`` load). A checkpoint that does not fit
+    is refused in one line (:func:`check_fits`, with ``hint`` and ``flag``)."""
+    check_fits(directory, model, hint, flag)
+    state = {f"model/{name}": p.detach() for name, p in model.named_parameters()}
+    try:
+        with warnings.catch_warnings():  # that no process group is used is the point here
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(state, checkpoint_id=Path(directory), no_dist=True)
+    except CheckpointException as err:
+        _, (cause, _) = min(err.failures.items())
+        raise PipeloomError(f"{flag} {directory}: it cannot be loaded ({type(cause).__name__}: "
+                            f"{first_line(cause).split('. ')[0]}); a tensor file is damaged; {_another(flag)}") from None
+    except Exception as err:
+        raise PipeloomError(f"{flag} {directory}: it cannot be loaded ({type(err).__name__}: {first_line(err)}); "
+                            f"{_another(flag)}") from None
+
+
+def _another(flag: str) -> str:
+    return "resume from another checkpoint" if flag == "--resume" else "use another checkpoint"
+
+
+def _tensor_index(directory: str | Path, flag: str = "--resume"):
     """DCP's index of the checkpoint's tensors, or one line saying why it cannot be read."""
     try:
         return dcp.FileSystemReader(directory).read_metadata()
     except Exception as err:  # a missing or damaged .metadata: pickle's or the filesystem's error
-        raise PipeloomError(f"--resume {directory}: its tensor index (.metadata) cannot be read "
-                            f"({type(err).__name__}: {first_line(err)}); resume from another checkpoint") from None
+        raise PipeloomError(f"{flag} {directory}: its tensor index (.metadata) cannot be read "
+                            f"({type(err).__name__}: {first_line(err)}); {_another(flag)}") from None
 
 
 def latest(root: str | Path) -> Path | None:

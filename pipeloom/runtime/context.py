@@ -43,7 +43,9 @@ class TimedAction:
 @dataclass
 class Step:
     """One call's state: its microbatches (``tokens``, ``targets``), the slots, the
-    hand-offs in flight, the marks of the actions run and the loss of each step."""
+    hand-offs in flight, the marks of the actions run and the loss of each step.
+    ``training`` is False in a forward-only call (:meth:`~pipeloom.runtime.Pipeline.evaluate`):
+    no autograd graph, the newest weights, nothing kept for a backward."""
 
     rank: int
     clock: StepClock
@@ -54,6 +56,7 @@ class Step:
     #: (ACTIVATION or GRADIENT, producing stage, microbatch) -> the tensor, or a posted receive: ``wait(action)``
     mail: dict[tuple[str, int, int], torch.Tensor | Callable[[Action], torch.Tensor]] = field(default_factory=dict)
     marks: list = field(default_factory=list)  # (action, start mark, end mark) of each timed action
+    training: bool = True
 
     def slot(self, stage: int, microbatch: int) -> Slot:
         """What (stage, microbatch) keeps between its passes."""

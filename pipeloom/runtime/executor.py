@@ -22,11 +22,13 @@ from .handlers import AROUND, Handler, handler_of
 
 class Executor:
     """Runs ``actions`` (one rank's list of a lowered schedule) on ``context``. Every
-    action's kind must have a handler: one without stops here, before any work."""
+    action's kind must have a handler: one without stops here, before any work.
+    ``wrapped=False`` runs no wrappers: a forward-only list's (evaluation), since
+    techniques wrap what a forward keeps for its backward (offload, K-FAC's captures)."""
 
-    def __init__(self, context: Context, actions):
+    def __init__(self, context: Context, actions, wrapped: bool = True):
         self.context, self.actions = context, tuple(actions)
-        self.plan = [_planned(action) for action in self.actions]
+        self.plan = [_planned(action, wrapped) for action in self.actions]
 
     def run(self, step: Step, after: Mapping[int, list[Callable[[], None]]]) -> None:
         """Run the actions in order for ``step``; after action ``k``, the calls ``after[k]``."""
@@ -48,12 +50,12 @@ class Executor:
                 call()
 
 
-def _planned(action) -> tuple:
-    """(action, its handler, the wrappers of its run); a compound action's handler
-    prepares, then runs, its parts in order."""
+def _planned(action, wrapped: bool = True) -> tuple:
+    """(action, its handler, the wrappers of its run, if ``wrapped``); a compound action's
+    handler prepares, then runs, its parts in order."""
     if action.kind not in COMPOUND:
-        return action, handler_of(action), tuple(AROUND.get(action.kind, ()))
-    steps = [_planned(part) for part in parts(action)]
+        return action, handler_of(action), tuple(AROUND.get(action.kind, ()) if wrapped else ())
+    steps = [_planned(part, wrapped) for part in parts(action)]
 
     def prepare(_, context) -> None:
         for part, handler, _wrappers in steps:

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..errors import PipeloomError
 from ..modes import Attention
-from ..schedule import Offload, Schedule, build, lower, validate
+from ..schedule import Offload, Schedule, build, forward_only, lower, validate
 from .batches import Batches
 from .clock import StepClock
 from .context import Context, Step
@@ -41,7 +41,9 @@ class Pipeline:
     same ``model`` on every rank (same seed). Each rank
     keeps only its own stages (the other stages' weights are released).
     ``step(tokens, targets)`` runs one step's forward and backward on the
-    global batch and returns its mean loss.
+    global batch and returns its mean loss; ``evaluate(tokens, targets)`` its
+    forward only (the schedule's :func:`~pipeloom.schedule.forward_only`), for a
+    validation loss; ``gather_weights()`` gives the unsplit model's weights.
 
     ``schedule``: a family name (built with ``chunks`` and ``schedule_options``,
     e.g. ``costs`` and ``memory_limit`` for zb-auto) or any valid
@@ -148,6 +150,7 @@ class Pipeline:
         averaged = self.layout.replicas > 1 and not multi_step
         self._calls = [_Call(self.context, self.grads, actions, averaged, self.kfac is not None) for actions in calls]
         self.last_step: Step | None = None
+        self._evaluation: Executor | None = None  # the forward-only list, made on the first evaluate()
         self.channel.heartbeat.idle()  # set up: a peer that waits for this rank now sees it outside a step
 
     @property
@@ -208,14 +211,60 @@ class Pipeline:
             else:
                 self.grads.finish()
             self.last_step = step
-            last = self.mesh.peers[self.schedule.placement[-1]]
-            self.channel.all_reduce(step.loss, self.pp_group,
-                                    f"the end of the step waited for the loss of the last stage, on rank {last}")
-            self.channel.all_reduce(step.loss, self.mesh.replica_group,
-                                    "the end of the step waited for the other replicas' loss")
-            return (step.loss / self.dp).tolist()
+            return self._mean_losses(step)
         finally:
             self.channel.heartbeat.idle()
+
+    def _mean_losses(self, step: Step) -> list[float]:
+        """The mean loss of each step of a call, on every rank: the last stage's, over the replicas."""
+        last = self.mesh.peers[self.schedule.placement[-1]]
+        self.channel.all_reduce(step.loss, self.pp_group,
+                                f"the end of the step waited for the loss of the last stage, on rank {last}")
+        self.channel.all_reduce(step.loss, self.mesh.replica_group,
+                                "the end of the step waited for the other replicas' loss")
+        return (step.loss / self.dp).tolist()
+
+    def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """The model's mean loss on one step's global batch ``tokens``/``targets`` (the same
+        tensors on every rank), forward only: this rank's list of the schedule's
+        :func:`~pipeloom.schedule.forward_only` order (with vocabulary parallelism its
+        passes up to the loss), under ``torch.no_grad``, with the newest weights (2bw:
+        the stages' parameters, which the next step's version copies), without the
+        wrappers techniques put around F (offload, K-FAC's captures). No gradient is
+        touched and nothing is kept; every rank calls it, between steps."""
+        if self._evaluation is None:
+            self._evaluation = Executor(self.context, lower(forward_only(self.context.schedule)).ranks[self.pp_rank],
+                                        wrapped=False)
+        try:
+            step = Step(self.pp_rank, StepClock(self.device), *self._batches.split(tokens, targets, steps=1),
+                        loss=torch.zeros(1, device=self.device), training=False)
+            with torch.no_grad():
+                self._evaluation.run(step, {})
+            self.channel.flush()
+            return self._mean_losses(step)[0]
+        finally:
+            self.channel.heartbeat.idle()
+
+    def gather_weights(self, to: int | None = None) -> dict[str, torch.Tensor]:
+        """Every weight of the unsplit model by its name there (``named_parameters``': a tied
+        weight once) as CPU tensors, on every rank, or with ``to`` on that pipeline rank only
+        (the others get an empty dict): the vocabulary shards gathered whole; with 2bw the
+        newest weights. Every rank calls it."""
+        own: dict[str, torch.Tensor] = {}
+        for name, p in self.named_parameters():
+            if name not in own:  # a tied copy beside its original holds the same values
+                own[name] = p.detach().cpu().clone()
+        full = {name: self.vocab.full(shard.detach()).cpu().clone() for name, shard in self.vocab.named_shards()} \
+            if self.vocab else {}
+        if to is None:
+            parts: list | None = [None] * self.pp
+            dist.all_gather_object(parts, own, group=self.pp_group)
+        else:
+            parts = [None] * self.pp if self.pp_rank == to else None
+            dist.gather_object(own, parts, dst=self.mesh.peers[to], group=self.pp_group)
+            if parts is None:
+                return {}
+        return {**{name: tensor for part in parts for name, tensor in part.items()}, **full}
 
     def gather_grads(self) -> dict[str, torch.Tensor]:
         """Every gradient of the unsplit model by parameter name, on every rank (CPU tensors)."""

@@ -3,7 +3,8 @@
 F(s,i) after F(s-1,i); B(s,i) and BW(s,i) after F(s,i) and the backward of
 (s+1,i); W(s,i) after B(s,i). A forward keeps ``m_b`` of activation memory
 until its backward; B frees all but ``m_w``, which W frees; BW frees all.
-Each (stage, microbatch) runs one F and either one BW or one B and one W.
+Each (stage, microbatch) runs one F and either one BW or one B and one W; in
+a forward-only schedule (:mod:`.forward`) one F and no backward.
 """
 
 from __future__ import annotations
@@ -33,8 +34,14 @@ def _weight_needs(action: Action, deps) -> tuple:
 
 
 def check_compute(schedule: Schedule) -> None:
-    """Each (stage, microbatch) has one F and either one BW or one B and one W."""
+    """Each (stage, microbatch) has one F and either one BW or one B and one W (a
+    forward-only schedule: one F and no backward)."""
     counts = Counter(a for actions in schedule.ranks for a in actions if a.kind in (F, B, W, BW))
+    if schedule.forward_only:
+        backward = next((a for a in counts if a.kind != F), None)
+        if backward is not None:
+            raise ScheduleError(f"rank {schedule.rank_of(backward)}: {backward} in a forward-only schedule; "
+                                "it runs the forwards only")
     for stage in range(schedule.stages):
         rank = schedule.placement[stage]
         for mb in range(schedule.total_microbatches):
@@ -42,6 +49,8 @@ def check_compute(schedule: Schedule) -> None:
                 return (kind, stage, mb, ()) in counts
             if not has(F):
                 raise ScheduleError(f"rank {rank}: the forward {stage}F{mb} is missing")
+            if schedule.forward_only:
+                continue
             split = has(B), has(W)
             if has(BW):
                 if any(split):
@@ -57,7 +66,7 @@ def check_compute(schedule: Schedule) -> None:
 
 
 register(Kind(F, "forward", needs=_forward_needs, memory=((1.0, "m_b"),), cost=("f",), transfer="comm",
-              colour="#4c72b0", torch_code="F", torch_csv=True, check=check_compute))
+              colour="#4c72b0", torch_code="F", torch_csv=True, check=check_compute, forward=True))
 register(Kind(B, "input grad", needs=_backward_needs, memory=((1.0, "m_w"), (-1.0, "m_b")), cost=("b",),
               transfer="comm", colour="#dd8452", torch_code="I", torch_csv=True, check=check_compute))
 register(Kind(W, "weight grad", needs=_weight_needs, memory=((-1.0, "m_w"),), cost=("w",),

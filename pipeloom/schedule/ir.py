@@ -134,6 +134,12 @@ class Schedule:
         algorithm = self.options.get("vocab_parallel")
         return algorithm if algorithm in {m.value for m in VocabMode if m.splits} else None
 
+    @property
+    def forward_only(self) -> bool:
+        """True for a schedule that computes the loss only (``options["forward_only"]``,
+        :func:`~pipeloom.schedule.forward.forward_only`): no backward, no update."""
+        return bool(self.options.get("forward_only"))
+
     def weight_version(self, microbatch: int) -> int:
         """The weight version microbatch ``microbatch`` (0-based) runs with.
 

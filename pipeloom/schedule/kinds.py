@@ -69,6 +69,8 @@ class Kind:
     with the stream's other actions, and does not hold up the rank.
     ``check(schedule)``: the kind's completeness rule, run by the validator
     on every schedule.
+    ``forward``: the action is part of computing the loss, without gradients: a
+    forward-only schedule (:func:`~.forward.forward_only`, for evaluation) keeps it.
     ``compound``: the action stands for its parts (see the module docstring);
     its time is the longest part's plus ``1 - overlap`` of the others' (the
     cost field ``overlap`` names the share of them hidden: 0 runs the parts
@@ -91,6 +93,7 @@ class Kind:
     drawn: bool = True
     stream: str | None = None
     check: Callable[[Schedule], None] | None = None
+    forward: bool = False
     compound: bool = False
     overlap: str | None = None
 

@@ -6,7 +6,10 @@ hands on goes into the step's mail (:attr:`~pipeloom.runtime.context.Step.mail`)
 a stage on this rank takes it from there, a send (:mod:`.comm`) takes it to
 another rank. The first stage reads the tokens and the last computes the loss
 with the model's loss function, unless a technique set the context's
-:class:`~pipeloom.runtime.context.Ends`.
+:class:`~pipeloom.runtime.context.Ends`. In a forward-only call (``step.training``
+False: evaluation, under ``torch.no_grad``) F runs with the newest weights
+(2bw's stage parameters, not a step's version), recomputes nothing and keeps
+nothing once it has handed its output on.
 """
 
 from __future__ import annotations
@@ -31,16 +34,24 @@ def _forward_input(action, context) -> None:
         x = context.ends.input(action)
     else:
         x = step.tokens[i]
-    step.slot(s, i).input = x.requires_grad_() if x.is_floating_point() else x
+    step.slot(s, i).input = x.requires_grad_() if x.is_floating_point() and step.training else x
 
 
 def _forward(action, context) -> None:
     s, i, step = action.stage, action.microbatch, context.step
-    slot, m = step.slots[s, i], context.schedule.microbatches
-    stage = context.versions.module(s, context.steps_done + i // m) if context.versions else context.stages[s]
+    slot, m, training = step.slots[s, i], context.schedule.microbatches, step.training
+    if context.versions and training:
+        stage = context.versions.module(s, context.steps_done + i // m)
+    else:
+        stage = context.stages[s]
+    if not training:
+        del step.slots[s, i]  # nothing to keep for a backward
     loss_here = s == context.last_stage and not context.ends.output
     with context.autocasting():
-        y = checkpoint(stage, slot.input, use_reentrant=False) if s in context.recompute else stage(slot.input)
+        if s in context.recompute and training:
+            y = checkpoint(stage, slot.input, use_reentrant=False)
+        else:
+            y = stage(slot.input)
         if loss_here:
             # as the unsplit model: under autocast, the loss reads the low-precision logits and computes
             # in fp32 (no fp32 copy of them); without it, in fp32 at least. The mean over the step's

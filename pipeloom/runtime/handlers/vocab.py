@@ -23,6 +23,10 @@ a process group of its own (the replica's pipeline ranks), so only the order
 of microbatches within one must agree between ranks, which the constructor
 checks. Waits use the pipeline's timeout and say which action waited.
 
+In a forward-only call (evaluation: IF, S, C and naive's Z and CZ) the passes
+keep nothing for a backward: no embedding partials, no vocab-2 ∇X parts; a
+microbatch's head state goes as soon as its loss is known.
+
 The compute handlers meet the passes through the context's
 :class:`~pipeloom.runtime.context.Ends`, which :class:`VocabPasses` sets:
 stage 0's F takes the summed embeddings as its input, the last stage's F
@@ -104,7 +108,9 @@ class VocabPasses:
     # -- the input layer ----------------------------------------------------------
     def _if(self, action) -> None:
         i = action.microbatch
-        self.partials[i] = partial = self.embedding.partial(self.context.step.tokens[i])
+        partial = self.embedding.partial(self.context.step.tokens[i])
+        if self.context.step.training:
+            self.partials[i] = partial
         self._give("sum-embeddings", i, partial.detach().clone(), self.first, dist.reduce)
 
     def stage_input(self, action: Action) -> torch.Tensor:
@@ -144,7 +150,7 @@ class VocabPasses:
         denominator = targets[i].numel() * context.schedule.microbatches  # the mean over the replica's batch
         with context.autocasting():  # the head's products in the autocast dtype, T's as well
             self.states[i] = state = self.head.s_pass(x, targets[i], denominator)
-        if self.head.algorithm == "vocab-2":  # ∇X's parts: to the last stage's rank
+        if self.head.algorithm == "vocab-2" and context.step.training:  # ∇X's parts: to the last stage's rank
             parts = self.head.grad_input_parts(state)
             into = [torch.empty_like(parts) for _ in range(self.pp)] if self.rank == self.last else None
             work = dist.gather(parts, into, dst=self.last, group=self.groups["gather-grad-input"], async_op=True)
@@ -165,7 +171,10 @@ class VocabPasses:
         self.head.combine(state, stats)
         if state.loss is not None:
             self._count_loss(i, state.loss)
-        if self.head.algorithm == "vocab-2" and self.rank == self.last:
+        if not self.context.step.training:
+            if state.loss is not None:  # naive finds its loss in CZ
+                del self.states[i]
+        elif self.head.algorithm == "vocab-2" and self.rank == self.last:
             self.stats[i] = stats
 
     def _z(self, action) -> None:
@@ -179,6 +188,8 @@ class VocabPasses:
         state = self.states[i]
         self.head.combine_sums(state, self._wait("sum-exp", i, action, "every rank's softmax sums"))
         self._count_loss(i, state.loss)
+        if not self.context.step.training:
+            del self.states[i]
 
     def _t(self, action) -> None:
         state = self.states.pop(action.microbatch)

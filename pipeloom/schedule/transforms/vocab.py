@@ -51,7 +51,7 @@ from ...modes import VOCAB_ALGORITHMS, VocabMode
 from ..costs import Costs
 from ..deps import asap
 from ..ir import BW, B, F, Action, Schedule
-from ..kinds import RANK, Kind, register, register_inputs
+from ..kinds import RANK, Kind, get, register, register_inputs
 from . import insert
 
 # The passes of Vocabulary Parallelism ("Balancing Pipeline Parallelism with
@@ -276,7 +276,8 @@ def _pipeline_inputs(schedule: Schedule):
 
 
 def check_passes(schedule: Schedule) -> None:
-    """Each (rank, microbatch) runs each pass of the vocabulary algorithm exactly once, and no other."""
+    """Each (rank, microbatch) runs each pass of the vocabulary algorithm exactly once, and no other
+    (in a forward-only schedule, each of its passes up to the loss)."""
     found = {a for actions in schedule.ranks for a in actions if a.kind in VOCAB_KINDS}
     algorithm = schedule.vocab_parallel
     if algorithm is None:
@@ -288,6 +289,8 @@ def check_passes(schedule: Schedule) -> None:
             )
         return
     passes = VOCAB_PASSES[algorithm]
+    if schedule.forward_only:
+        passes = tuple(kind for kind in passes if get(kind).forward)
     for action in found:
         if action.kind not in passes:
             raise ScheduleError(
@@ -305,12 +308,12 @@ def _kind(name: str, label: str, needs, **facts) -> None:
 
 
 _kind(S, "output layer", _s_needs, cost=("s",), transfer="c", reduced=True, memory=((1.0, "m_v"),),
-      colour="#8172b3", letter="s")
-_kind(C, "softmax statistics", _every(S), colour="#b0a0d0")
-_kind(Z, "exponentials", _one(C), transfer="c", reduced=True, colour="#b0a0d0")
-_kind(CZ, "softmax sums", _every(Z), colour="#b0a0d0")
+      colour="#8172b3", letter="s", forward=True)
+_kind(C, "softmax statistics", _every(S), colour="#b0a0d0", forward=True)
+_kind(Z, "exponentials", _one(C), transfer="c", reduced=True, colour="#b0a0d0", forward=True)
+_kind(CZ, "softmax sums", _every(Z), colour="#b0a0d0", forward=True)
 _kind(T, "output layer grad", _t_needs, cost=("t",), transfer="r", reduced=True, memory=((-1.0, "m_v"),),
       colour="#937860", letter="t")
 _kind(R, "input grad reduce", _every(T), colour="#c0a890")
-_kind(IF, "input layer", _if_needs, cost=("e_f",), transfer="e_comm", reduced=True, colour="#da8bc3", letter="e")
+_kind(IF, "input layer", _if_needs, cost=("e_f",), transfer="e_comm", reduced=True, colour="#da8bc3", letter="e", forward=True)
 _kind(IB, "input layer grad", _ib_needs, cost=("e_b",), colour="#da8bc3", letter="g")
