@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = RESULTS.parent.parent
 
 
 def machine() -> dict:
@@ -54,3 +55,24 @@ def added_peak(fn) -> tuple[int, float]:
     start = time.perf_counter()
     fn()
     return peak.bytes(), time.perf_counter() - start
+
+
+def train_model(name: str):
+    """The preset ``name`` with the vocabulary of ``pipeloom train``'s default data (the Python standard
+    library's sources, bytes): the model ``pipeloom train --model NAME`` builds."""
+    from dataclasses import replace
+
+    from pipeloom.data import load_data
+    from pipeloom.sim.model import get_model
+
+    return replace(get_model(name), vocab=load_data(None).vocab_size)
+
+
+def profile_train_model(name: str, seq: int, path: Path, env: dict) -> None:
+    """Write ``pipeloom profile`` of :func:`train_model` ``name`` on this CPU at microbatches of 1, 2 and 4."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "pipeloom", "profile", "--model", name, "--vocab",
+                    str(train_model(name).vocab), "--seq", str(seq), "--microbatch-sizes", "1,2,4", "--device", "cpu",
+                    "--out", str(path)], check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)

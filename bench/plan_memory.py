@@ -31,21 +31,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_results  # noqa: E402
+from common import RESULTS, ROOT, profile_train_model, train_model, write_results  # noqa: E402
 
 from pipeloom.cli import _parser  # noqa: E402
-from pipeloom.data import load_data  # noqa: E402
 from pipeloom.plan import Cluster, Costing, PlanRequest  # noqa: E402
 from pipeloom.plan.command import candidate_of  # noqa: E402
 from pipeloom.schedule import get_family  # noqa: E402
-from pipeloom.sim.model import get_model  # noqa: E402
 from pipeloom.sim.profile import load_profile  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 _MiB = 2**20
 
 #: ``pipeloom train`` flags of each layout measured (with --model, --seq, --steps).
@@ -93,12 +89,6 @@ def predicted_peaks(model, seq: int, flags: str, profile) -> list[float]:
     return Costing(request).evaluate(c).peak_memory_bytes
 
 
-def profile_model(model: str, vocab: int, seq: int, path: Path) -> None:
-    subprocess.run([sys.executable, "-m", "pipeloom", "profile", "--model", model, "--vocab", str(vocab),
-                    "--seq", str(seq), "--microbatch-sizes", "1,2,4", "--device", "cpu", "--out", str(path)],
-                   check=True, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt-125m", help="a preset that pipeloom train accepts")
@@ -109,11 +99,10 @@ def main(argv=None):
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    vocab = load_data(None).vocab_size  # train's default data: the standard library's sources, bytes
-    model = replace(get_model(args.model), vocab=vocab)
+    model = train_model(args.model)
     profile_path = Path(args.profile) if args.profile else RESULTS / "plan_memory_profile.json"
     if not args.profile:
-        profile_model(args.model, vocab, args.seq, profile_path)
+        profile_train_model(args.model, args.seq, profile_path, _env())
     profile = load_profile(profile_path)
     floor = max(measured_peaks("tiny", args.seq, LAYOUTS[0], args.steps, args.timeout))
     rows = []
@@ -128,7 +117,7 @@ def main(argv=None):
         print(f"{flags}: measured {rows[-1]['measured_mib']} MiB, predicted {rows[-1]['predicted_mib']} MiB, "
               f"predicted / (measured - floor) {ratios}", file=sys.stderr, flush=True)
     results = {
-        "setting": {"model": args.model, "layers": model.layers, "hidden": model.hidden, "vocab": vocab,
+        "setting": {"model": args.model, "layers": model.layers, "hidden": model.hidden, "vocab": model.vocab,
                     "seq": args.seq, "steps": args.steps, "threads_per_rank": 1,
                     "malloc_mmap_threshold": 65536, "profile": str(profile_path.relative_to(ROOT))
                     if profile_path.is_relative_to(ROOT) else str(profile_path),

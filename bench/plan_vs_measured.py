@@ -47,30 +47,24 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_results  # noqa: E402
+from common import RESULTS, ROOT, profile_train_model, train_model, write_results  # noqa: E402
 
-from pipeloom.data import load_data  # noqa: E402
 from pipeloom.plan import Cluster, Costing, PlanRequest, command, schedule_of, search  # noqa: E402
 from pipeloom.sim import simulate  # noqa: E402
-from pipeloom.sim.model import get_model  # noqa: E402
 from pipeloom.sim.profile import load_profile  # noqa: E402
 
 _GiB = 2**30
-ROOT = Path(__file__).resolve().parent.parent
 REPORT = re.compile(r"measured step\s+([\d.]+) ms.*?actions span ([\d.]+) ms.*?simulated\s+([\d.]+) ms", re.S)
 
 
-def profile_model(args, vocab: int, path: Path) -> dict:
+def profile_model(args, path: Path) -> dict:
     """Run ``pipeloom profile`` for the model with train's vocabulary: its seconds, others' CPU share."""
     busy, ours, started = _busy_cpu_s(), _children_cpu_s(), time.perf_counter()
-    subprocess.run([sys.executable, "-m", "pipeloom", "profile", "--model", args.model, "--vocab", str(vocab),
-                    "--seq", str(args.seq), "--microbatch-sizes", "1,2,4", "--device", "cpu", "--out", str(path)],
-                   check=True, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL)
+    profile_train_model(args.model, args.seq, path, _env())
     wall = time.perf_counter() - started
     others = _busy_cpu_s() - busy - (_children_cpu_s() - ours)
     return {"seconds": round(wall, 1), "other_cpu_share": round(max(0.0, others) / (wall * os.cpu_count()), 3)}
@@ -252,11 +246,11 @@ def main(argv=None):
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    vocab = load_data(None).vocab_size  # train's default data: the standard library's sources, bytes
-    model = replace(get_model(args.model), vocab=vocab)
+    model = train_model(args.model)
+    vocab = model.vocab
     profile_path = Path(args.profile) if args.profile else RESULTS / "plan_vs_measured_profile.json"
     measured = {} if args.profile else {"waited_s": _wait_quiet(args.busy, args.wait),
-                                         **profile_model(args, vocab, profile_path)}
+                                         **profile_model(args, profile_path)}
     profile = load_profile(profile_path)
     results = {
         "setting": {"model": args.model, "layers": model.layers, "hidden": model.hidden, "heads": model.heads,
