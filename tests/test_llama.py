@@ -437,3 +437,14 @@ def test_cheap_recompute_rebuilds_the_norms_and_silu_and_keeps_no_unturned_queri
                                                   lambda t: t):
         block(x)
     assert 4 * 2 * 32 * (64 + 2 * 32) not in sizes  # no view of the q/k/v output is kept
+
+
+def test_simulate_plans_llama_and_profile_refuses_it(capsys):
+    import json
+
+    from pipeloom.cli import main
+
+    assert main(["simulate", "--model", "llama-8b", "--pp", "4", "--microbatches", "8", "--seq", "4096", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["makespan"] > 0
+    assert main(["profile", "--model", "llama-8b"]) == 2
+    assert "pipeloom profile measures GPT layers only so far; choose one of" in capsys.readouterr().err
