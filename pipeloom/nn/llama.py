@@ -284,5 +284,5 @@ def _safetensors():
         import safetensors.torch
     except ImportError:
         raise PipeloomError("reading and writing safetensors files needs the safetensors package: "
-                            "pip install safetensors (or pipeloom[safetensors])") from None
+                            "pip install safetensors") from None
     return safetensors
