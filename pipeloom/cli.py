@@ -667,6 +667,9 @@ def _run_profile(args) -> int:
     if args.model not in SIZES:
         raise PipeloomError(f"--model {args.model!r}: choose one of {', '.join(SIZES)}")
     size = SIZES[args.model]
+    if size.family != "gpt":
+        raise PipeloomError(f"--model {args.model}: pipeloom profile measures GPT layers only so far; "
+                            f"choose one of {', '.join(name for name, s in SIZES.items() if s.family == 'gpt')}")
     overrides = {key: getattr(args, key) for key in ("layers", "hidden", "heads", "vocab")
                  if getattr(args, key) is not None}
     name = args.model + "".join(f" {key}={value}" for key, value in overrides.items())
@@ -798,8 +801,8 @@ def _add_train(sub) -> None:
                         "what it waited for, if the peer died or stalls, and waits on if it is busy (default 60)")
     g = p.add_argument_group("model and optimisation")
     g.add_argument("--model", default="tiny", metavar="PRESET",
-                   help=f"GPT preset: {', '.join(SIZES)} (default tiny; those without a context length learn --seq "
-                        "positions)")
+                   help=f"model preset (GPT or Llama): {', '.join(SIZES)} (default tiny; those without a context "
+                        "length learn --seq positions)")
     g.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
     g.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of AdamW (default 3e-3)")

@@ -88,15 +88,15 @@ def load(args, device):
 def _model(meta: dict, where: str, device):
     """The run's model on ``device`` (its weights to be loaded): its preset, vocabulary and
     context length from ``meta``."""
-    from .nn import GPT, GPTConfig
-    from .nn.gpt import PRESETS
+    from .nn import preset_config
+    from .presets import SIZES
 
     name = meta.get("model")
-    if name not in PRESETS or not isinstance(meta.get("vocab_size"), int):
+    if name not in SIZES or not isinstance(meta.get("vocab_size"), int):
         raise PipeloomError(f"{where}: it holds model {name!r} with vocabulary {meta.get('vocab_size')!r}, which this "
-                            f"pipeloom cannot build; presets: {', '.join(PRESETS)}")
-    positions = {} if PRESETS[name]["block_size"] else {"block_size": meta.get("seq")}
-    return GPT(GPTConfig.preset(name, vocab_size=meta["vocab_size"], **positions), device=device)
+                            f"pipeloom cannot build; presets: {', '.join(SIZES)}")
+    positions = {} if SIZES[name].block_size else {"block_size": meta.get("seq")}
+    return preset_config(name, vocab_size=meta["vocab_size"], **positions).build(device=device)
 
 
 def _from_checkpoint(path: str, device):

@@ -26,7 +26,7 @@ def split_layers(layers: int, stages: int) -> tuple[int, ...]:
 
 def balanced_layers(model, stages: int, seq: int) -> tuple[int, ...]:
     """Layers per stage of the ``redis`` baseline for ``model`` (anything with
-    ``layers``, ``hidden``, ``ffn`` and ``vocab``, such as a
+    ``layers``, ``hidden``, ``matrix_params`` and ``vocab``, such as a
     :class:`~pipeloom.sim.ModelSpec`) and sequences of ``seq`` tokens: each
     layer in turn goes to the stage with the least compute (F + B + W) so far,
     the first stage starting with the input layer's and the last with the
@@ -39,7 +39,7 @@ def balanced_layers(model, stages: int, seq: int) -> tuple[int, ...]:
     load = [0] * stages  # FLOPs / bsh
     load[0] += 3
     load[-1] += 6 * model.vocab
-    layer = 3 * (8 + 4 * model.ffn) * model.hidden + 12 * seq
+    layer = 6 * model.matrix_params // model.hidden + 12 * seq  # (F + B + W) / bsh: 3(8 + 4·ffn)h + 12s for a GPT
     centre_first = _centre_first(stages)
     counts = [0] * stages
     for _ in range(model.layers):

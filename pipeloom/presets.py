@@ -1,7 +1,8 @@
-"""Model sizes by name: the one table that the GPT model and the simulator read.
+"""Model sizes by name: the one table that the torch models and the simulator read.
 
-Every preset is a simulator model (:data:`pipeloom.sim.MODELS`) and a GPT
-config (:data:`pipeloom.nn.gpt.PRESETS`); those without a ``block_size`` take
+Every preset is a simulator model (:data:`pipeloom.sim.MODELS`) and a torch
+model's config of its ``family``: a GPT (:data:`pipeloom.nn.gpt.PRESETS`) or a
+Llama (:data:`pipeloom.nn.llama.PRESETS`); those without a ``block_size`` take
 their context length from the run (``pipeloom train --seq``).
 Pure Python: nothing here imports torch.
 """
@@ -10,16 +11,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import PipeloomError
+
 # GPT-2 BPE vocabulary (50257) padded by Megatron-LM to a multiple of 128.
 _GPT2_VOCAB = 50304
 
 
+#: The model families: GPT-2-style (LayerNorm, learned positions, GELU MLP 4x wide, biases) and
+#: Llama-style (RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention, no biases).
+FAMILIES = ("gpt", "llama")
+
+
 @dataclass(frozen=True)
 class ModelSize:
-    """A GPT-style decoder's sizes: ``layers`` layers of width ``hidden`` with
-    ``heads`` heads, a ``vocab``-token embedding (the LM head's weight when
-    ``tied``) and an MLP 4 times as wide; ``block_size``, the longest sequence,
-    for the presets that :class:`~pipeloom.nn.GPT` runs (None: simulator only)."""
+    """A decoder's sizes: ``layers`` layers of width ``hidden`` with ``heads``
+    heads, a ``vocab``-token embedding (the LM head's weight when ``tied``);
+    ``block_size``, the longest sequence, for the presets that the torch
+    models run (None: simulator only).
+
+    ``family`` "gpt": an MLP 4 times as wide. ``family`` "llama": ``kv_heads``
+    key/value heads (grouped-query attention; None: ``heads``), a SwiGLU MLP
+    of width ``ffn_hidden``, rotary positions of base ``rope_theta``, and
+    ``rope_scaling``, Llama 3.1's stretch of the rotary frequencies for long
+    contexts, as (factor, low-frequency factor, high-frequency factor, the
+    original context length), or None."""
 
     layers: int
     hidden: int
@@ -27,6 +42,25 @@ class ModelSize:
     vocab: int
     tied: bool = False
     block_size: int | None = None
+    family: str = "gpt"
+    kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[float, float, float, int] | None = None
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise PipeloomError(f"ModelSize: family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
+
+
+def llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn_hidden: int, vocab: int, **options) -> ModelSize:
+    """A Llama-family :class:`ModelSize`."""
+    return ModelSize(layers, hidden, heads, vocab, family="llama", kv_heads=kv_heads, ffn_hidden=ffn_hidden, **options)
+
+
+# Llama 3: the 128k tiktoken vocabulary (128000 tokens + 256 special ones), rotary base 500000.
+_LLAMA3_VOCAB = 128_256
+_LLAMA3_THETA = 500_000.0
 
 
 #: Model sizes by lowercase name.
@@ -55,4 +89,14 @@ SIZES: dict[str, ModelSize] = {
     "gpt-125m": ModelSize(12, 768, 12, _GPT2_VOCAB, tied=True, block_size=1024),
     "gpt-350m": ModelSize(24, 1024, 16, _GPT2_VOCAB, tied=True, block_size=1024),
     "gpt-1.3b": ModelSize(24, 2048, 16, _GPT2_VOCAB, tied=True, block_size=1024),
+    # Llama-style decoders. A small one for tests and a CPU run (rotary base 10000, as Llama 1 and 2).
+    "llama-tiny": llama(4, 32, 4, 2, 96, 256, block_size=256),
+    # Llama 3.2 1B (its Hugging Face config.json): tied embeddings, a 128k context by Llama 3.1's
+    # rotary scaling (factor 32 of an 8192-token original).
+    "llama-1b": llama(16, 2048, 32, 8, 8192, _LLAMA3_VOCAB, tied=True, block_size=131_072, rope_theta=_LLAMA3_THETA,
+                      rope_scaling=(32.0, 1.0, 4.0, 8192)),
+    # Llama 3 8B and 70B ("The Llama 3 Herd of Models", Table 3; Meta-Llama-3-8B/-70B config.json):
+    # untied, an 8192-token context.
+    "llama-8b": llama(32, 4096, 32, 8, 14336, _LLAMA3_VOCAB, block_size=8192, rope_theta=_LLAMA3_THETA),
+    "llama-70b": llama(80, 8192, 64, 8, 28672, _LLAMA3_VOCAB, block_size=8192, rope_theta=_LLAMA3_THETA),
 }

@@ -1,4 +1,4 @@
-"""``pipeloom train``: train a GPT through a pipeline, one process per rank.
+"""``pipeloom train``: train a model (a GPT or a Llama preset) through a pipeline, one process per rank.
 
 Run outside torchrun, :func:`run` checks the arguments and starts ``pp * dp``
 worker processes itself with torchrun's launcher API; under torchrun (or as
@@ -23,6 +23,7 @@ scalars.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import math
@@ -73,7 +74,7 @@ def run(args) -> int:
 def check(args, world: int):
     """Every mistake in the arguments, but the data's, that can be found before training
     on ``world`` processes; the run's layout and schedule."""
-    from .nn.gpt import PRESETS
+    from .presets import SIZES
     from .runtime.mesh import Layout
 
     for flag in ("microbatches", "microbatch_size", "steps", "seq"):
@@ -83,9 +84,9 @@ def check(args, world: int):
     if args.seq % (2 * args.sp):
         raise PipeloomError(f"--seq {args.seq} does not split into 2 x --sp {args.sp} equal chunks (each "
                             f"sequence-parallel rank holds an early and a late one); use a multiple of {2 * args.sp}")
-    if args.model not in PRESETS:
-        raise PipeloomError(f"unknown --model {args.model!r}; presets: {', '.join(PRESETS)}")
-    block = PRESETS[args.model]["block_size"]
+    if args.model not in SIZES:
+        raise PipeloomError(f"unknown --model {args.model!r}; presets: {', '.join(SIZES)}")
+    block = SIZES[args.model].block_size
     if block is not None and args.seq > block:
         raise PipeloomError(f"--seq {args.seq} is longer than the {block} positions --model {args.model} learns; "
                             f"use --seq {block} or less")
@@ -146,7 +147,7 @@ def check(args, world: int):
     if args.eval_every and args.eval_every % schedule.steps:
         raise PipeloomError(f"{args.schedule} can evaluate only between its calls of {schedule.steps} steps; "
                             f"use an --eval-every that is a multiple of {schedule.steps}")
-    layers = PRESETS[args.model]["n_layer"]
+    layers = SIZES[args.model].layers
     if schedule.stages > layers:
         raise PipeloomError(f"--model {args.model} has {layers} layers, too few for the {schedule.stages} stages of "
                             f"{args.schedule} at --pp {args.pp}; use a larger model or a smaller --pp")
@@ -187,9 +188,9 @@ def _split(data, args):
 
 def _positions(args) -> dict:
     """The context length of a preset that has none (a simulator-sized model): --seq."""
-    from .nn.gpt import PRESETS
+    from .presets import SIZES
 
-    return {} if PRESETS[args.model]["block_size"] else {"block_size": args.seq}
+    return {} if SIZES[args.model].block_size else {"block_size": args.seq}
 
 
 def learning_rate(step: int, args) -> float:
@@ -275,7 +276,7 @@ def _check_resume(args, vocab_size: int) -> Path:
     tensor files)."""
     import torch
 
-    from .nn import GPT, GPTConfig
+    from .nn import preset_config
     from .runtime import checkpoint
 
     directory = checkpoint.latest(args.checkpoint_dir) if args.resume == "latest" else Path(args.resume)
@@ -287,7 +288,7 @@ def _check_resume(args, vocab_size: int) -> Path:
         raise PipeloomError(f"--resume {directory}: it was saved {hint}; this run has --model {args.model}, "
                             f"vocabulary {vocab_size} (from its data and tokenizer); resume with those")
     with torch.device("meta"):
-        model = GPT(GPTConfig.preset(args.model, vocab_size=vocab_size, **_positions(args)))
+        model = preset_config(args.model, vocab_size=vocab_size, **_positions(args)).build()
     checkpoint.check_fits(directory, model, hint)
     return directory
 
@@ -300,7 +301,7 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        from .nn import GPT, GPTConfig
+        from .nn import preset_config
         from .runtime import Pipeline
         from .runtime.memory import PeakMemory
 
@@ -309,12 +310,12 @@ class Trainer:
         self.rank = dist.get_rank()
         self.data = load_data(args.data, args.token_dtype, args.vocab_size, args.tokenizer)
         self.memory = PeakMemory(device)  # from here: what the model and its training add
-        self.config = GPTConfig.preset(args.model, vocab_size=self.data.vocab_size, **_positions(args))
+        self.config = preset_config(args.model, vocab_size=self.data.vocab_size, **_positions(args))
         dp = layout.dp
         torch.manual_seed(args.seed)  # the same weights on every rank
         precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
         autocast = torch.bfloat16 if precision == "bf16" else None
-        model = GPT(self.config, device="meta")  # each rank materialises only its own stages
+        model = self.config.build(device="meta")  # each rank materialises only its own stages
         self.n_params = sum(p.numel() for p in model.parameters())
         vocab = None if args.vocab_parallel == "none" else args.vocab_parallel
         self.pipe = Pipeline(model, schedule, dp=dp, sp=layout.sp, attention=args.attention, timeout=args.timeout,
@@ -595,9 +596,9 @@ def _kfac(args, config, schedule, device) -> dict:
     this kind of device (the ``cpu`` or ``h100`` preset)."""
     if args.optimizer != "kfac":
         return {}
-    from .sim.model import ModelSpec, costs_from_model
+    from .sim.model import MODELS, costs_from_model
 
-    spec = ModelSpec(args.model, config.n_layer, config.n_embd, config.n_head, config.vocab_size)
+    spec = dataclasses.replace(MODELS[args.model], vocab=config.vocab_size)
     costs = costs_from_model(spec, args.pp, args.seq, args.microbatch_size, "h100" if device.type == "cuda" else "cpu",
                              chunks=schedule.chunks, kfac=True, dp=args.dp or 1)
     return {"optimizer": "kfac", "kfac": {"damping": args.kfac_damping, "every": args.kfac_every}, "costs": costs}
@@ -606,9 +607,9 @@ def _kfac(args, config, schedule, device) -> dict:
 def _redistributed(config, args, schedule) -> tuple[int, ...]:
     """The ``redis`` baseline's layers per stage: the simulator's balance of compute
     with the embedding on the first stage and the LM head on the last."""
-    from .sim.model import ModelSpec, balanced_layers
+    from .sim.model import MODELS, balanced_layers
 
-    spec = ModelSpec(args.model, config.n_layer, config.n_embd, config.n_head, config.vocab_size)
+    spec = dataclasses.replace(MODELS[args.model], vocab=config.vocab_size)
     return balanced_layers(spec, schedule.stages, args.seq)
 
 

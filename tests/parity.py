@@ -1,4 +1,4 @@
-"""Shared by the runtime tests: pipelines against the one-process GPT on the same batch."""
+"""Shared by the runtime tests: pipelines against the one-process model (a GPT, or any preset's) on the same batch."""
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -27,22 +27,18 @@ def make_batch(config, batch, seq, seed=1):
 
 
 def reference(config, tokens, targets):
-    """The one-process GPT's loss and gradients (seed 0, as every pipeline in the tests)."""
-    from pipeloom.nn import GPT
-
+    """The one-process model's loss and gradients (seed 0, as every pipeline in the tests)."""
     torch.manual_seed(0)
-    model = GPT(config)
+    model = config.build()
     loss = model(tokens, targets)
     loss.backward()
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
 def autocast_reference(config, tokens, targets, dtype=torch.bfloat16):
-    """The one-process GPT's loss and gradients under CPU autocast to ``dtype`` (seed 0)."""
-    from pipeloom.nn import GPT
-
+    """The one-process model's loss and gradients under CPU autocast to ``dtype`` (seed 0)."""
     torch.manual_seed(0)
-    model = GPT(config)
+    model = config.build()
     with torch.autocast("cpu", dtype=dtype):
         loss = model(tokens, targets)
     loss.backward()
@@ -69,21 +65,22 @@ def max_rel_error(grads, ref):
     return max(((grads[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-12)).item() for n in ref)
 
 
-def parity_worker(rank, cases, config_overrides, batch, seq, model_device=None, observe=None):
+def parity_worker(rank, cases, config_overrides, batch, seq, model_device=None, observe=None, preset="tiny"):
     """For each (label, Pipeline keyword arguments): the relative errors of one step's
-    loss and of every gradient against :func:`reference`, the pipeline made from
-    ``GPT(config, device=model_device)`` (``"meta"``: each rank materialises its own stages);
-    with ``observe`` (module-level), ``observe(pipe)`` after the step as a third item."""
+    loss and of every gradient against :func:`reference`, the pipeline made from the model
+    of ``preset`` (with ``config_overrides``) built on ``model_device`` (``"meta"``: each rank
+    materialises its own stages); with ``observe`` (module-level), ``observe(pipe)`` after the
+    step as a third item."""
     import pipeloom
-    from pipeloom.nn import GPT, GPTConfig
+    from pipeloom.nn import preset_config
 
-    config = GPTConfig.preset("tiny", **config_overrides)
+    config = preset_config(preset, **config_overrides)
     tokens, targets = make_batch(config, batch, seq)
     ref_loss, ref_grads = reference(config, tokens, targets)
     out = {}
     for label, options in cases:
         torch.manual_seed(0)
-        pipe = pipeloom.Pipeline(GPT(config, device=model_device), **options)
+        pipe = pipeloom.Pipeline(config.build(model_device), **options)
         loss = pipe.step(tokens, targets)
         out[label] = (abs(loss - ref_loss) / abs(ref_loss), max_rel_error(pipe.gather_grads(), ref_grads))
         if observe:

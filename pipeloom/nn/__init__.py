@@ -1,14 +1,19 @@
-"""Torch modules (layer 4): the GPT reference model, its pipeline stages, and
+"""Torch modules (layer 4): the GPT and Llama models, their pipeline stages, and
 the Linear layer whose weight gradient a runtime can defer (the B/W split)."""
 
+from .decoder import Decoder, DecoderStage
 from .gpt import PRESETS, GPT, GPTConfig, GPTStage
 from .linear import Linear, WeightGradStore, defer_weight_grads
+from .llama import PRESETS as LLAMA_PRESETS
+from .llama import Llama, LlamaConfig, Rotary
+from .models import preset_config
 from .ring_attention import (SP_ATTENTION_KINDS, SequenceLayout, ring_attention, rsa_attention, sequence_layout,
                              sequence_parallel_attention)
 from .vocab import (VOCAB_ALGORITHMS, LMHeadState, VocabParallelEmbedding, VocabParallelLMHead, VocabShard,
                     vocab_shard)
 
-__all__ = ["PRESETS", "GPT", "GPTConfig", "GPTStage", "Linear", "WeightGradStore", "defer_weight_grads",
+__all__ = ["PRESETS", "GPT", "GPTConfig", "GPTStage", "LLAMA_PRESETS", "Llama", "LlamaConfig", "Rotary", "Decoder",
+           "DecoderStage", "preset_config", "Linear", "WeightGradStore", "defer_weight_grads",
            "VOCAB_ALGORITHMS", "LMHeadState", "VocabParallelEmbedding", "VocabParallelLMHead", "VocabShard",
            "vocab_shard", "SP_ATTENTION_KINDS", "SequenceLayout", "ring_attention", "rsa_attention",
            "sequence_layout", "sequence_parallel_attention"]

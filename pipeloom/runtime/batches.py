@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import PipeloomError
-from ..nn.gpt import SequenceParallel, set_sequence_parallel
+from ..nn.decoder import SequenceParallel, set_sequence_parallel
 from ..nn.ring_attention import sequence_layout
 from ..schedule import Schedule
 from .mesh import Mesh

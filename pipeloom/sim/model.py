@@ -1,4 +1,4 @@
-"""Costs from a model description: GPT FLOP and memory formulas on a device.
+"""Costs from a model description: decoder FLOP and memory formulas on a device.
 
 The per-layer formulas are those of "Zero Bubble Pipeline Parallelism" (a
 GPT layer with ``ffn = 4h``; see docs/design.md), with the 4 generalised to
@@ -11,6 +11,18 @@ of ``s`` tokens,
 - activations kept from F to the backward ``M_B = sb((18 + 4·ffn)h + 5as)``
   bytes (34h), of which ``M_W = (16 + 4·ffn)sbh`` (32) stay from B to W;
 - parameters ``(4 + 2·ffn)h² + (9 + ffn)h`` (12h² + 13h).
+
+Llama-style layers (:class:`ModelSpec`'s ``kv_heads``, ``ffn_hidden``,
+``gated``, ``bias``, ``rotary``) count the same things from their shapes: with
+``P`` the weights of a layer's matrices (:attr:`ModelSpec.matrix_params`:
+``2h² + 2h·kv`` for q, k, v and the output projection, ``kv`` the width of
+the keys, plus 2 or, gated (SwiGLU), 3 matrices of ``h × f``), ``F =
+bs(2P + 4sh)``, ``B = bs(2P + 8sh)``, ``W = 2bsP``; ``M_B = sb(14h + 4kv + 4f
++ 5as)`` bytes, ``8f`` instead of ``4f`` when gated (the gate, its SiLU, the up
+projection and their product), ``M_W = sb(12h + 4kv + 4f)`` (``6f`` gated: the
+inputs and output gradients of the linear layers); no biases and one-weight
+norms (RMSNorm) without ``bias``, and no position embeddings with ``rotary``.
+With ``kv = h``, ``f = ffn·h`` these are the formulas above.
 
 The input embedding (3bsh FLOPs, hV + sh parameters) sits on the first stage;
 the output layer (LM head and softmax cross-entropy: 2bshV FLOPs each for F,
@@ -130,13 +142,20 @@ def state_bytes_per_param(bytes_per_param: float, versions: int) -> tuple[float,
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A GPT-style decoder: ``layers`` transformer layers of width ``hidden``
-    with ``heads`` attention heads, a ``vocab``-token embedding, an LM head
-    and an MLP ``ffn`` times as wide as ``hidden``.
+    """A decoder: ``layers`` transformer layers of width ``hidden`` with
+    ``heads`` attention heads, a ``vocab``-token embedding, an LM head and an
+    MLP ``ffn`` times as wide as ``hidden``.
 
     ``tied_embeddings`` shares the LM head with the token embedding in the
     parameter count; a pipeline still keeps a copy of it on the last stage
     (as Megatron-LM does), so per-stage memory is the same either way.
+
+    The defaults describe a GPT. A Llama-style layer sets ``kv_heads``
+    (grouped-query attention: keys and values of that many heads; None:
+    ``heads``), ``ffn_hidden`` (the MLP's width, instead of ``ffn`` times
+    ``hidden``), ``gated`` (a SwiGLU MLP: three matrices), ``bias`` False (no
+    biases in the linear layers, norms of one weight vector: RMSNorm) and
+    ``rotary`` (rotary positions: no position embeddings).
     """
 
     name: str
@@ -146,21 +165,53 @@ class ModelSpec:
     vocab: int
     ffn: int = 4
     tied_embeddings: bool = False
+    kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    gated: bool = False
+    bias: bool = True
+    rotary: bool = False
 
     def __post_init__(self):
-        for field in ("layers", "hidden", "heads", "vocab", "ffn"):
+        for field in ("layers", "hidden", "heads", "vocab", "ffn", "kv_heads", "ffn_hidden"):
             value = getattr(self, field)
+            if value is None and field in ("kv_heads", "ffn_hidden"):
+                continue
             if not isinstance(value, int) or value < 1:
                 raise PipeloomError(f"model {self.name!r}: {field} must be a positive integer, got {value!r}")
         if self.hidden % self.heads:
             raise PipeloomError(
                 f"model {self.name!r}: hidden {self.hidden} is not divisible by heads {self.heads}"
             )
+        if self.heads % (self.kv_heads or self.heads):
+            raise PipeloomError(f"model {self.name!r}: kv_heads {self.kv_heads} does not divide heads {self.heads}")
+
+    @property
+    def kv_width(self) -> int:
+        """Width of a layer's keys (and of its values): ``kv_heads`` heads of ``hidden / heads``."""
+        return self.hidden // self.heads * (self.kv_heads or self.heads)
+
+    @property
+    def mlp_width(self) -> int:
+        """The MLP's hidden width: ``ffn_hidden``, or ``ffn`` times ``hidden``."""
+        return self.ffn_hidden or self.ffn * self.hidden
+
+    @property
+    def matrix_params(self) -> int:
+        """Weights of one layer's matrices: q, k, v and the output projection, the MLP's
+        two (three when ``gated``). Each does 2 FLOPs per weight and token in F, B and W."""
+        h = self.hidden
+        return 2 * h * h + 2 * h * self.kv_width + (3 if self.gated else 2) * h * self.mlp_width
+
+    @property
+    def norm_params(self) -> int:
+        """One norm's parameters: a LayerNorm's weight and bias (2h), without ``bias`` a weight (h)."""
+        return 2 * self.hidden if self.bias else self.hidden
 
     @property
     def layer_params(self) -> int:
-        h, f = self.hidden, self.ffn
-        return (4 + 2 * f) * h * h + (9 + f) * h
+        h, f = self.hidden, self.mlp_width
+        biases = 3 * h + 2 * self.kv_width + (2 if self.gated else 1) * f if self.bias else 0
+        return self.matrix_params + 2 * self.norm_params + biases
 
     def parameters(self, seq: int) -> int:
         """Distinct parameters: layers, token and position embeddings (``seq``
@@ -168,13 +219,17 @@ class ModelSpec:
         head = self.head_params - (self.hidden * self.vocab if self.tied_embeddings else 0)
         return self.layers * self.layer_params + self.embedding_params(seq) + head
 
+    def position_params(self, seq: int) -> int:
+        """Learned position embeddings of ``seq`` positions (none with ``rotary``)."""
+        return 0 if self.rotary else self.hidden * seq
+
     def embedding_params(self, seq: int) -> int:
-        return self.hidden * (self.vocab + seq)
+        return self.hidden * self.vocab + self.position_params(seq)
 
     @property
     def head_params(self) -> int:
-        """LM head weights (hV) plus the final layer norm (2h)."""
-        return self.hidden * (self.vocab + 2)
+        """LM head weights (hV) plus the final norm (2h; h without ``bias``)."""
+        return self.hidden * self.vocab + self.norm_params
 
     def vocab_shard_params(self, ranks: int) -> int:
         """Parameters of one rank's vocabulary shard (V/p rows, padded) of the
@@ -182,11 +237,15 @@ class ModelSpec:
         return -(-self.vocab // ranks) * self.hidden * (1 if self.tied_embeddings else 2)
 
 
+def _spec(name: str, size) -> ModelSpec:
+    """The simulator's model of the :class:`~pipeloom.presets.ModelSize` ``size``."""
+    llama = size.family == "llama"
+    return ModelSpec(name, size.layers, size.hidden, size.heads, size.vocab, tied_embeddings=size.tied,
+                     kv_heads=size.kv_heads, ffn_hidden=size.ffn_hidden, gated=llama, bias=not llama, rotary=llama)
+
+
 #: Model presets by lowercase name: every size of :data:`pipeloom.presets.SIZES`.
-MODELS: dict[str, ModelSpec] = {
-    name: ModelSpec(name, size.layers, size.hidden, size.heads, size.vocab, tied_embeddings=size.tied)
-    for name, size in SIZES.items()
-}
+MODELS: dict[str, ModelSpec] = {name: _spec(name, size) for name, size in SIZES.items()}
 
 
 @dataclass(frozen=True)
@@ -397,9 +456,9 @@ def layer_flops(model: ModelSpec | str, seq: int, microbatch_size: int, sp: int 
     """FLOPs of one transformer layer's F, B (input gradients) and W (weight
     gradients) on a microbatch, on one of ``sp`` sequence-parallel ranks."""
     model = get_model(model)
-    h, k = model.hidden, model.ffn
-    bth = microbatch_size * (seq // sp) * h
-    return (bth * ((8 + 4 * k) * h + 4 * seq), bth * ((8 + 4 * k) * h + 8 * seq), (8 + 4 * k) * bth * h)
+    h, matrices = model.hidden, 2 * model.matrix_params  # (8 + 4·ffn)h² for a GPT layer
+    bt = microbatch_size * (seq // sp)
+    return (bt * (matrices + 4 * seq * h), bt * (matrices + 8 * seq * h), bt * matrices)
 
 
 def offload_time_ratio(
@@ -431,7 +490,8 @@ KFAC_UNITS_PER_LAYER = 4
 def kfac_costs(model: ModelSpec | str, seq: int, microbatch_size: int, device: Device | str, dp: int = 1,
                sp: int = 1) -> dict[str, float]:
     """Times (ms) of one transformer layer's K-FAC pieces (:mod:`pipeloom.schedule.transforms.kfac`)
-    for the layer's four linear layers (q/k/v, attention output, the MLP's two; with biases):
+    for the layer's four linear layers (q/k/v, attention output, the MLP's two; a gated MLP's gate and up
+    projections are one; with biases if the model has them):
     ``kfac_a`` and ``kfac_g`` one microbatch's ``rowsᵀ·rows`` of inputs and output gradients
     (2·rows·d² FLOPs a factor of side d); ``kfac_sync_a``/``kfac_sync_g`` the fp32 all-reduce
     of the factors over ``dp`` replicas (0 with one); ``kfac_inv`` both factors' damped
@@ -439,9 +499,10 @@ def kfac_costs(model: ModelSpec | str, seq: int, microbatch_size: int, device: D
     ``kfac_pre`` the preconditioning ``G⁻¹·∇W·A⁻¹`` of the layer's gradients, every step."""
     model, device = get_model(model), get_device(device)
     _positive(seq=seq, microbatch_size=microbatch_size, dp=dp, sp=sp)
-    h, k = model.hidden, model.ffn
+    h, f, one = model.hidden, model.mlp_width, int(model.bias)
     rows = microbatch_size * (seq // sp)
-    shapes = [(h + 1, 3 * h), (h + 1, h), (h + 1, k * h), (k * h + 1, h)]  # (d_A, d_G) of each linear
+    up = 2 * f if model.gated else f
+    shapes = [(h + one, h + 2 * model.kv_width), (h + one, h), (h + one, up), (f + one, h)]  # (d_A, d_G) of each
     inputs = [a for a, _ in shapes]
     grads = [g for _, g in shapes]
 
@@ -457,15 +518,30 @@ def kfac_costs(model: ModelSpec | str, seq: int, microbatch_size: int, device: D
     }
 
 
+def _layer_bytes(model: ModelSpec, cheap: bool) -> tuple[int, int]:
+    """Bytes per token one layer keeps from F to its backward (without the attention
+    scores; ``cheap``: norms and the MLP's activation recomputed) and from B to W."""
+    h, kv, f = model.hidden, model.kv_width, model.mlp_width
+    # norms' inputs 4h; the q/k/v input 2h, q 2h, k and v 4kv, the projection's input 2h, a dropout
+    # mask h; the MLP's input 2h and mask h; GELU's input and output 4f, or gated 8f
+    kept = 14 * h + 4 * kv + (8 if model.gated else 4) * f
+    if cheap:  # the norms' outputs and the activation's output, rebuilt (PipeOffload's 20 of 34 with ffn = 4)
+        kept -= 6 * h + 2 * f
+    # the linear layers' inputs (6h + 2f) and their output gradients (6h + 4kv, and 2f or gated 4f)
+    weights = 12 * h + 4 * kv + (6 if model.gated else 4) * f
+    return kept, weights
+
+
 def _activation_bytes(model: ModelSpec, split, seq: int, microbatch_size: int, sp: int, attention_kept: int,
                       mode: VocabMode, recompute) -> tuple[list[float], list[float]]:
     """Per stage of ``split`` layers: bytes one microbatch keeps from F to its backward (``m_b``)
     and from B to W (``m_w``), as :func:`costs_from_model` says; ``attention_kept``: one layer's
     attention bytes kept (:func:`_attention_memory`)."""
-    b, t, h, v, k = microbatch_size, seq // sp, model.hidden, model.vocab, model.ffn
+    b, t, h, v = microbatch_size, seq // sp, model.hidden, model.vocab
     bth = b * t * h
-    layer_mb = ((12 + 2 * k) if recompute == "cheap" else (18 + 4 * k)) * bth + attention_kept
-    layer_mw = (16 + 4 * k) * bth
+    kept, weights = _layer_bytes(model, recompute == "cheap")
+    layer_mb = b * t * kept + attention_kept
+    layer_mw = b * t * weights
     if mode.splits:
         head_mb, head_mw = 2 * bth, 0  # the final norm's input
     else:
@@ -536,7 +612,7 @@ def costs_from_model(
     stages = pp * chunks
     split = _stage_layers(model, stages, layers_per_stage, seq, mode)
     ring = sequence_parallel_costs(model, seq, microbatch_size, device, sp, attention)
-    b, s, h, v, k = microbatch_size, seq, model.hidden, model.vocab, model.ffn
+    b, s, h, v = microbatch_size, seq, model.hidden, model.vocab
     t = s // sp  # a rank's tokens of each sequence
     bth = b * t * h
     layer_f, layer_b, layer_w = layer_flops(model, seq, microbatch_size, sp)
@@ -615,8 +691,8 @@ def stage_parameters(
     model = get_model(model)
     params = [n * model.layer_params for n in stage_layers(model, stages, seq, layers_per_stage, vocab_parallel)]
     if VocabMode.of(vocab_parallel or "none").splits:
-        params[0] += model.hidden * seq
-        params[-1] += 2 * model.hidden
+        params[0] += model.position_params(seq)
+        params[-1] += model.norm_params
     else:
         params[0] += model.embedding_params(seq)
         params[-1] += model.head_params

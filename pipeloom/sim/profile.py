@@ -80,7 +80,7 @@ SAMPLE_FIELDS = {
 MODEL_FIELDS = {"name": "name", "layers": "layers", "hidden": "hidden", "heads": "heads", "vocab": "vocab",
                 "ffn": "ffn", "tied": "tied_embeddings"}
 #: The model sizes a profile must share with the model it costs.
-MATCHED = ("hidden", "heads", "ffn", "vocab")
+MATCHED = ("hidden", "heads", "ffn", "vocab", "kv_heads", "ffn_hidden", "gated", "bias")
 
 
 @dataclass(frozen=True)
