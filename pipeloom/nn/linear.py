@@ -7,7 +7,9 @@ input gradient and queues the weight-gradient work in the given store; the
 runtime runs the store later, at the schedule's W action. A store made with
 ``eager=True`` does that work at once instead: a fused backward whose weight
 gradients each accumulate in one GEMM (``addmm_``). Outside it,
-:class:`Linear` is an ordinary ``nn.Linear``.
+:class:`Linear` is an ordinary ``nn.Linear``. A model's plain ``nn.Linear``
+layers get the same backward inside :func:`deferrable` (a user's stages:
+:mod:`.stages`).
 
 The store follows the backward call, not a thread: for CUDA tensors autograd
 runs the backward's nodes on a device thread of its own, which a
@@ -35,8 +37,11 @@ class WeightGradStore:
     def __init__(self, eager: bool = False):
         self.eager = eager
         self.work: list[Callable[[], None]] = []
+        self.deferred: set[int] = set()  # ids of the parameters whose gradients it computes
 
-    def add(self, job: Callable[[], None]) -> None:
+    def add(self, job: Callable[[], None], *params: torch.Tensor) -> None:
+        """Queue (or with ``eager`` do) ``job``, which computes the gradients of ``params``."""
+        self.deferred.update(id(p) for p in params if p is not None)
         if self.eager:
             job()
         else:
@@ -128,7 +133,7 @@ class _LinearFunction(torch.autograd.Function):
             if bias is not None:
                 _accumulate(bias, flat.sum(0))
 
-        store.add(deferred)
+        store.add(deferred, weight, bias)
         return grad_x, None, None
 
 
@@ -137,3 +142,25 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _LinearFunction.apply(x, self.weight, self.bias)
+
+
+def plain_linears(module: nn.Module) -> list[nn.Linear]:
+    """The layers of ``module`` that run ``nn.Linear``'s own forward (not :class:`Linear`'s, nor a
+    subclass's override): those :func:`deferrable` gives a backward that can defer."""
+    return [m for m in module.modules() if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward]
+
+
+@contextlib.contextmanager
+def deferrable(layers: list[nn.Linear]):
+    """Within this block ``layers`` (:func:`plain_linears`) run :class:`Linear`'s forward, whose
+    backward :func:`defer_weight_grads` splits; the same numbers. An instance attribute shadows
+    the class's ``forward`` (hooks still run) and is removed on exit; layers already swapped by an
+    enclosing block are left to it."""
+    swapped = [m for m in layers if "forward" not in m.__dict__]
+    for m in swapped:
+        m.forward = Linear.forward.__get__(m)
+    try:
+        yield
+    finally:
+        for m in swapped:
+            del m.forward

@@ -13,10 +13,14 @@ from .mesh import Mesh
 
 class Batches:
     """Splits global batches for one rank of ``mesh`` running ``schedule``; with
-    ``attention`` (sequence parallelism) sets each new sequence length's layout on ``stages``."""
+    ``attention`` (sequence parallelism) sets each new sequence length's layout on ``stages``.
+    Targets have the tokens' shape, or with ``any_input`` (a user's stages: the input may be token
+    ids, features, ...) their number of rows."""
 
-    def __init__(self, schedule: Schedule, mesh: Mesh, stages, device: torch.device, attention: str | None):
+    def __init__(self, schedule: Schedule, mesh: Mesh, stages, device: torch.device, attention: str | None,
+                 any_input: bool = False):
         self.schedule, self.mesh, self.stages, self.device, self.attention = schedule, mesh, stages, device, attention
+        self.any_input = any_input
         self.layouts: dict[int, object] = {}  # sequence-parallel layout by sequence length
 
     def split(self, tokens: torch.Tensor, targets: torch.Tensor, steps: int | None = None):
@@ -24,8 +28,9 @@ class Batches:
         given), in the schedule's numbering."""
         m, dp = self.schedule.microbatches, self.mesh.layout.dp
         steps = self.schedule.steps if steps is None else steps
-        if tokens.shape != targets.shape:
-            raise PipeloomError(f"tokens {tuple(tokens.shape)} and targets {tuple(targets.shape)} differ in shape")
+        if not (tokens.shape[0] == targets.shape[0] if self.any_input else tokens.shape == targets.shape):
+            what = "number of rows" if self.any_input else "shape"
+            raise PipeloomError(f"tokens {tuple(tokens.shape)} and targets {tuple(targets.shape)} differ in {what}")
         whole = steps * dp * m
         if tokens.shape[0] % whole:
             what = f"{steps} steps x " if steps > 1 else ""

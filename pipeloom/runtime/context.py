@@ -108,7 +108,9 @@ class Context:
     autocast: torch.dtype | None
     recompute: frozenset[int]
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
-    hidden: int | None  # the width of the hidden states (receive buffers)
+    #: ``boundary(k, x)``: the shape of what stage ``k`` hands on (its output, and the gradient that
+    #: comes back) for a microbatch whose stage-0 input is ``x``: the receive buffers' shape
+    boundary: Callable[[int, torch.Tensor], tuple[int, ...]]
     versions: WeightVersions | None = None
     steps_done: int = 0  # steps run so far (multi-version schedules)
     calls: int = 0  # calls run so far (a K-FAC cycle's lists take turns)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,7 @@ from torch import nn
 
 from ..errors import PipeloomError
 from ..modes import Attention
+from ..nn.stages import Stages
 from ..schedule import Offload, Schedule, build, forward_only, lower, validate
 from .batches import Batches
 from .clock import StepClock
@@ -34,7 +35,8 @@ from .versions import WeightVersions
 
 
 class Pipeline:
-    """Pipeline-parallel training of a model that can ``split`` itself into stages.
+    """Pipeline-parallel training of a model that can ``split`` itself into stages, or of your
+    own stage modules (:meth:`from_stages`).
 
     Call inside a torchrun job (``torch.distributed`` initialised, world size
     ``dp * pp * sp``; the DeviceMesh has dims ``dp``, ``pp``, ``sp``); build the
@@ -132,7 +134,8 @@ class Pipeline:
         self.context = Context(
             self.schedule, self.mesh, self.stages, self.channel, self.device, dtype, autocast,
             recompute=recomputed(recompute, self.stages, multi_step), loss_fn=loss_fn,
-            hidden=getattr(getattr(model, "config", None), "n_embd", None), versions=self.versions)
+            boundary=model.boundary_shape if isinstance(model, Stages) else _hidden_states(model),
+            versions=self.versions)
         self.vocab = VocabPasses(self.context, model, algorithm) if algorithm else None
         cheap = recompute == "cheap"
         counting = offload or cheap or self.schedule.options.get("offload")
@@ -140,7 +143,8 @@ class Pipeline:
         self.grads = Gradients(self.context, self.vocab)
         _free_unused(model, self.grads.params)
         self.names = self.grads.names
-        self._batches = Batches(self.schedule, self.mesh, self.stages, self.device, self.attention)
+        self._batches = Batches(self.schedule, self.mesh, self.stages, self.device, self.attention,
+                                any_input=isinstance(model, Stages))
         calls = [lower(self.schedule).ranks[self.pp_rank]]
         #: the K-FAC state of PipeFisher (``optimizer="kfac"``), else None
         self.kfac = None
@@ -152,6 +156,32 @@ class Pipeline:
         self.last_step: Step | None = None
         self._evaluation: Executor | None = None  # the forward-only list, made on the first evaluate()
         self.channel.heartbeat.idle()  # set up: a peer that waits for this rank now sees it outside a step
+
+    @classmethod
+    def from_stages(cls, stages: Sequence[nn.Module], loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                    schedule: str | Schedule = "1f1b", pp: int | None = None, microbatches: int | None = None,
+                    dp: int = 1, chunks: int | None = None, **options) -> Pipeline:
+        """A pipeline of your own stage modules, ``stages[k]`` being stage ``k`` of the schedule
+        (``pp * chunks`` of them; ``chunks`` by default ``len(stages) // pp``), as torch's
+        ``PipelineStage`` takes a stage and its schedule a ``loss_fn``. Stage 0 takes the step's
+        input (``tokens``: token ids or any tensor), each next stage the one floating-point tensor
+        the previous returns, the last returns what ``loss_fn(output, targets)`` takes, the mean
+        loss of a microbatch. Every rank gives the whole list (built on the meta device, no rank
+        holds the whole model; or materialised with the same seed); each keeps and materialises
+        only its own (:mod:`pipeloom.nn.stages`). Parameters are named ``"<stage>.<name in the
+        stage>"``, as ``nn.Sequential(*stages)`` names them. Plain ``nn.Linear`` layers defer
+        their weight gradients to W; the rest come in B. ``options`` as for the constructor
+        (``recompute``, ``autocast``, ``offload``, ``device``, ``timeout``, ``steps`` for 2bw,
+        schedule options), except those that reach into pipeloom's GPT, refused in one line
+        each (:data:`_NOT_FOR_STAGES`)."""
+        given = {**options, "vocab_parallel": schedule.vocab_parallel} if isinstance(schedule, Schedule) else options
+        for option, refused, why in _NOT_FOR_STAGES:
+            if option in given and refused(given[option]):
+                raise PipeloomError(f"{option}={given[option]!r} with your own stages: {why}")
+        model = stages if isinstance(stages, Stages) else Stages(stages)
+        if chunks is None and isinstance(schedule, str) and pp and len(model) % pp == 0:
+            chunks = len(model) // pp
+        return cls(model, schedule, pp, microbatches, dp, chunks, loss_fn=loss_fn, **options)
 
     @property
     def steps_done(self) -> int:
@@ -330,6 +360,27 @@ def _schedule(schedule, pp, microbatches, chunks, vocab_parallel, offload, optio
     if policy is not None:
         options["transforms"] = [*options.get("transforms", ()), Offload(policy, ratio)]
     return build(schedule, pp, microbatches, chunks, **options)
+
+
+#: What :meth:`Pipeline.from_stages` refuses: (option, whether a value is refused, why).
+_NOT_FOR_STAGES = (
+    ("vocab_parallel", lambda v: v not in (None, "none"),
+     "the vocabulary passes shard pipeloom's GPT embedding and LM head; your stages hold their own"),
+    ("sp", lambda v: v != 1, "sequence parallelism needs attention over the sp group and each token's "
+     "global position, which pipeloom's GPT has and your stages do not; use sp=1"),
+    ("attention", lambda v: v is not None, "it swaps the attention of pipeloom's GPT; leave it out"),
+    ("optimizer", lambda v: v is not None, "K-FAC captures each linear layer's input in its forward, and "
+     "torch's attention uses its projections without one (nn.MultiheadAttention); step your own optimizer"),
+    ("recompute", lambda v: v == "cheap", "it rebuilds the norms and GELU that pipeloom's GPT marks; yours mark "
+     "nothing: use recompute=True"),
+    ("layers_per_stage", lambda v: v is not None, "your stages come cut; leave it out"),
+)
+
+
+def _hidden_states(model: nn.Module):
+    """``boundary(k, x)`` (:class:`~.context.Context`) of pipeloom's GPT: hidden states [microbatch, time, n_embd]."""
+    hidden = getattr(getattr(model, "config", None), "n_embd", None)
+    return lambda k, x: (*x.shape[:2], hidden)
 
 
 def _free_unused(model: nn.Module, kept: list[nn.Parameter]) -> None:

@@ -19,6 +19,7 @@ from ..schedule.transforms.vocab import IB, IF, C, S, T
 from ..schedule.deps import Dependencies
 from ..sim import Event, Result
 from ..sim.trace import chrome_trace_events, transfers_of
+from .handlers.compute import WEIGHTS_IN_B
 
 
 def gather_timeline(pipe) -> list[list[Event]]:
@@ -101,15 +102,21 @@ def _comm_wait(events: list[list[Event]], schedule) -> float:
 
 def write_trace(pipe, path: str | Path) -> None:
     """Write the last step's measured timeline as a Chrome trace (global rank 0 writes;
-    every pipeline rank must call this)."""
+    every pipeline rank must call this). With split B and W, ``otherData["weight_grads_in_B"]``
+    names, per stage, the module types whose weight gradients B computed rather than W
+    (:data:`~pipeloom.runtime.handlers.compute.WEIGHTS_IN_B`)."""
     events = gather_timeline(pipe)
     schedule = pipe.schedule
+    notes: list = [None] * pipe.pp
+    dist.all_gather_object(notes, pipe.context.extras.get(WEIGHTS_IN_B, {}), group=pipe.pp_group)
+    in_b = {f"stage {s}": kinds for part in notes for s, kinds in sorted(part.items())}
     costs = measured_costs(events, schedule)
     transfers = transfers_of(schedule, events, lambda producer: costs.comm[producer.stage])
     doc = chrome_trace_events(
         events, [schedule.stages_of(r) for r in range(schedule.pp)], transfers=transfers,
         metadata={"source": "measured", "family": schedule.family, "pp": schedule.pp, "dp": pipe.dp,
-                  "microbatches": schedule.microbatches, "note": "measured on the runtime; times in ms"},
+                  "microbatches": schedule.microbatches, "note": "measured on the runtime; times in ms",
+                  **({"weight_grads_in_B": in_b} if in_b else {})},
     )
     if dist.get_rank() == 0:
         import json

@@ -27,8 +27,9 @@ def _send(action, context) -> None:
 def _post(action, context) -> None:
     s, i, step = action.stage, action.microbatch, context.step
     key = (ACTIVATION, s - 1, i) if action.kind == RECV_F else (GRADIENT, s + 1, i)
-    # hidden states [microbatch, time, hidden] either way
-    buffer = torch.empty((*step.tokens[i].shape[:2], context.hidden), dtype=context.dtype, device=context.device)
+    # the output of stage s - 1 (RECV_F), or the gradient of stage s's own output (RECV_B)
+    shape = context.boundary(s - 1 if action.kind == RECV_F else s, step.tokens[i])
+    buffer = torch.empty(shape, dtype=context.dtype, device=context.device)
     context.channel.post(buffer, context.mesh.peers[peer(context.schedule, action)], action,
                          f"the {key[0]} of stage {key[1]} microbatch {i}")
     step.mail[key] = partial(context.channel.recv, action)

@@ -1,7 +1,9 @@
 """The stages' own work: F (forward), B (input gradient), W (weight gradient), BW (both).
 
 F keeps what backward needs; B queues the linear layers' weight gradients
-(:mod:`pipeloom.nn.linear`) for W, BW accumulates them at once. What a stage
+(:mod:`pipeloom.nn.linear`) for W, BW accumulates them at once; the other
+parameters' gradients come in B, and the first B of each stage notes their
+module types (:data:`WEIGHTS_IN_B`, written into the measured trace). What a stage
 hands on goes into the step's mail (:attr:`~pipeloom.runtime.context.Step.mail`):
 a stage on this rank takes it from there, a send (:mod:`.comm`) takes it to
 another rank. The first stage reads the tokens and the last computes the loss
@@ -25,6 +27,9 @@ from ...schedule import BW, B, F, W
 from ..context import ACTIVATION, GRADIENT
 from . import register
 
+#: ``context.extras`` key: stage -> the module types whose weight gradients its B computes (not deferred to W)
+WEIGHTS_IN_B = "weights in B"
+
 
 def _forward_input(action, context) -> None:
     s, i, step = action.stage, action.microbatch, context.step
@@ -34,7 +39,8 @@ def _forward_input(action, context) -> None:
         x = context.ends.input(action)
     else:
         x = step.tokens[i]
-    step.slot(s, i).input = x.requires_grad_() if x.is_floating_point() and step.training else x
+    wanted = s > 0 or context.ends.input_grad is not None  # stage 0's input gradient goes nowhere otherwise
+    step.slot(s, i).input = x.requires_grad_() if wanted and x.is_floating_point() and step.training else x
 
 
 def _forward(action, context) -> None:
@@ -85,10 +91,9 @@ def _backward(action, context) -> None:
     slot.weights = WeightGradStore(eager=action.kind == BW)
     with defer_weight_grads(slot.weights):
         torch.autograd.backward(slot.output, slot.grad)
-    if action.kind == B and not slot.weights.work and ("empty W", s) not in context.warned:
-        context.warned.add(("empty W", s))
-        warnings.warn(f"rank {context.mesh.rank}: B of stage {s} deferred no weight gradient: its W actions do no "
-                      f"work (the stage has no pipeloom.nn.Linear layers, or the B/W split failed)", stacklevel=2)
+    if action.kind == B and ("first B", s) not in context.warned:
+        context.warned.add(("first B", s))
+        _note_weights_in_b(context, s, slot.weights)
     if s > 0:
         step.mail[GRADIENT, s, i] = slot.input.grad
     elif context.ends.input_grad:
@@ -96,6 +101,19 @@ def _backward(action, context) -> None:
     slot.input = slot.output = slot.grad = None
     if action.kind == BW:
         del step.slots[s, i]
+
+
+def _note_weights_in_b(context, s: int, store: WeightGradStore) -> None:
+    """At a stage's first B: note in ``context.extras[WEIGHTS_IN_B]`` the module types whose
+    weight gradients B computed, not W (the measured trace shows them); warn if W gets nothing."""
+    stage = context.stages[s]
+    context.extras.setdefault(WEIGHTS_IN_B, {})[s] = sorted({
+        type(module).__name__ for module in stage.modules()
+        if any(p.requires_grad and id(p) not in store.deferred for p in module.parameters(recurse=False))})
+    if not store.work:
+        warnings.warn(f"rank {context.mesh.rank}: B of stage {s} deferred no weight gradient: its W actions do no "
+                      f"work (the stage has no nn.Linear layer run by its forward, or the B/W split failed)",
+                      stacklevel=3)
 
 
 def _weights(action, context) -> None:
