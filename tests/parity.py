@@ -19,6 +19,11 @@ class Products(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+#: Every synchronous schedule family (a flush per step), which must reproduce the one-process model.
+SYNCHRONOUS = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "v-min", "v-half", "v-zb", "zb-auto",
+               "dualpipev"]
+
+
 def make_batch(config, batch, seq, seed=1):
     """``batch`` random sequences of ``seq`` tokens and their next-token targets."""
     g = torch.Generator().manual_seed(seed)

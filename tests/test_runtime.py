@@ -5,12 +5,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from parity import (  # noqa: E402
-    autocast_reference, check, make_batch, max_rel_error, parity_worker, reference, step_failure,
+    SYNCHRONOUS, autocast_reference, check, make_batch, max_rel_error, parity_worker, reference, step_failure,
 )
 from pipeloom.runtime.local import spawn  # noqa: E402
-
-SYNCHRONOUS = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "v-min", "v-half", "v-zb", "zb-auto",
-               "dualpipev"]
 
 
 def _cases(families, pp, dp, microbatches, **options):
