@@ -58,7 +58,7 @@ def load(pipe, optimizer: torch.optim.Optimizer, directory: str | Path) -> dict:
     _create_optimizer_state(optimizer)
     if pipe.versions:
         pipe.steps_done = meta["step"]
-        pipe.versions.restart(pipe.steps_done)  # versions the checkpoint lacks stay the newest weights
+        pipe.versions.restart(pipe.steps_done)  # tensors for the saved versions to load into
     saved = _tensor_index(directory).state_dict_metadata
     state, shards = _state(pipe, optimizer)
     state = {k: v for k, v in state.items() if k in saved or not k.startswith("version")}
@@ -82,6 +82,8 @@ def load(pipe, optimizer: torch.optim.Optimizer, directory: str | Path) -> dict:
                 p.copy_(original)
                 for key, value in optimizer.state[original].items():
                     optimizer.state[p][key] = value.clone() if torch.is_tensor(value) else value
+    if pipe.versions and not any(key.startswith("version") for key in saved):
+        pipe.versions.restart(pipe.steps_done)  # a synchronous run's checkpoint: every version is its weights
     return meta
 
 
