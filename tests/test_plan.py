@@ -55,8 +55,13 @@ def test_bounds_hold_for_every_candidate():
     """Neither bound exceeds what simulation gives, also once critical paths have raised them."""
     want = request(4, 80, 16, schedules=("1f1b", "zb-h1", "interleaved-1f1b", "2bw", "v-half"))
     costing = Costing(want)
-    pool = list(candidates(want))[::7]
-    plans = {c: costing.evaluate(c) for c in pool}
+    plans = {}
+    for c in list(candidates(want))[::7]:
+        try:
+            plans[c] = costing.evaluate(c)
+        except PipeloomError:  # a family's own limit (2bw: microbatches >= pp), which the search skips too
+            continue
+    assert len(plans) > 20
     for c, plan in plans.items():
         assert costing.bound_ms(c) <= plan.step_ms * (1 + 1e-9)
         assert costing.memory_lower_bound(c) <= max(plan.peak_memory_bytes)

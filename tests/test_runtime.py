@@ -96,17 +96,16 @@ def test_training_steps_with_adamw_match(name, pp, dp):
         assert losses == pytest.approx(ref_losses, rel=1e-4)
 
 
-def _two_bw_worker(rank, pp, dp, calls, steps, tied):
+def _two_bw_worker(rank, pp, dp, calls, steps, tied, vocab=None):
     """PipeDream-2BW against its definition on one process: W(1) = W(0) and
-    W(t+1) = W(t) - update(grad f(W(t-1))), over several calls of several steps. SGD with
+    W(t+1) = W(t) - update(grad f(W(t-1))), over several calls of several steps (with
+    ``vocab``, the vocabulary shards too). SGD with
     momentum: AdamW would magnify the float noise of gradients that are zero in exact
     arithmetic (the key bias) into differences of a whole learning rate."""
-    import torch.distributed as dist
-
     import pipeloom
     from pipeloom.nn import GPT, GPTConfig
 
-    config = GPTConfig.preset("tiny", tie_embeddings=tied)
+    config = GPTConfig.preset("tiny", tie_embeddings=tied, **({"vocab_size": 203} if vocab else {}))
     total, m = calls * steps, 4
     batches = [make_batch(config, batch=dp * m * 2, seq=16, seed=10 + t) for t in range(total)]
     torch.manual_seed(0)
@@ -132,15 +131,13 @@ def _two_bw_worker(rank, pp, dp, calls, steps, tied):
     torch.manual_seed(0)
     model = GPT(config)
     moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
-    pipe = pipeloom.Pipeline(model, schedule="2bw", pp=pp, microbatches=m, dp=dp, steps=steps)
+    pipe = pipeloom.Pipeline(model, schedule="2bw", pp=pp, microbatches=m, dp=dp, steps=steps, vocab_parallel=vocab)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.5, momentum=0.9)
     losses = []
     for c in range(calls):
         group = batches[c * steps:(c + 1) * steps]
         losses += pipe.run_steps(torch.cat([b[0] for b in group]), torch.cat([b[1] for b in group]), opt)
-    parts = [None] * pp
-    dist.all_gather_object(parts, {n: p.detach().clone() for n, p in pipe.named_parameters()}, group=pipe.pp_group)
-    weights = {n: w for part in parts for n, w in part.items()}
+    weights = pipe.gather_weights()  # the newest: every stage's and the vocabulary shards, whole
     expected = dict(ref.named_parameters())
     assert set(weights) == set(expected)
     error = max(((weights[n] - expected[n]).norm() / expected[n].norm()).item() for n in expected)
@@ -148,9 +145,10 @@ def _two_bw_worker(rank, pp, dp, calls, steps, tied):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("pp,dp,tied", [(2, 1, True), (2, 2, False), (4, 1, True)])
-def test_two_bw_gives_its_delayed_update(pp, dp, tied):
-    for ref_losses, losses, error, moved in spawn(pp * dp, _two_bw_worker, pp, dp, 2, 3, tied, timeout=240):
+@pytest.mark.parametrize("pp,dp,tied,vocab", [(2, 1, True, None), (2, 2, False, None), (4, 1, True, None),
+                                              (2, 1, False, "vocab-1"), (2, 1, True, "vocab-2")])
+def test_two_bw_gives_its_delayed_update(pp, dp, tied, vocab):
+    for ref_losses, losses, error, moved in spawn(pp * dp, _two_bw_worker, pp, dp, 2, 3, tied, vocab, timeout=240):
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         assert moved > 1e-2  # the updates changed the weights
         assert error < 1e-5

@@ -28,3 +28,12 @@ def test_pipeline_times_sequence_parallel():
 @pytest.mark.timeout(300)
 def test_data_pipeline_and_sequence_parallel_together():
     _run(8, [("1f1b", "ring")], 2, 2, 2, 2, {})
+
+
+@pytest.mark.timeout(300)
+def test_vocabulary_parallel_with_sequence_parallel():
+    """pp 2 x sp 2: the vocabulary passes on each rank's share of the sequences, their statistics
+    reduced over its pipeline's ranks (same sp index), the loss over whole sequences."""
+    cases = [(algorithm, dict(schedule="1f1b", pp=2, microbatches=4, sp=2, vocab_parallel=algorithm, timeout=30))
+             for algorithm in ("vocab-1", "vocab-2")]
+    check(spawn(4, parity_worker, cases, {"vocab_size": 203}, 8, 32, timeout=240))

@@ -80,6 +80,7 @@ def test_text_file_and_token_file(tmp_path):
     (["--schedule", "zb-q"], "unknown schedule 'zb-q'"),
     (["--pp", "4", "--schedule", "zb-v"], "--model tiny has 4 layers, too few for the 8 stages of zb-v"),
     (["--pp", "3", "--microbatches", "2", "--schedule", "2bw"], "2bw needs microbatches >= pp"),
+    (["--microbatches", "2", "--schedule", "2bw", "--vocab-parallel", "vocab-1"], "use microbatches >= 3 (got 2)"),
     (["--model", "huge"], "unknown --model 'huge'"),
     (["--device", "cuda", "--dp", "64"], "device cuda: "),  # no GPU here, or fewer than 128
     (["--clip", "-1"], "--clip -1: a gradient norm cannot be negative"),
@@ -244,8 +245,9 @@ def test_a_killed_rank_stops_the_others_naming_what_they_waited_for(tmp_path):
 
 @pytest.mark.timeout(TIMEOUT)
 def test_two_bw_trains_in_calls_and_resumes_with_its_weight_versions(tmp_path):
-    train("--schedule", "2bw", "--steps", "8", "--checkpoint-dir", "ck", "--checkpoint-every", "4",
-          "--metrics", "full.jsonl", cwd=tmp_path)
+    # with vocabulary parallelism: the shards' versions are saved whole, and resume without it
+    train("--schedule", "2bw", "--vocab-parallel", "vocab-1", "--steps", "8", "--checkpoint-dir", "ck",
+          "--checkpoint-every", "4", "--metrics", "full.jsonl", cwd=tmp_path)
     full = metrics(tmp_path / "full.jsonl")
     assert [r["step"] for r in full] == list(range(1, 9)) and full[-1]["loss"] < full[0]["loss"]
     train("--schedule", "2bw", "--pp", "4", "--steps", "8", "--checkpoint-dir", "again", "--resume",
@@ -281,8 +283,11 @@ def test_sequence_parallel_training_matches_the_plain_run(tmp_path):
     done = train("--steps", "6", "--seq", "32", "--sp", "2", "--attention", "rsa", "--metrics", "sp.jsonl",
                  cwd=tmp_path)
     assert "sp=2 (rsa)" in done.stderr
-    plain, sp = ([r["loss"] for r in metrics(tmp_path / name)] for name in ("plain.jsonl", "sp.jsonl"))
-    assert np.allclose(sp, plain, rtol=1e-4, atol=0)
+    train("--steps", "6", "--seq", "32", "--sp", "2", "--vocab-parallel", "vocab-2", "--metrics", "vocab.jsonl",
+          cwd=tmp_path)
+    plain, sp, vocab = ([r["loss"] for r in metrics(tmp_path / name)] for name in ("plain.jsonl", "sp.jsonl",
+                                                                                    "vocab.jsonl"))
+    assert np.allclose(sp, plain, rtol=1e-4, atol=0) and np.allclose(vocab, plain, rtol=1e-4, atol=0)
     bad = train("--sp", "3", "--seq", "32", cwd=tmp_path, check=False)
     assert bad.returncode == 2 and "use a multiple of 6" in bad.stderr
 

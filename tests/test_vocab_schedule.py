@@ -143,6 +143,28 @@ def test_every_delayable_family_takes_every_algorithm(name):
             assert simulate(schedule).makespan > 0
 
 
+def test_2bw_passes_follow_the_update_that_makes_their_weights():
+    """With 2bw's weight versions, each rank's IF and S of step t come after its T and IB of step
+    t - 2 (the shards' update), from the fewest microbatches that allow it on; fewer are refused."""
+    for p in (2, 3, 4, 6):
+        for algorithm in ALGORITHMS:
+            fewest = p - 1 + HEAD_DELAY[algorithm]
+            m = fewest
+            schedule = build("2bw", p, m, vocab_parallel=algorithm, steps=4)
+            for actions in schedule.ranks:
+                done = {}
+                for k, a in enumerate(actions):
+                    if a.kind in (T, IB):
+                        done[a.microbatch // m] = k
+                for k, a in enumerate(actions):
+                    if a.kind in (IF, S) and a.microbatch // m >= 2:
+                        assert done[a.microbatch // m - 2] < k, (p, algorithm, a)
+            if fewest > p:  # the family itself takes m >= p
+                with pytest.raises(PipeloomError, match=rf"a third weight version\); .*use microbatches >= "
+                                                        rf"{fewest} \(got {fewest - 1}\)"):
+                    build("2bw", p, fewest - 1, vocab_parallel=algorithm, steps=4)
+
+
 @pytest.mark.parametrize("name", ["gpipe", "zb-auto", "1f1b", "zb-h1", "interleaved-1f1b", "v-zb"])
 def test_the_transform_fits_any_order(name):
     """add_vocab_passes on a family's own order, with no delay: still valid

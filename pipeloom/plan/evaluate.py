@@ -151,8 +151,7 @@ class Costing:
         """Bytes the busiest rank needs at least: its model state (2bw: with its weight versions)."""
         per_param = sum(state_bytes_per_param(self.request.bytes_per_param, 2 if c.schedule == "2bw" else 0))
         shard, params = _parameters(self.request, c)
-        return max(self.request.bytes_per_param * shard + per_param * sum(params[s] for s in stages)
-                   for stages in stages_of_ranks(c))
+        return max(per_param * (shard + sum(params[s] for s in stages)) for stages in stages_of_ranks(c))
 
 
 def _shape(c: Candidate) -> tuple:

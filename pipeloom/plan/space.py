@@ -8,6 +8,7 @@ from typing import Iterator
 from ..errors import PipeloomError
 from ..modes import RECOMPUTE, VocabMode
 from ..schedule import FAMILIES, get_family
+from ..schedule.transforms.vocab import ALGORITHMS, versioned_microbatches
 from ..sim.model import ModelSpec, get_model
 from ..sim.profile import Profile
 from .cluster import Cluster
@@ -106,8 +107,10 @@ def layouts(request: PlanRequest, gpus: int) -> Iterator[tuple[int, int, int]]:
 
 def candidates(request: PlanRequest) -> Iterator[Candidate]:
     """Every layout of ``request`` on all its GPUs that the runtime accepts (its refusals mirrored:
-    vocabulary parallelism only with synchronous schedules, pp > 1 and sp = 1; cheap recomputation
-    and offload not with 2bw's weight versions; offload only on an accelerator)."""
+    vocabulary parallelism only with pp > 1, with 2bw only with enough microbatches
+    (:func:`~pipeloom.schedule.transforms.vocab.versioned_microbatches`, which the planner's builds of
+    1 and 2 steps do not reach); cheap recomputation and offload not with 2bw's weight versions;
+    offload only on an accelerator)."""
     layers = request.model.layers
     for pp, dp, sp in layouts(request, request.cluster.gpus):
         per_replica = request.global_batch // dp
@@ -124,7 +127,8 @@ def candidates(request: PlanRequest) -> Iterator[Candidate]:
                         if recompute == "cheap" and multi_step:
                             continue
                         for mode in request.vocab_parallel:
-                            if mode != "none" and (multi_step or pp == 1 or sp > 1):
+                            if mode != "none" and pp == 1 or multi_step and mode in ALGORITHMS and \
+                                    per_replica // b < versioned_microbatches(pp, mode):
                                 continue
                             for offload in request.offload:
                                 if offload != "none" and (multi_step or request.cluster.device.name == "cpu"):

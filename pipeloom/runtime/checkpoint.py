@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import PipeloomError, first_line
+from .handlers.vocab import SHARDS
 
 META = "pipeloom.json"
 
@@ -57,7 +58,7 @@ def load(pipe, optimizer: torch.optim.Optimizer, directory: str | Path) -> dict:
     _create_optimizer_state(optimizer)
     if pipe.versions:
         pipe.steps_done = meta["step"]
-        pipe.versions.restart(pipe.steps_done)  # versions the checkpoint lacks stay the newest weights
+        pipe.versions.restart(pipe.steps_done)  # tensors for the saved versions to load into
     saved = _tensor_index(directory).state_dict_metadata
     state, shards = _state(pipe, optimizer)
     state = {k: v for k, v in state.items() if k in saved or not k.startswith("version")}
@@ -81,6 +82,8 @@ def load(pipe, optimizer: torch.optim.Optimizer, directory: str | Path) -> dict:
                 p.copy_(original)
                 for key, value in optimizer.state[original].items():
                     optimizer.state[p][key] = value.clone() if torch.is_tensor(value) else value
+    if pipe.versions and not any(key.startswith("version") for key in saved):
+        pipe.versions.restart(pipe.steps_done)  # a synchronous run's checkpoint: every version is its weights
     return meta
 
 
@@ -171,17 +174,24 @@ def _state(pipe, optimizer) -> tuple[dict[str, torch.Tensor], list[tuple[torch.T
         for key, value in optimizer.state.get(p, {}).items():
             if torch.is_tensor(value):
                 state[f"optim/{name}/{key}"] = value
+
+    def whole(shard: torch.Tensor) -> torch.Tensor:
+        """The unsplit tensor of a vocabulary ``shard`` (every pipeline rank calls this in one order)."""
+        shards.append((shard, pipe.vocab.full(shard)))
+        return shards[-1][1]
+
     for name, p in pipe.vocab.named_shards() if pipe.vocab else ():
         for key, shard in [("model", p.detach()), *((k, v) for k, v in optimizer.state.get(p, {}).items()
                                                      if torch.is_tensor(v))]:
-            whole = pipe.vocab.full(shard) if shard.shape == p.shape else shard  # AdamW's step: one number
-            state[f"model/{name}" if key == "model" else f"optim/{name}/{key}"] = whole
-            if whole is not shard:
-                shards.append((shard, whole))
+            state[f"model/{name}" if key == "model" else f"optim/{name}/{key}"] = \
+                whole(shard) if shard.shape == p.shape else shard  # AdamW's step: one number
     if pipe.versions:
         for (s, t), weights in pipe.versions.weights.items():
+            module = pipe.versions.stages[s]  # a stage, or the vocabulary shards (saved whole)
             for local, tensor in weights.items():
-                state.setdefault(f"version{t - pipe.steps_done}/{pipe.stages[s].param_names[local]}", tensor.detach())
+                key = f"version{t - pipe.steps_done}/{module.param_names[local]}"
+                if key not in state:  # a tied copy beside its original: once
+                    state[key] = whole(tensor.detach()) if s == SHARDS else tensor.detach()
     return state, shards
 
 

@@ -123,6 +123,14 @@ class Context:
     def last_stage(self) -> int:
         return self.schedule.stages - 1
 
+    def versioned(self, key, i: int) -> Callable | None:
+        """Stage ``key`` (or the vocabulary shards) as a function of the weights of microbatch
+        ``i``'s step (:class:`~.versions.WeightVersions`), or None where the call runs no
+        versions (synchronous schedules, evaluation)."""
+        if self.versions and self.step.training:
+            return self.versions.module(key, self.steps_done + i // self.schedule.microbatches)
+        return None
+
     def autocasting(self) -> torch.autocast:
         """The mixed-precision region of the stages' forwards and the LM head's S passes
         (disabled without ``autocast``)."""

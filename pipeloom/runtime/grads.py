@@ -23,21 +23,24 @@ from ..schedule import BW, B, W
 from ..schedule.kinds import parts
 from ..schedule.lower import SEND_B
 from .context import Context
+from .handlers.vocab import GRADIENT_PASSES, SHARDS
 
 _AVERAGE = "averaging gradients over the data-parallel replicas"
 _TIED = "summing the tied embedding's gradients"
 
 
-def finals(actions, microbatches: int) -> dict[int, list[tuple[int, int]]]:
+def finals(actions, microbatches: int) -> dict[int, list[tuple]]:
     """After which action (index in ``actions``) each stage's gradient of each step is
-    final: index -> [(stage, step of the call)]."""
+    final: index -> [(stage, step of the call)]; the vocabulary shards' as stage ``SHARDS``."""
     last = {}
     for k, action in enumerate(actions):
         for part in parts(action):
             if part.kind in (B, W, BW, SEND_B):
                 last[part.stage, part.microbatch // microbatches] = k
-    plan: dict[int, list[tuple[int, int]]] = {}
-    for (s, t), k in sorted(last.items()):
+            elif part.kind in GRADIENT_PASSES:
+                last[SHARDS, part.microbatch // microbatches] = k
+    plan: dict[int, list[tuple]] = {}
+    for (s, t), k in last.items():
         plan.setdefault(k, []).append((s, t))
     return plan
 
@@ -57,12 +60,13 @@ class Gradients:
         self.copies = {id(p) for stage, n, p in named if stage.param_names[n] != n}
         self.pending: list[tuple[nn.Parameter, dist.Work]] = []  # averages in flight
 
-    def averaging(self, final: dict[int, list[tuple[int, int]]]) -> dict[int, list]:
+    def averaging(self, final: dict[int, list[tuple]]) -> dict[int, list]:
         """For a synchronous step whose gradients are ``final`` (see :func:`finals`): the calls
-        that start averaging each stage's gradients, by the index of the action they follow."""
+        that start averaging each stage's gradients, by the index of the action they follow
+        (the vocabulary shards' wait for :meth:`finish`)."""
         tied = {id(p) for p in self.tied}
         return {k: [partial(self.start, [p for p in self.stages[s].parameters() if p.requires_grad and id(p) not in tied])
-                    for s, _ in done] for k, done in final.items()}
+                    for s, _ in done if s in self.stages] for k, done in final.items()}
 
     def start(self, params) -> None:
         """Start averaging the gradients of ``params`` over the replicas."""
@@ -100,8 +104,9 @@ class Gradients:
     def reduce_version(self, s: int, grads: dict[str, torch.Tensor]) -> None:
         """A multi-version update's reduction of stage ``s``'s gradients (by local name):
         tied copies summed across their ranks, then the average over replicas."""
+        tied = self.stages[s].tied if s in self.stages else ()  # the vocabulary shards tie within a shard
         for name, grad in grads.items():
-            if name in self.stages[s].tied and self.mesh.tied_group is not None:
+            if name in tied and self.mesh.tied_group is not None:
                 self.channel.all_reduce(grad, self.mesh.tied_group, _TIED)
             if self.mesh.layout.replicas > 1:
                 self.channel.all_reduce(grad, self.mesh.replica_group, _AVERAGE)

@@ -1,7 +1,7 @@
 """How ranks are laid out (dp x pp x sp) and one rank's process groups, made once.
 
-:class:`Layout` is plain data: the degrees, checked against each other, a world
-size and a schedule (the launcher checks before it starts any process).
+:class:`Layout` is plain data: the degrees, checked against each other and a
+world size (the launcher checks before it starts any process).
 :class:`Mesh` is one rank's place in it under torch.distributed: the DeviceMesh
 ("dp", "pp", "sp") and every process group the runtime uses, each made once,
 every rank making every group in one order (``dist.new_group`` is collective).
@@ -61,14 +61,6 @@ class Layout:
             raise PipeloomError(
                 f"world size {world} does not match dp={self.dp} x pp={self.pp} x sp={self.sp} = {self.world}; "
                 f"launch {self.world} processes or choose dp, pp and sp whose product is {world}")
-        return self
-
-    def supports(self, schedule: Schedule) -> Layout:
-        """This layout, if the runtime can run ``schedule`` on it."""
-        if schedule.vocab_parallel and (schedule.steps > 1 or schedule.weight_versions > 1):
-            raise PipeloomError(f"vocabulary parallelism runs with synchronous schedules, not {schedule.family}")
-        if schedule.vocab_parallel and self.sp > 1:
-            raise PipeloomError("vocabulary parallelism with sequence parallelism (sp > 1) is not supported yet")
         return self
 
 

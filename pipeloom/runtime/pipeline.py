@@ -114,7 +114,7 @@ class Pipeline:
             raise PipeloomError("Pipeline needs torch.distributed initialised: launch with torchrun")
         self.schedule = _schedule(schedule, pp, microbatches, chunks, vocab_parallel, (offload, offload_ratio),
                                   schedule_options)
-        self.layout = Layout(dp, self.schedule.pp, sp).check(dist.get_world_size()).supports(self.schedule)
+        self.layout = Layout(dp, self.schedule.pp, sp).check(dist.get_world_size())
         self.dp, self.pp, self.sp = dp, self.schedule.pp, sp
         self.attention = str(Attention.of(attention)) if attention is not None else "ring" if sp > 1 else None
         algorithm = self.schedule.vocab_parallel  # None also for "redis" and "none": plain stages

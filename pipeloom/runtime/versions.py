@@ -11,7 +11,9 @@ For V = 2 this is 2BW's delayed update ``W(t+1) = W(t) - lr * grad f(W(t-1))``
 version and carry the optimizer's state; each version in use is a detached
 copy that the forward runs with (``torch.func.functional_call``) and whose
 ``.grad`` collects that step's gradient, so a backward always sees the
-weights of its own forward.
+weights of its own forward. Weights a rank holds outside its stages (the
+vocabulary shards) are versioned the same way, as one more module
+(:meth:`WeightVersions.add`).
 """
 
 from __future__ import annotations
@@ -24,12 +26,17 @@ from torch.func import functional_call
 
 
 class WeightVersions:
-    """The versions of one rank's stages, by step."""
+    """The versions of one rank's stages (and of the modules :meth:`add` gives), by step."""
 
     def __init__(self, stages: dict[int, nn.Module], versions: int):
-        self.stages, self.count = stages, versions
-        self.weights: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.stages, self.count = dict(stages), versions
+        self.weights: dict[tuple, dict[str, torch.Tensor]] = {}
         self.restart(0)
+
+    def add(self, key, module: nn.Module) -> None:
+        """Version ``module`` (weights outside the stages) as the stages are, under ``key``."""
+        self.stages[key] = module
+        self.weights.update({(key, t): self._copy(key) for t in sorted({t for _, t in self.weights})})
 
     def restart(self, step: int) -> None:
         """Make the versions of steps ``step`` .. ``step + V - 1`` copies of the newest weights."""
@@ -41,10 +48,10 @@ class WeightVersions:
         return {name: copies.setdefault(id(p), p.detach().clone().requires_grad_(p.requires_grad))
                 for name, p in self.stages[s].named_parameters(remove_duplicate=False)}
 
-    def module(self, s: int, t: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        """Stage ``s`` as a function that runs with step ``t``'s weights."""
+    def module(self, s, t: int) -> Callable:
+        """Stage ``s`` (or an added module) as a function that runs with step ``t``'s weights."""
         weights = self.weights[s, t]
-        return lambda x: functional_call(self.stages[s], weights, (x,), tie_weights=False)
+        return lambda *args: functional_call(self.stages[s], weights, args, tie_weights=False)
 
     def update(self, s: int, t: int, optimizer: torch.optim.Optimizer,
                reduce: Callable[[dict[str, torch.Tensor]], None]) -> None:

@@ -715,7 +715,7 @@ def peak_memory_bytes(
     shard (``bytes_per_param`` each, of which a stage's gradient,
     :data:`GRAD_BYTES_PER_PARAM`, only from its first backward of the step on;
     with weight versions, :data:`VERSION_BYTES_PER_PARAM` more per version, the
-    versions holding the gradients)
+    versions holding the gradients; the shard's too)
     plus the simulated activation memory (with the vocabulary buffers), which
     is in bytes when ``result`` was simulated with :func:`costs_from_model`
     costs, at the moment their sum peaks, plus, with ring
@@ -738,7 +738,7 @@ def peak_memory_bytes(
     peaks = []
     for rank in range(schedule.pp):
         stages = schedule.stages_of(rank)
-        state = bytes_per_param * shard + held * sum(params[s] for s in stages)
+        state = (held + grad) * shard + held * sum(params[s] for s in stages)  # a shard's gradient from the start
         peaks.append(state + _with_gradients(result, rank, {s: grad * params[s] for s in stages})
                      + max(rerun[s] for s in stages) + (transient if any(split[s] for s in stages) else 0))
     return peaks

@@ -46,10 +46,7 @@ def _forward_input(action, context) -> None:
 def _forward(action, context) -> None:
     s, i, step = action.stage, action.microbatch, context.step
     slot, m, training = step.slots[s, i], context.schedule.microbatches, step.training
-    if context.versions and training:
-        stage = context.versions.module(s, context.steps_done + i // m)
-    else:
-        stage = context.stages[s]
+    stage = context.versioned(s, i) or context.stages[s]
     if not training:
         del step.slots[s, i]  # nothing to keep for a backward
     loss_here = s == context.last_stage and not context.ends.output

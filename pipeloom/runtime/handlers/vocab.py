@@ -23,6 +23,16 @@ a process group of its own (the replica's pipeline ranks), so only the order
 of microbatches within one must agree between ranks, which the constructor
 checks. Waits use the pipeline's timeout and say which action waited.
 
+With sequence parallelism a rank's passes run on its own share of the tokens,
+and the groups are its pipeline's ranks, which share its sp (and dp) index,
+so the shards' statistics are reduced over the vocabulary, never over the
+sequence; S divides the loss by the tokens of the whole sequences, and the
+shards' gradients are summed over the sequence-parallel ranks with the
+stages'. With weight versions (2bw), the shards are one more versioned module
+(:data:`SHARDS`): every pass runs with the weights of its microbatch's step,
+and their gradient of a step is applied once the rank's last T and IB of it
+end (:func:`~pipeloom.runtime.grads.finals`), as a stage's.
+
 In a forward-only call (evaluation: IF, S, C and naive's Z and CZ) the passes
 keep nothing for a backward: no embedding partials, no vocab-2 ∇X parts; a
 microbatch's head state goes as soon as its loss is known.
@@ -53,6 +63,26 @@ from . import register
 #: (see :meth:`VocabPasses._check_order`).
 GROUPS = ("sum-embeddings", "share-output", "gather-stats", "sum-exp", "sum-grad-input", "gather-grad-input",
           "share-input-grad")
+#: The key of the vocabulary shards among the weight versions and the gradients' finals.
+SHARDS = "vocab"
+#: The passes that add to the shards' gradient.
+GRADIENT_PASSES = (T, IB)
+
+
+class _Shards(nn.Module):
+    """A rank's vocabulary shards as one module, for weight versions: ``forward(run, action)``
+    runs pass ``action`` with them. ``param_names``: the unsplit name of each parameter (a tied
+    head's is ``wte.weight``); ``tied``: none across ranks."""
+
+    tied = ()
+
+    def __init__(self, embedding: nn.Module, head: nn.Module, names: dict[int, str]):
+        super().__init__()
+        self.wte, self.lm_head = embedding, head
+        self.param_names = {n: names[id(p)] for n, p in self.named_parameters(remove_duplicate=False)}
+
+    def forward(self, run, action):
+        return run(action)
 
 
 class VocabPasses:
@@ -76,6 +106,8 @@ class VocabPasses:
         self.names = {id(self.embedding.weight): "wte.weight"}
         if not tied:
             self.names[id(self.head.weight)] = "lm_head.weight"
+        if context.versions:
+            context.versions.add(SHARDS, _Shards(self.embedding, self.head, self.names))
         schedule = context.schedule
         self.rank, self.pp = mesh.rank, mesh.layout.pp
         self.first, self.last = mesh.peers[schedule.placement[0]], mesh.peers[schedule.placement[-1]]
@@ -147,7 +179,8 @@ class VocabPasses:
         else:
             buffer = torch.empty((*tokens[i].shape, self.head.n_embd), dtype=context.dtype, device=context.device)
             x = self._receive("share-output", i, buffer, self.last, action, "the last stage's output")
-        denominator = targets[i].numel() * context.schedule.microbatches  # the mean over the replica's batch
+        # the mean over the replica's batch: this rank holds 1/sp of each sequence
+        denominator = targets[i].numel() * context.schedule.microbatches * context.mesh.layout.sp
         with context.autocasting():  # the head's products in the autocast dtype, T's as well
             self.states[i] = state = self.head.s_pass(x, targets[i], denominator)
         if self.head.algorithm == "vocab-2" and context.step.training:  # ∇X's parts: to the last stage's rank
@@ -263,8 +296,13 @@ class VocabPasses:
 
 
 def _pass(action: Action, context: Context) -> None:
-    """Run vocabulary pass ``action`` for its microbatch."""
-    getattr(context.extras["vocab"], "_" + action.kind.lower())(action)
+    """Run vocabulary pass ``action`` for its microbatch (with the weights of its step, under versions)."""
+    run = getattr(context.extras["vocab"], "_" + action.kind.lower())
+    versioned = context.versioned(SHARDS, action.microbatch)
+    if versioned:
+        versioned(run, action)
+    else:
+        run(action)
 
 
 for _kind in VOCAB_KINDS:

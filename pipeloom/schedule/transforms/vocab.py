@@ -26,7 +26,11 @@ as the families are built), the passes taking no time there:
 - IF(r,i) at the last point of rank r's list where stage 0's F(i-1) (F(0) for
   i = 0) has not started, so that the sum overlaps a step of work;
 - IB(r,i) at the first point after the end of stage 0's backward of i
-  (strictly after on the other ranks).
+  (strictly after on the other ranks);
+- with weight versions (2bw: V = 2), IF(r,i) and S(r,i) of step t no earlier
+  than rank r's T and IB of step t - V: the vocabulary shards' version of
+  step t is made once their gradient of step t - V is applied, as a stage's
+  is (:func:`check_versions` refuses lists that cannot keep this order).
 
 Dependencies: S(r,i) after the last stage's F(i); C(r,i) after S(q,i) on
 every rank q; Z(r,i) after C(r,i) and CZ(r,i) after Z(q,i) on every q
@@ -50,7 +54,7 @@ from ...errors import PipeloomError, ScheduleError
 from ...modes import VOCAB_ALGORITHMS, VocabMode
 from ..costs import Costs
 from ..deps import asap
-from ..ir import BW, B, F, Action, Schedule
+from ..ir import BW, B, F, W, Action, Schedule
 from ..kinds import RANK, Kind, get, register, register_inputs
 from . import insert
 
@@ -156,12 +160,27 @@ def add_vocab_passes(schedule: Schedule, algorithm: str) -> Schedule:
         return (*where, i, _ORDER[kind], Action(kind, rank, i))
 
     placed: list[list[tuple]] = [[] for _ in ranks]
+    m, versions = schedule.microbatches, schedule.weight_versions
+    updated: dict[tuple[int, int], tuple] = {}  # (rank, step) -> the key of its last T or IB of that step
+
+    def update_of(r: int, i: int) -> tuple | None:
+        """With weight versions, the key of rank r's last T or IB of the step whose update
+        makes microbatch i's version; else None."""
+        return updated.get((r, i // m - versions)) if versions > 1 else None
+
+    def versioned(r: int, e: tuple) -> tuple:
+        """Entry ``e`` (an S or IF of rank r), moved to just after :func:`update_of` where it came earlier."""
+        done = update_of(r, e[-1].microbatch)
+        return (*done[:3], done[3] + 0.5, e[-1]) if done and done > e[:4] else e
+
     for i in range(schedule.total_microbatches):
         ready = timeline.end(Action(F, last, i))
         late = timeline.start(backward(last, i))
         steps = []
         for n, kinds in enumerate(chain):
             at = [timeline.after(r, ready, n > 0 or r != head) for r in ranks]
+            if n == 0:  # S: after its version's update (the collective steps follow it)
+                at = [max(where, done[:2]) if (done := update_of(r, i)) else where for r, where in zip(ranks, at)]
             steps.append((kinds, at))
             ready = max(t for _, t in at)
         deadline = timeline.start(Action(F, 0, max(i - 1, 0)))
@@ -173,9 +192,11 @@ def add_vocab_passes(schedule: Schedule, algorithm: str) -> Schedule:
                     where = at[r]
                     if _ORDER[kind] <= gate:
                         where = (min(where[0], limit), min(where[1], late))
-                    placed[r].append(entry(kind, r, i, where))
-            placed[r].append(entry(IF, r, i, timeline.before(r, deadline)))
+                    placed[r].append(versioned(r, entry(kind, r, i, where)) if kind == S else entry(kind, r, i, where))
+            placed[r].append(versioned(r, entry(IF, r, i, timeline.before(r, deadline))))
             placed[r].append(entry(IB, r, i, timeline.after(r, done, r != first)))
+            grads = [e[:4] for e in placed[r][-len(passes):] if e[-1].kind in (T, IB)]
+            updated[r, i // m] = max(updated.get((r, i // m), ()), *grads)  # () sorts first
 
     return replace(schedule, ranks=insert(schedule.ranks, placed),
                    options={**schedule.options, "vocab_parallel": algorithm})
@@ -301,6 +322,41 @@ def check_passes(schedule: Schedule) -> None:
             for kind in passes:
                 if Action(kind, rank, mb) not in found:
                     raise ScheduleError(f"rank {rank}: the {algorithm} pass {Action(kind, rank, mb)} is missing")
+    if schedule.weight_versions > 1:
+        check_versions(schedule)
+
+
+#: With weight versions: the kinds that run with a step's weights, and those that finish a step's
+#: gradient, whose update makes the weights of the step ``weight_versions`` later.
+_READS, _FINISHES = (F, IF, S, T), (B, W, BW, T, IB)
+
+
+def versioned_microbatches(pp: int, algorithm: str) -> int:
+    """The fewest microbatches per step with which 2bw (1F1B without a flush, its warm-up longer by
+    the :data:`HEAD_DELAY` the passes ask for) passes :func:`check_versions`."""
+    return pp - 1 + HEAD_DELAY[algorithm]
+
+
+def check_versions(schedule: Schedule) -> None:
+    """With weight versions (2bw), each rank runs a stage's F, and its shards' IF, S and T, of
+    step t only after its passes that finish their gradient of step t - V (B, W, BW; T, IB),
+    whose update makes step t's weights: a third version would be needed otherwise."""
+    m, versions, algorithm = schedule.microbatches, schedule.weight_versions, schedule.vocab_parallel
+
+    def unit(a: Action) -> int | None:
+        """Whose weights ``a`` reads or whose gradient it finishes: a stage's, or (None) the shards'."""
+        return a.stage if a.kind in (F, B, W, BW) else None
+    for rank, actions in enumerate(schedule.ranks):
+        last = {(unit(a), a.microbatch // m): (k, a) for k, a in enumerate(actions) if a.kind in _FINISHES}
+        for k, a in enumerate(actions):
+            end, grad = last.get((unit(a), a.microbatch // m - versions), (-1, None))
+            if a.kind in _READS and end > k:
+                delay = HEAD_DELAY[algorithm]
+                raise ScheduleError(
+                    f"{schedule.family} with {algorithm}: rank {rank} runs {a} before {grad}, whose update makes "
+                    f"{a}'s weights (a third weight version); the passes delay the last stage's backward by {delay} "
+                    f"interval{'s' if delay > 1 else ''}: use microbatches >= "
+                    f"{versioned_microbatches(schedule.pp, algorithm)} (got {m})")
 
 
 def _kind(name: str, label: str, needs, **facts) -> None:
