@@ -37,3 +37,5 @@ def test_vocabulary_parallel_with_sequence_parallel():
     cases = [(algorithm, dict(schedule="1f1b", pp=2, microbatches=4, sp=2, vocab_parallel=algorithm, timeout=30))
              for algorithm in ("vocab-1", "vocab-2")]
     check(spawn(4, parity_worker, cases, {"vocab_size": 203}, 8, 32, timeout=240))
+    # the Llama family, whose rotary positions count from each rank's share of the sequence
+    check(spawn(4, parity_worker, cases[1:], {"vocab_size": 203}, 8, 32, None, None, "llama-tiny", timeout=240))
