@@ -64,7 +64,7 @@ def test_bounds_hold_for_every_candidate():
     assert len(plans) > 20
     for c, plan in plans.items():
         assert costing.bound_ms(c) <= plan.step_ms * (1 + 1e-9)
-        assert costing.memory_lower_bound(c) <= max(plan.peak_memory_bytes)
+        assert costing.memory_lower_bound(c) <= costing.activation_memory_bound(c) <= max(plan.peak_memory_bytes)
 
 
 def _train_args(line: str):

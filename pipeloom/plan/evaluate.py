@@ -147,6 +147,20 @@ class Costing:
             bound = max(bound, wait + busy + (max(tail) if c.schedule == "2bw" else tail[rank]))
         return bound
 
+    def activation_memory_bound(self, c: Candidate) -> float:
+        """Bytes the busiest rank needs at least once its costs are known: when a forward of its
+        stage ends, the model state but the gradients (which may not exist yet) and that
+        microbatch's activations (recomputed: its rerun too), or the whole state."""
+        costs = self._both(c)[1]
+        held, grad = state_bytes_per_param(self.request.bytes_per_param, 2 if c.schedule == "2bw" else 0)
+        shard, params = _parameters(self.request, c)
+        bound = 0.0
+        for stages in stages_of_ranks(c):
+            state = sum(params[s] for s in stages)
+            first = max(held * state + max(costs.m_b[s] for s in stages), (held + grad) * state)
+            bound = max(bound, self.request.bytes_per_param * shard + first + max(costs.m_rerun[s] for s in stages))
+        return bound
+
     def memory_lower_bound(self, c: Candidate) -> float:
         """Bytes the busiest rank needs at least: its model state (2bw: with its weight versions)."""
         per_param = sum(state_bytes_per_param(self.request.bytes_per_param, 2 if c.schedule == "2bw" else 0))

@@ -66,6 +66,8 @@ def search(request: PlanRequest) -> Search:
         for variant_bound, c in variants:
             if best is not None and (best.beats(variant_bound) or best.candidate == base):
                 break  # recomputing or offloading never makes a step faster: the bare layout is its best
+            if costing.activation_memory_bound(c) > memory:
+                continue  # cannot fit: not worth simulating
             plan = _try(costing, c)
             simulated += plan is not None
             if plan is not None and plan.fits and (best is None or plan.key < best.key):
