@@ -20,6 +20,7 @@ from ..errors import PipeloomError
 from ..modes import RECOMPUTE
 from ..schedule import Schedule, build, get_family
 from ..schedule.costs import Costs, StageCosts
+from ..schedule.deps import peak_activation
 from ..schedule.ir import looped_placement, v_placement
 from ..schedule.transforms.offload import Offload
 from ..sim import Result, simulate
@@ -148,16 +149,26 @@ class Costing:
         return bound
 
     def activation_memory_bound(self, c: Candidate) -> float:
-        """Bytes the busiest rank needs at least once its costs are known: when a forward of its
-        stage ends, the model state but the gradients (which may not exist yet) and that
-        microbatch's activations (recomputed: its rerun too), or the whole state."""
+        """Bytes the busiest rank needs at least once its costs are known: the model state but the
+        gradients (which may not exist yet) plus its activations at their peak (recomputed: a
+        stage's rerun too), or the whole state. Without offload the peak is its list's, which
+        depends on the order only (:func:`~pipeloom.schedule.deps.peak_activation`); with it, at
+        least one microbatch's, when a forward ends."""
         costs = self._both(c)[1]
         held, grad = state_bytes_per_param(self.request.bytes_per_param, 2 if c.schedule == "2bw" else 0)
         shard, params = _parameters(self.request, c)
+        ranks = None
+        if c.offload == "none":
+            try:
+                ranks = self.schedule(c, 2 if c.schedule == "2bw" else None).ranks  # as evaluated
+            except PipeloomError:
+                pass
         bound = 0.0
-        for stages in stages_of_ranks(c):
+        for rank, stages in enumerate(stages_of_ranks(c)):
             state = sum(params[s] for s in stages)
-            first = max(held * state + max(costs.m_b[s] for s in stages), (held + grad) * state)
+            peak = (peak_activation(ranks[rank], costs.memory_delta) if ranks is not None
+                    else max(costs.m_b[s] for s in stages))
+            first = max(held * state + peak, (held + grad) * state)
             bound = max(bound, self.request.bytes_per_param * shard + first + max(costs.m_rerun[s] for s in stages))
         return bound
 
