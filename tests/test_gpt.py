@@ -10,7 +10,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from pipeloom.errors import PipeloomError  # noqa: E402
-from pipeloom.nn import PRESETS, GPT, GPTConfig, Linear, WeightGradStore, defer_weight_grads  # noqa: E402
+from pipeloom.nn import PRESETS, GPT, GPTConfig, Linear, WeightGradStore, defer_weight_grads, preset_config  # noqa: E402
 from pipeloom.runtime.local import spawn  # noqa: E402
 from pipeloom.sim import MODELS, ModelSpec, stage_parameters  # noqa: E402
 
@@ -99,8 +99,10 @@ def test_every_linear_layer_is_pipeloom_linear():
     [(1, None), (2, None), (3, None), (4, None), (2, [1, 3]), (3, [0, 3, 1]), (4, [2, 0, 1, 1]), (3, [1, 1, 2])],
 )
 @pytest.mark.parametrize("tied", [False, True])
-def test_split_matches_unsplit(n_stages, layers_per_stage, tied):
-    model = tiny(tie_embeddings=tied)
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+def test_split_matches_unsplit(n_stages, layers_per_stage, tied, preset):
+    torch.manual_seed(0)
+    model = preset_config(preset, tie_embeddings=tied).build()
     tokens, targets = batch(model.config)
     want_loss, want_grads = unsplit_step(model, tokens, targets)
     want_logits = model(tokens).detach()
