@@ -3,6 +3,7 @@ placement and selection, the validator's rules for OFFLOAD/RELOAD, and the
 copy stream's timing and memory against hand-computed cases."""
 
 import json
+import random
 
 import pytest
 
@@ -10,6 +11,8 @@ from pipeloom.cli import main
 from pipeloom.errors import PipeloomError, ScheduleError
 from pipeloom.schedule import (BW, FAMILIES, OFFLOAD, RELOAD, Action, Costs, Offload, Schedule, build, lower,
                                to_torch_csv, validate)
+from pipeloom.schedule.deps import peak_activation
+from pipeloom.schedule.transforms.offload import copyable
 from pipeloom.sim import chrome_trace, simulate, text_grid
 from pipeloom.sim.model import costs_from_model, offload_time_ratio
 
@@ -50,6 +53,32 @@ def test_every_family_offloads_lowers_and_never_raises_the_peak(name):
     before, after = simulate(base, COSTS), simulate(schedule, COSTS)
     assert max(after.peak_activation) < max(before.peak_activation)
     assert after.makespan == pytest.approx(before.makespan, rel=0.02)  # copies of 0.2 per F hide
+
+
+@pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"dualpipev"}))
+def test_its_list_bounds_the_offloaded_peak_on_any_costs(name):
+    """The planner's memory bound: every pair a policy copies is ``copyable`` in the list without
+    offload, and a list's peak with its copied pairs held only in F and from their backward on is
+    at most the simulated peak, under costs unlike the unit costs that placed the copies."""
+    rng = random.Random(name)
+    options = {"steps": 2} if name == "2bw" else {}
+    base = build(name, 4, 8, **options)
+    for policy, ratio in (("full", None), ("selective", 0.5)):
+        schedule = build(name, 4, 8, transforms=[Offload(policy, ratio)], **options)
+        for _ in range(4):
+            costs = Costs(f=rng.uniform(0.5, 2), b=rng.uniform(0.5, 2), w=rng.uniform(0.2, 1), comm=rng.uniform(0, 0.5),
+                          m_b=1, m_w=rng.uniform(0.1, 0.9), extra={"offload": rng.uniform(0, 3)})
+            result = simulate(schedule, costs)
+            delta = result.costs.memory_delta
+            for rank, (bare, actions) in enumerate(zip(base.ranks, schedule.ranks)):
+                copied = {(a.stage, a.microbatch) for a in actions if a.kind == RELOAD}
+                assert copied <= set(copyable(bare))
+                held = {pair: result.costs.m_b[pair[0]] for pair in copyable(bare)}
+                least = peak_activation(bare, delta, held)
+                bound = peak_activation(actions, delta, {pair: held[pair] for pair in copied})
+                assert least <= bound <= result.peak_activation[rank] * (1 + 1e-12)
+                if rank == 0:
+                    assert least < peak_activation(bare, delta)  # copying lowers the bound
 
 
 def test_with_vocabulary_passes():

@@ -7,8 +7,9 @@ chain ended, or when its input arrived) is a chain under any costs too: its
 actions' durations and its transfers, summed under other costs, are a lower
 bound on the step under those costs. One simulation of a schedule so bounds
 every other candidate that runs the same schedule on other costs (another
-microbatch size, data-parallel width, recomputation...), which is what lets
-the search skip most simulations.
+microbatch size, data-parallel width, recomputation...), and every one that
+runs it with host copies added (offload only adds inputs to the compute
+actions), which is what lets the search skip most simulations.
 """
 
 from __future__ import annotations

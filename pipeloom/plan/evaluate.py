@@ -13,7 +13,8 @@ backward, simulated activations, the transients of attention and recomputation).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..errors import PipeloomError
@@ -21,8 +22,8 @@ from ..modes import RECOMPUTE
 from ..schedule import Schedule, build, get_family
 from ..schedule.costs import Costs, StageCosts
 from ..schedule.deps import peak_activation
-from ..schedule.ir import looped_placement, v_placement
-from ..schedule.transforms.offload import Offload
+from ..schedule.ir import Action, looped_placement, v_placement
+from ..schedule.transforms.offload import RELOAD, Offload, copyable
 from ..sim import Result, simulate
 from ..sim.model import (
     GRAD_BYTES_PER_PARAM, costs_from_model, layer_flops, peak_memory_bytes, stage_parameters, state_bytes_per_param,
@@ -99,18 +100,19 @@ class Costing:
 
     def evaluate(self, c: Candidate) -> Plan:
         """Simulate ``c`` and cost it (raises :class:`~pipeloom.errors.PipeloomError` when its
-        schedule cannot be built); its critical path then bounds every candidate of its schedule."""
+        schedule cannot be built); its critical path then bounds every candidate of its schedule,
+        offloaded or not (copies only add inputs to the compute, so they never make it faster)."""
         plan = evaluate(self.request, c, self.costs(c), self.schedule)
-        shape = _shape(c)
-        if shape not in self._paths and c.schedule != "2bw" and c.offload == "none":
-            self._paths[shape] = critical_path(plan.result)
+        key = _shape(c)[:-1]
+        if key not in self._paths and c.schedule != "2bw" and c.offload == "none":
+            self._paths[key] = critical_path(plan.result)
         return plan
 
     def bound_ms(self, c: Candidate) -> float:
-        """:meth:`lower_bound_ms`, raised by the critical path of ``c``'s schedule once one
-        candidate of that schedule has been simulated (:mod:`pipeloom.plan.bounds`)."""
+        """:meth:`lower_bound_ms`, raised by the critical path of ``c``'s schedule without offload
+        once one candidate of that schedule has been simulated (:mod:`pipeloom.plan.bounds`)."""
         bound = self.lower_bound_ms(c)
-        path = self._paths.get(_shape(c))
+        path = self._paths.get(_shape(c)[:-1])
         if path is not None:
             bound = max(bound, path.length(self._both(c)[1]) + self.tail_ms(c)[path.rank])
         return bound
@@ -148,26 +150,48 @@ class Costing:
             bound = max(bound, wait + busy + (max(tail) if c.schedule == "2bw" else tail[rank]))
         return bound
 
-    def activation_memory_bound(self, c: Candidate) -> float:
+    def activation_memory_bound(self, c: Candidate, limit: float = math.inf) -> float:
         """Bytes the busiest rank needs at least once its costs are known: the model state but the
         gradients (which may not exist yet) plus its activations at their peak (recomputed: a
-        stage's rerun too), or the whole state. Without offload the peak is its list's, which
-        depends on the order only (:func:`~pipeloom.schedule.deps.peak_activation`); with it, at
-        least one microbatch's, when a forward ends."""
+        stage's rerun too), or the whole state. The peak is its list's, which depends on the order
+        only (:func:`~pipeloom.schedule.deps.peak_activation`); with offload, each pair that is
+        copied to host held only while its F runs and from its backward's start: first every pair
+        that may be copied (:func:`~pipeloom.schedule.transforms.offload.copyable`, from the list
+        without offload), then, while that bound is within ``limit``, those the offloaded list
+        copies (building it)."""
+        bound = self._state_and_peaks(c, self._list_peaks(c, None if c.offload == "none" else "copyable"))
+        if c.offload != "none" and bound <= limit:
+            bound = max(bound, self._state_and_peaks(c, self._list_peaks(c, "copied")))
+        return bound
+
+    def _list_peaks(self, c: Candidate, away: str | None) -> list[float] | None:
+        """Per rank, :func:`peak_activation` of the list ``c`` runs (``away``: of the list without
+        offload, pairs that are "copyable", or of the offloaded list, the pairs it has "copied"),
+        or None where the schedule cannot be built."""
+        try:
+            schedule = self.schedule(replace(c, offload="none") if away == "copyable" else c,
+                                     2 if c.schedule == "2bw" else None)  # as evaluated
+        except PipeloomError:
+            return None
+        costs = self._both(c)[1]
+        peaks = []
+        for actions in schedule.ranks:
+            pairs = (copyable(actions) if away == "copyable" else
+                     [(a.stage, a.microbatch) for a in actions if a.kind == RELOAD] if away == "copied" else None)
+            held = None if pairs is None else {pair: costs.memory_delta(Action(RELOAD, *pair)) for pair in pairs}
+            peaks.append(peak_activation(actions, costs.memory_delta, held))
+        return peaks
+
+    def _state_and_peaks(self, c: Candidate, peaks: list[float] | None) -> float:
+        """The busiest rank's state but gradients plus its activation ``peaks`` (None: one
+        microbatch's) and reruns, or its whole state."""
         costs = self._both(c)[1]
         held, grad = state_bytes_per_param(self.request.bytes_per_param, 2 if c.schedule == "2bw" else 0)
         shard, params = _parameters(self.request, c)
-        ranks = None
-        if c.offload == "none":
-            try:
-                ranks = self.schedule(c, 2 if c.schedule == "2bw" else None).ranks  # as evaluated
-            except PipeloomError:
-                pass
         bound = 0.0
         for rank, stages in enumerate(stages_of_ranks(c)):
             state = sum(params[s] for s in stages)
-            peak = (peak_activation(ranks[rank], costs.memory_delta) if ranks is not None
-                    else max(costs.m_b[s] for s in stages))
+            peak = peaks[rank] if peaks is not None else max(costs.m_b[s] for s in stages)
             first = max(held * state + peak, (held + grad) * state)
             bound = max(bound, self.request.bytes_per_param * shard + first + max(costs.m_rerun[s] for s in stages))
         return bound
@@ -180,7 +204,7 @@ class Costing:
 
 
 def _shape(c: Candidate) -> tuple:
-    """What fixes ``c``'s schedule."""
+    """What fixes ``c``'s schedule (its offload last)."""
     return c.schedule, c.pp, c.microbatches, c.chunks, c.vocab_parallel, c.offload
 
 

@@ -66,7 +66,7 @@ def search(request: PlanRequest) -> Search:
         for variant_bound, c in variants:
             if best is not None and (best.beats(variant_bound) or best.candidate == base):
                 break  # recomputing or offloading never makes a step faster: the bare layout is its best
-            if costing.activation_memory_bound(c) > memory:
+            if costing.activation_memory_bound(c, memory) > memory:
                 continue  # cannot fit: not worth simulating
             plan = _try(costing, c)
             simulated += plan is not None

@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 
 from ..errors import ScheduleError
 from . import compute  # noqa: F401  (registers F, B, W, BW)
-from .ir import BW, B, Action, Schedule
+from .ir import BW, B, F, Action, Schedule
 from .kinds import COMPOUND, INPUT_RULES, KINDS, RANK, get, parts
 
 _new = tuple.__new__  # builds an Action without NamedTuple's slower constructor (hot path)
@@ -209,13 +209,29 @@ def _deadlock_message(schedule: Schedule, pos: list[int], blocked_on: dict[int, 
     return "deadlock: " + "; ".join(waits(q) for q in seen)
 
 
-def peak_activation(actions: Iterable[Action], delta: Callable[[Action], float]) -> float:
+def peak_activation(
+    actions: Iterable[Action], delta: Callable[[Action], float], away: dict[tuple[int, int], float] | None = None,
+) -> float:
     """Peak activation memory of one rank's list, which depends on the order
     only; ``delta(action)`` is the action's :func:`memory_delta` (a compound's
-    parts count one after the other)."""
+    parts count one after the other).
+
+    ``away`` maps (stage, microbatch) pairs to bytes copied to host from their
+    F's end to their backward's start, the copies (side-stream actions) left
+    out: on any timeline a copy to host frees its bytes after the F ends and
+    the copy back holds them before the backward starts, so the rank's peak
+    is then at least the one returned."""
     level = peak = 0.0
     for action in actions:
+        if away is not None and KINDS[action[0]].stream:
+            continue
         for part in parts(action):
+            kind, pair = part[0], (part[1], part[2])
+            if away and (kind == B or kind == BW) and pair in away:
+                level += away[pair]
+                peak = max(peak, level)
             level += delta(part)
             peak = max(peak, level)
+            if away and kind == F and pair in away:
+                level -= away[pair]
     return peak

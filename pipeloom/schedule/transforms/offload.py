@@ -188,6 +188,20 @@ class _Pairs:
         return events
 
 
+def copyable(actions) -> list[tuple[int, int]]:
+    """The (stage, microbatch) pairs of one rank's list, before offload, that a
+    policy may copy: those with at least two actions between
+    their F and their backward (OFFLOAD goes right after F, RELOAD at least one
+    action later, :meth:`_Pairs.reload_at`), whatever the costs."""
+    forwards, found = {}, []
+    for k, a in enumerate(actions):
+        if a.kind == F:
+            forwards[a.stage, a.microbatch] = k
+        elif a.kind in (B, BW) and k - forwards.get((a.stage, a.microbatch), k) > 2:
+            found.append((a.stage, a.microbatch))
+    return found
+
+
 def _peak(events: list[tuple[float, float]]) -> tuple[float, float]:
     """Highest level of a memory profile and the first time it is reached (falls before rises at one instant)."""
     level, peak, when = 0.0, 0.0, 0.0
