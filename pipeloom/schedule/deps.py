@@ -13,6 +13,7 @@ simulator times schedules with it and the validator finds deadlocks with it.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import Callable, Iterable
 
@@ -110,72 +111,139 @@ def asap(
     side-stream results beyond everything else they waited for. Raises
     :class:`ScheduleError` naming the ranks, the actions and what they wait
     for if the lists deadlock.
+
+    ``duration`` and ``transfer`` are asked once per distinct (kind, stage,
+    payload): an action's time must not depend on its microbatch. What does
+    not depend on the costs is worked out once per schedule (:class:`_Program`).
     """
-    deps_of = Dependencies(schedule)
-    placement = schedule.placement
-    by_rank = frozenset(name for name, kind in KINDS.items() if kind.owner == RANK)
-    reduced = frozenset(name for name, kind in KINDS.items() if kind.reduced)
-    present = {a[0] for actions in schedule.ranks for a in actions}
-    side = {name: kind.stream for name, kind in KINDS.items() if kind.stream and name in present}
-    streams: list[dict[str, float]] = [{} for _ in range(len(schedule.ranks))]
-    lists = schedule.ranks
-    p = len(lists)
-    starts = [[0.0] * len(actions) for actions in lists]
-    ends = [[0.0] * len(actions) for actions in lists]
-    finished: dict[Action, float] = {}
-    waiting: dict[Action, list[int]] = {}
-    blocked_on: dict[int, Action] = {}
-    pos = [0] * p
-    clock = [0.0] * p
-    ready = deque(range(p))
-    get = finished.get
-    while ready:
-        r = ready.popleft()
-        blocked_on.pop(r, None)
-        actions, k, t = lists[r], pos[r], clock[r]
-        n = len(actions)
-        while k < n:
-            action = actions[k]
-            stream = side.get(action[0]) if side else None
-            start = max(t, streams[r].get(stream, 0.0)) if stream else t
-            side_end = 0.0
-            for dep in deps_of(action):
-                end = get(dep)
-                owner = dep[1] if dep[0] in by_rank else placement[dep[1]]
-                if end is None:
-                    if owner == r:
-                        _local_order_error(schedule, r, k, action, dep)
-                    waiting.setdefault(dep, []).append(r)
-                    blocked_on[r] = dep
-                    break
-                if owner != r or dep[0] in reduced:
-                    end += transfer(dep)
-                if side and dep[0] in side and not stream:
-                    side_end = max(side_end, end)
-                elif end > start:
-                    start = end
-            else:
+    return _program(schedule).run(duration, transfer, waits)
+
+
+class _Program:
+    """What :func:`asap` needs of one schedule, whatever the costs: its actions in
+    an order that runs each after its inputs, each with the slots its start is
+    the largest of. Slot ``q`` holds the end of the ``q``-th action of the ranks'
+    lists laid end to end, slot ``n + q`` its arrival on another rank or through
+    a collective (end plus transfer), slot ``2n`` holds 0.0."""
+
+    def __init__(self, schedule: Schedule):
+        lists = schedule.ranks
+        offsets = [0]
+        for actions in lists:
+            offsets.append(offsets[-1] + len(actions))
+        n = self.n = offsets[-1]
+        zero = 2 * n
+        deps_of = Dependencies(schedule)
+        placement = schedule.placement
+        by_rank = frozenset(name for name, kind in KINDS.items() if kind.owner == RANK)
+        reduced = frozenset(name for name, kind in KINDS.items() if kind.reduced)
+        side = {name: kind.stream for name, kind in KINDS.items() if kind.stream}
+        flat = [action for actions in lists for action in actions]
+        keys: dict[tuple, int] = {}  # each distinct (kind, stage, payload), numbered
+        key_at = [keys.setdefault((a[0], a[1], a[3]), len(keys)) for a in flat]
+        #: an action of each key, standing for all in timing
+        self.timed: list[Action] = list(dict(zip(key_at, flat)).values())
+        sent: set[int] = set()  # keys of the actions whose arrival another reads
+        # in the order the actions can run: each one's slot, its inputs' slots and, when
+        # it waits for side-stream results, (its rank, their slots)
+        order, inputs_of, sides = [], [], []
+        done: dict[Action, int] = {}
+        waiting: dict[Action, list[int]] = {}
+        blocked_on: dict[int, Action] = {}
+        pos = [0] * len(lists)
+        clock = [zero] * len(lists)  # the slot of each rank's latest compute end
+        streams: list[dict[str, int]] = [{} for _ in lists]
+        ready = deque(range(len(lists)))
+        while ready:
+            r = ready.popleft()
+            blocked_on.pop(r, None)
+            actions, k = lists[r], pos[r]
+            while k < len(actions):
+                action = actions[k]
+                stream = side.get(action[0])
+                inputs = [clock[r], streams[r].get(stream, zero)] if stream else [clock[r]]
+                waited = None
+                for dep in deps_of(action):
+                    q = done.get(dep)
+                    owner = dep[1] if dep[0] in by_rank else placement[dep[1]]
+                    if q is None:
+                        if owner == r:
+                            _local_order_error(schedule, r, k, action, dep)
+                        waiting.setdefault(dep, []).append(r)
+                        blocked_on[r] = dep
+                        break
+                    if owner != r or dep[0] in reduced:
+                        sent.add(key_at[q])
+                        q += n
+                    if dep[0] in side and not stream:
+                        waited = (waited or [zero]) + [q]
+                    else:
+                        inputs.append(q)
+                else:
+                    slot = offsets[r] + k
+                    order.append(slot)
+                    inputs_of.append(tuple(inputs))
+                    sides.append(waited and (r, tuple(waited)))
+                    if stream:
+                        streams[r][stream] = slot
+                    else:
+                        clock[r] = slot
+                    done[action] = slot
+                    k += 1
+                    for other in waiting.pop(action, ()):
+                        ready.append(other)
+                    continue
+                break
+            pos[r] = k
+        if any(pos[r] < len(lists[r]) for r in range(len(lists))):
+            raise ScheduleError(_deadlock_message(schedule, pos, blocked_on))
+        self.sent = sorted(sent)
+        #: parallel lists, zipped by :meth:`run`: slot, inputs, key and side-stream inputs of each action
+        self.steps = order, inputs_of, [key_at[slot] for slot in order], sides
+        self.bounds = list(zip(offsets, offsets[1:]))
+
+    def run(self, duration, transfer, waits):
+        """:func:`asap`'s times under these costs."""
+        times = [duration(action) for action in self.timed]
+        delays = [0.0] * len(times)  # read only for the keys in self.sent
+        for key in self.sent:
+            delays[key] = transfer(self.timed[key])
+        n = self.n
+        slots = [0.0] * (2 * n + 1)
+        starts = [0.0] * n
+        get = slots.__getitem__
+        for slot, inputs, key, waited in zip(*self.steps):
+            start = max(map(get, inputs))
+            if waited:
+                r, side = waited
+                side_end = max(map(get, side))
                 if side_end > start:
                     if waits is not None:
                         waits[r] += side_end - start
                     start = side_end
-                end = start + duration(action)
-                if stream:
-                    streams[r][stream] = end
-                else:
-                    t = end
-                starts[r][k] = start
-                ends[r][k] = end
-                finished[action] = end
-                k += 1
-                for other in waiting.pop(action, ()):
-                    ready.append(other)
-                continue
-            break
-        pos[r], clock[r] = k, t
-    if any(pos[r] < len(lists[r]) for r in range(p)):
-        raise ScheduleError(_deadlock_message(schedule, pos, blocked_on))
-    return starts, ends
+            starts[slot] = start
+            slots[slot] = end = start + times[key]
+            slots[slot + n] = end + delays[key]
+        return [starts[a:b] for a, b in self.bounds], [slots[a:b] for a, b in self.bounds]
+
+
+#: id(schedule) -> (the kinds and input rules it was compiled under, a weak reference to it, its program)
+_programs: dict[int, tuple[tuple, weakref.ref, _Program]] = {}
+
+
+def _program(schedule: Schedule) -> _Program:
+    """``schedule``'s :class:`_Program`, compiled on its first use and kept while the
+    schedule lives. The cache is keyed by identity, not equality: equal schedules
+    may differ in their options, and hashing one walks every action. The weak
+    reference drops the entry when the schedule dies; a kind or input rule
+    registered since the compilation compiles it again."""
+    registry = (tuple(KINDS.values()), tuple(INPUT_RULES))
+    key = id(schedule)
+    entry = _programs.get(key)
+    if entry is None or entry[0] != registry:
+        entry = _programs[key] = (registry, weakref.ref(schedule, lambda _: _programs.pop(key, None)),
+                                  _Program(schedule))
+    return entry[2]
 
 
 def _local_order_error(schedule: Schedule, rank: int, k: int, action: Action, dep: Action) -> None:

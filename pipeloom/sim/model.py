@@ -92,8 +92,7 @@ from ..partition import balanced_layers, split_layers, stage_totals
 from ..presets import SIZES
 from ..schedule import build
 from ..schedule.costs import Costs
-from ..schedule.kinds import STAGE, parts
-from ..schedule.kinds import get as get_kind
+from ..schedule.kinds import KINDS, STAGE, parts
 from .simulate import Result, simulate
 
 if TYPE_CHECKING:
@@ -749,11 +748,14 @@ def _with_gradients(result: Result, rank: int, grads: dict[int, float]) -> float
     (``grads``: bytes per stage) of the stages whose backward has begun: a
     stage's gradient appears when its first action timed by the ``b`` or ``w``
     cost (or a compound action holding one) starts."""
+    graded = {name for name, kind in KINDS.items() if kind.owner == STAGE and {"b", "w"} & set(kind.cost)}
     first = {}
-    for event in result.events[rank]:
-        for kind, stage, _, _ in parts(event.action):
-            if get_kind(kind).owner == STAGE and stage not in first and {"b", "w"} & set(get_kind(kind).cost):
-                first[stage] = event.start
+    for action, start in zip(result.schedule.ranks[rank], result.starts[rank]):
+        for kind, stage, _, _ in parts(action):
+            if kind in graded and stage in grads and stage not in first:
+                first[stage] = start
+        if len(first) == len(grads):
+            break
     appear = sorted((first.get(s, math.inf), g) for s, g in grads.items())
     peak, held, k = 0.0, 0.0, 0
     for t, level in result.memory_timeline(rank):

@@ -125,11 +125,15 @@ class Result:
     def memory_timeline(self, rank: int) -> list[tuple[float, float]]:
         """(time, activation memory) steps of one rank, in time order: memory
         grows when an action starts and shrinks when it ends."""
-        return _levels(((e.action, e.start, e.end) for e in self.events[rank]), self.costs.memory_delta)
+        return _levels(self._times(rank), self.costs.memory_delta)
 
     def host_timeline(self, rank: int) -> list[tuple[float, float]]:
         """(time, host memory) steps of one rank, as :meth:`memory_timeline`."""
-        return _levels(((e.action, e.start, e.end) for e in self.events[rank]), self.costs.host_delta)
+        return _levels(self._times(rank), self.costs.host_delta)
+
+    def _times(self, rank: int):
+        """(action, start, end) of one rank's actions, in list order."""
+        return zip(self.schedule.ranks[rank], self.starts[rank], self.ends[rank])
 
 
 def _levels(times, delta) -> list[tuple[float, float]]:
@@ -137,11 +141,15 @@ def _levels(times, delta) -> list[tuple[float, float]]:
     from (action, start, end) triples: a rise at the start, a fall at the end
     (each part of a compound action on its own: the F of an overlapped pair
     holds its activations from the start, the backward frees its own at the
-    end); changes at one instant in list order."""
-    changes, ordered, last = [], True, 0.0
+    end); changes at one instant in list order. ``delta`` is asked once per
+    distinct (kind, stage, payload)."""
+    changes, ordered, last, known = [], True, 0.0, {}
     for action, start, end in times:
         for part in parts(action) if action[0] in COMPOUND else (action,):
-            d = delta(part)
+            key = part[0], part[1], part[3]
+            d = known.get(key)
+            if d is None:
+                d = known[key] = delta(part)
             if d:
                 t = start if d > 0 else end
                 ordered = ordered and t >= last
