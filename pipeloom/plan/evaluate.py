@@ -19,7 +19,7 @@ from functools import lru_cache
 
 from ..errors import PipeloomError
 from ..modes import RECOMPUTE
-from ..schedule import Schedule, build, get_family
+from ..schedule import Schedule, build, get_family, validate
 from ..schedule.costs import Costs, StageCosts
 from ..schedule.deps import peak_activation
 from ..schedule.ir import Action, looped_placement, v_placement
@@ -108,6 +108,10 @@ class Costing:
             self._paths[key] = critical_path(plan.result)
         return plan
 
+    def has_path(self, c: Candidate) -> bool:
+        """Whether a simulation has given ``c``'s schedule its critical path."""
+        return _shape(c)[:-1] in self._paths
+
     def bound_ms(self, c: Candidate) -> float:
         """:meth:`lower_bound_ms`, raised by the critical path of ``c``'s schedule without offload
         once one candidate of that schedule has been simulated (:mod:`pipeloom.plan.bounds`)."""
@@ -118,11 +122,13 @@ class Costing:
         return bound
 
     def schedule(self, c: Candidate, steps: int | None = None) -> Schedule:
-        """:func:`schedule_of`, built once for every candidate that runs the same one."""
+        """:func:`schedule_of`, built once for every candidate that runs the same one (with
+        offload: the copies added to the one built without)."""
         key = _shape(c), steps
         if key not in self._schedules:
             try:
-                self._schedules[key] = schedule_of(c, steps)
+                self._schedules[key] = (schedule_of(c, steps) if c.offload == "none" else
+                                        offloaded(self.schedule(replace(c, offload="none"), steps), c))
             except PipeloomError as err:
                 self._schedules[key] = err
         if isinstance(self._schedules[key], PipeloomError):
@@ -236,8 +242,12 @@ def schedule_of(c: Candidate, steps: int | None = None) -> Schedule:
     options = {"vocab_parallel": c.vocab_parallel} if c.vocab_parallel != "none" else {}
     if steps is not None:
         options["steps"] = steps
-    return build(c.schedule, c.pp, c.microbatches, c.chunks, transforms=[Offload(c.offload, c.offload_ratio)],
-                 **options)
+    return offloaded(build(c.schedule, c.pp, c.microbatches, c.chunks, **options), c)
+
+
+def offloaded(schedule: Schedule, c: Candidate) -> Schedule:
+    """``schedule`` with ``c``'s offload, checked."""
+    return schedule if c.offload == "none" else validate(Offload(c.offload, c.offload_ratio).apply(schedule))
 
 
 def optimizer_ms(request: PlanRequest, c: Candidate) -> list[float]:

@@ -52,11 +52,19 @@ def search(request: PlanRequest) -> Search:
              enumerate(bases.items())]
     heapq.heapify(queue)
     kept: list[tuple] = []  # the best plans so far, a heap whose first entry is the worst
-    simulated = 0
+    tried: dict[Candidate, Plan | None] = {}
+
+    def attempt(c: Candidate) -> Plan | None:
+        if c not in tried:
+            tried[c] = _try(costing, c)
+        return tried[c]
+
     while queue:
         bound, n, base = heapq.heappop(queue)
         if len(kept) == request.top and kept[0][1].beats(bound):
             break
+        if base.schedule != "2bw" and base not in tried and not costing.has_path(base):
+            attempt(base)  # fitting or not, its critical path bounds every variant: put it back on that
         variants = sorted(((costing.bound_ms(c), c) for c in bases[base]), key=_variant_order)
         least = min(b for b, _ in variants)
         if least > bound:
@@ -66,10 +74,9 @@ def search(request: PlanRequest) -> Search:
         for variant_bound, c in variants:
             if best is not None and (best.beats(variant_bound) or best.candidate == base):
                 break  # recomputing or offloading never makes a step faster: the bare layout is its best
-            if costing.activation_memory_bound(c, memory) > memory:
+            if c not in tried and costing.activation_memory_bound(c, memory) > memory:
                 continue  # cannot fit: not worth simulating
-            plan = _try(costing, c)
-            simulated += plan is not None
+            plan = attempt(c)
             if plan is not None and plan.fits and (best is None or plan.key < best.key):
                 best = plan
         if best is not None:
@@ -79,6 +86,7 @@ def search(request: PlanRequest) -> Search:
     if not kept:
         raise PipeloomError(_smallest_memory(request, costing, pool))
     plans = sorted((entry[1] for entry in kept), key=lambda p: p.key)
+    simulated = sum(plan is not None for plan in tried.values())
     return Search(plans, len(pool), simulated, time.perf_counter() - started)
 
 

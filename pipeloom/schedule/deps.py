@@ -44,6 +44,7 @@ class Dependencies:
         #: (stage, microbatch) of the fused backwards of stages that split others (DualPipeV mixes them)
         self.fused = self.split and frozenset((a[1], a[2]) for a in backwards if a[0] == BW and a[1] in self.split)
         self._facts: dict = {}
+        self._every: dict[tuple[str, int], tuple[Action, ...]] = {}
         self._needs = {name: self._parts_need if kind.compound else kind.needs for name, kind in KINDS.items()}
         self.rules = [rule for factory in INPUT_RULES if (rule := factory(schedule)) is not None]
 
@@ -71,8 +72,13 @@ class Dependencies:
         return _new(Action, (B if split else BW, s, i, ()))
 
     def every(self, kind: str, i: int) -> tuple[Action, ...]:
-        """``kind`` of microbatch ``i`` on every rank: the inputs of a collective."""
-        return tuple(_new(Action, (kind, q, i, ())) for q in self.ranks)
+        """``kind`` of microbatch ``i`` on every rank: the inputs of a collective (one tuple
+        for all its consumers)."""
+        key = kind, i
+        found = self._every.get(key)
+        if found is None:
+            found = self._every[key] = tuple(_new(Action, (kind, q, i, ())) for q in self.ranks)
+        return found
 
     def fact(self, key: str, compute: Callable[[Schedule], object]):
         """``compute(schedule)``, computed once per schedule (a technique's facts)."""
@@ -148,6 +154,8 @@ class _Program:
         # it waits for side-stream results, (its rank, their slots)
         order, inputs_of, sides = [], [], []
         done: dict[Action, int] = {}
+        #: id of a tuple of inputs that all cross (a collective's) -> (the tuple, their slots)
+        collected: dict[int, tuple[tuple, list[int]]] = {}
         waiting: dict[Action, list[int]] = {}
         blocked_on: dict[int, Action] = {}
         pos = [0] * len(lists)
@@ -163,7 +171,12 @@ class _Program:
                 stream = side.get(action[0])
                 inputs = [clock[r], streams[r].get(stream, zero)] if stream else [clock[r]]
                 waited = None
-                for dep in deps_of(action):
+                found = deps_of(action)
+                known = collected.get(id(found))
+                if known is not None and known[0] is found:  # a collective's inputs, resolved before
+                    inputs.extend(known[1])
+                    found = ()
+                for dep in found:
                     q = done.get(dep)
                     owner = dep[1] if dep[0] in by_rank else placement[dep[1]]
                     if q is None:
@@ -180,6 +193,8 @@ class _Program:
                     else:
                         inputs.append(q)
                 else:
+                    if len(found) > 1 and all(dep[0] in reduced and dep[0] not in side for dep in found):
+                        collected[id(found)] = found, inputs[-len(found):]
                     slot = offsets[r] + k
                     order.append(slot)
                     inputs_of.append(tuple(inputs))
@@ -282,7 +297,7 @@ def peak_activation(
 ) -> float:
     """Peak activation memory of one rank's list, which depends on the order
     only; ``delta(action)`` is the action's :func:`memory_delta` (a compound's
-    parts count one after the other).
+    parts count one after the other; it is asked once per (kind, stage, payload)).
 
     ``away`` maps (stage, microbatch) pairs to bytes copied to host from their
     F's end to their backward's start, the copies (side-stream actions) left
@@ -290,6 +305,7 @@ def peak_activation(
     the copy back holds them before the backward starts, so the rank's peak
     is then at least the one returned."""
     level = peak = 0.0
+    known: dict[tuple, float] = {}  # delta of each (kind, stage, payload)
     for action in actions:
         if away is not None and KINDS[action[0]].stream:
             continue
@@ -298,7 +314,11 @@ def peak_activation(
             if away and (kind == B or kind == BW) and pair in away:
                 level += away[pair]
                 peak = max(peak, level)
-            level += delta(part)
+            key = kind, part[1], part[3]
+            change = known.get(key)
+            if change is None:
+                change = known[key] = delta(part)
+            level += change
             peak = max(peak, level)
             if away and kind == F and pair in away:
                 level -= away[pair]

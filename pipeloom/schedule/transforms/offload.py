@@ -152,20 +152,21 @@ class _Pairs:
         for pair in self.eligible():
             by_rank.setdefault(self.where[pair][0], []).append(pair)
         for rank, candidates in sorted(by_rank.items()):
+            away = {pair: self._away(pair) for pair in candidates}
             events = self._events(rank)
             peak, _ = _peak(events)
             target = (1 - ratio) * peak + 1e-9 * max(peak, 1.0)
-            while candidates:
+            while away:
                 level, when = _peak(events)
                 if level <= target:
                     break
-                held = [p for p in candidates if self._away(p)[0] <= when < self._away(p)[1]]
+                held = [p for p, (leave, back) in away.items() if leave <= when < back]
                 if not held:
                     break
                 pair = max(held, key=lambda p: (self._life(p), -p[1], -p[0]))
-                candidates.remove(pair)
+                leave, back = away.pop(pair)
                 chosen.append(pair)
-                (leave, back), size = self._away(pair), self.costs.m_b[pair[0]]
+                size = self.costs.m_b[pair[0]]
                 events += [(leave, -size), (back, size)]
         return chosen
 
