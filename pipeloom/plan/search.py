@@ -4,11 +4,15 @@ Each candidate gets two bounds that need no simulation: the model state of its
 busiest rank (it cannot fit in less) and :meth:`Costing.lower_bound_ms` (it
 cannot step faster). Candidates whose state alone overflows the GPU are
 dropped. A plan is a layout (:attr:`Candidate.base`) with its best memory
-savers (recomputation, offload), so the layouts are simulated in the order of
+savers (recomputation, offload), so the layouts are taken in the order of
 their time bound until the next bound is slower than the ``top``-th plan
-found, and within a layout its variants until one is slower than its best so
-far: the plans returned are those an exhaustive search (:func:`exhaustive`)
-ranks first.
+found. A layout whose schedule has not been simulated yet is simulated bare
+first, fitting or not: the critical path that gives raises the bound of every
+candidate running that schedule, offloaded or not, and the layout goes back
+in line on it. Within a layout its variants are simulated until one is slower
+than its best so far, skipping those whose list shows they cannot fit
+(:meth:`Costing.activation_memory_bound`): the plans returned are those an
+exhaustive search (:func:`exhaustive`) ranks first.
 """
 
 from __future__ import annotations
