@@ -24,7 +24,8 @@ tau-b of the two rankings.
 The model is the preset's shape with the vocabulary of train's default data
 (the Python standard library's sources, byte-level: 256 tokens), which is
 what ``pipeloom train --model PRESET`` builds; the profile and the planner
-use the same. The planner counts neither the optimizer step nor the time a
+use the same. The planner counts the optimizer step (the profile's time per
+parameter) but not the time a
 rank's process waits for a core: with more ranks than this machine's cores
 (``--gpus 4`` on 2 cores) the measured steps carry that contention. Other
 work on the machine skews the timings: each run waits (up to ``--wait`` s)
