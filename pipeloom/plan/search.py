@@ -56,11 +56,15 @@ def search(request: PlanRequest) -> Search:
              enumerate(bases.items())]
     heapq.heapify(queue)
     kept: list[tuple] = []  # the best plans so far, a heap whose first entry is the worst
-    tried: dict[Candidate, Plan | None] = {}
+    tried: dict[Candidate, Plan | None] = {}  # simulated: the plan where it fits (a result is large)
+    simulated = 0
 
     def attempt(c: Candidate) -> Plan | None:
+        nonlocal simulated
         if c not in tried:
-            tried[c] = _try(costing, c)
+            plan = _try(costing, c)
+            simulated += plan is not None
+            tried[c] = plan if plan is not None and plan.fits else None
         return tried[c]
 
     while queue:
@@ -81,7 +85,7 @@ def search(request: PlanRequest) -> Search:
             if c not in tried and costing.activation_memory_bound(c, memory) > memory:
                 continue  # cannot fit: not worth simulating
             plan = attempt(c)
-            if plan is not None and plan.fits and (best is None or plan.key < best.key):
+            if plan is not None and (best is None or plan.key < best.key):
                 best = plan
         if best is not None:
             heapq.heappush(kept, (_Reverse(best.key), best))
@@ -90,7 +94,6 @@ def search(request: PlanRequest) -> Search:
     if not kept:
         raise PipeloomError(_smallest_memory(request, costing, pool))
     plans = sorted((entry[1] for entry in kept), key=lambda p: p.key)
-    simulated = sum(plan is not None for plan in tried.values())
     return Search(plans, len(pool), simulated, time.perf_counter() - started)
 
 
