@@ -12,7 +12,7 @@ from pipeloom.errors import PipeloomError, ScheduleError
 from pipeloom.schedule import (BW, FAMILIES, OFFLOAD, RELOAD, Action, Costs, Offload, Schedule, build, lower,
                                to_torch_csv, validate)
 from pipeloom.schedule.deps import peak_activation
-from pipeloom.schedule.transforms.offload import copyable
+from pipeloom.schedule.transforms.offload import _Pairs, copyable, tightest
 from pipeloom.sim import chrome_trace, simulate, text_grid
 from pipeloom.sim.model import costs_from_model, offload_time_ratio
 
@@ -73,9 +73,8 @@ def test_its_list_bounds_the_offloaded_peak_on_any_costs(name):
             for rank, (bare, actions) in enumerate(zip(base.ranks, schedule.ranks)):
                 copied = {(a.stage, a.microbatch) for a in actions if a.kind == RELOAD}
                 assert copied <= set(copyable(bare))
-                held = {pair: result.costs.m_b[pair[0]] for pair in copyable(bare)}
-                least = peak_activation(bare, delta, held)
-                bound = peak_activation(actions, delta, {pair: held[pair] for pair in copied})
+                least = peak_activation(tightest(bare, copyable(bare)), delta)
+                bound = peak_activation(tightest(actions, copied), delta)
                 assert least <= bound <= result.peak_activation[rank] * (1 + 1e-12)
                 if rank == 0:
                     assert least < peak_activation(bare, delta)  # copying lowers the bound
@@ -108,6 +107,51 @@ def test_selective_takes_the_longest_lived_pairs_at_the_peak_first():
         mine = [p for p in small if p[0] in stages]
         if mine:
             assert max(life[p] for p in mine) == pytest.approx(max(v for p, v in life.items() if p[0] in stages))
+
+
+def _select_by_rescanning(pairs, ratio):
+    """The selective policy done the slow way: the whole profile re-sorted and every pair
+    re-scanned for each pick."""
+    chosen = []
+    for rank in range(pairs.schedule.pp):
+        away = {pair: pairs._away(pair) for pair in pairs.eligible() if pairs.where[pair][0] == rank}
+        events = pairs._events(rank)
+
+        def peak():  # the level's largest value, and the first time it is reached but for float noise
+            level, levels = 0.0, []
+            for t, delta in sorted(events):
+                level += delta
+                levels.append((t, level))
+            top = max(level for _, level in levels)
+            return top, next(t for t, level in levels if level >= top - 1e-9 * max(top, 1.0))
+
+        target = (1 - ratio) * peak()[0] + 1e-9 * max(peak()[0], 1.0)
+        while away:
+            level, when = peak()
+            held = [p for p, (leave, back) in away.items() if leave <= when < back]
+            if level <= target or not held:
+                break
+            pair = max(held, key=lambda p: (pairs._life(p), -p[1], -p[0]))
+            leave, back = away.pop(pair)
+            chosen.append(pair)
+            events += [(leave, -pairs.costs.m_b[pair[0]]), (back, pairs.costs.m_b[pair[0]])]
+    return chosen
+
+
+@pytest.mark.parametrize("name", ["interleaved-1f1b", "zb-h2", "v-half", "gpipe"])
+def test_selective_picks_as_rescanning_the_profile_does(name):
+    """The selection's peak and held pairs, kept in trees, pick what re-sorting the whole profile
+    and re-scanning every pair for each pick gives, on random costs and ratios."""
+    rng = random.Random(name)
+    schedule = build(name, 4, 12, **({"chunks": 3} if name == "interleaved-1f1b" else {}))
+    for _ in range(6):
+        costs = Costs(f=rng.uniform(0.5, 2), b=rng.uniform(0.5, 2), w=rng.uniform(0.2, 1), comm=rng.uniform(0, 0.5),
+                      m_b=rng.choice([1, 3]), m_w=rng.choice([0.25, 0.5]), extra={"offload": rng.choice([0, 0.1, 0.3])})
+        pairs = _Pairs(schedule, costs.per_stage(schedule.stages, schedule.chunks))
+        for ratio in (0.2, 0.5, 1.0):
+            chosen = pairs.select(ratio)
+            assert chosen == _select_by_rescanning(pairs, ratio)
+            assert chosen or ratio < 0.5
 
 
 @pytest.mark.parametrize("name", ["interleaved-1f1b", "v-half", "v-min", "1f1b"])

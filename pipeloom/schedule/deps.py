@@ -14,12 +14,14 @@ simulator times schedules with it and the validator finds deadlocks with it.
 from __future__ import annotations
 
 import weakref
+from array import array
 from collections import deque
+from itertools import accumulate
 from typing import Callable, Iterable
 
 from ..errors import ScheduleError
 from . import compute  # noqa: F401  (registers F, B, W, BW)
-from .ir import BW, B, F, Action, Schedule
+from .ir import BW, B, Action, Schedule
 from .kinds import COMPOUND, INPUT_RULES, KINDS, RANK, get, parts
 
 _new = tuple.__new__  # builds an Action without NamedTuple's slower constructor (hot path)
@@ -125,6 +127,10 @@ def asap(
     return _program(schedule).run(duration, transfer, waits)
 
 
+_BY_RANK, _REDUCED, _SIDE = 1, 2, 4
+_COLLECTED = _REDUCED | _SIDE  # a collective's inputs are reduced, not side-stream results
+
+
 class _Program:
     """What :func:`asap` needs of one schedule, whatever the costs: its actions in
     an order that runs each after its inputs, each with the slots its start is
@@ -141,9 +147,10 @@ class _Program:
         zero = 2 * n
         deps_of = Dependencies(schedule)
         placement = schedule.placement
-        by_rank = frozenset(name for name, kind in KINDS.items() if kind.owner == RANK)
-        reduced = frozenset(name for name, kind in KINDS.items() if kind.reduced)
         side = {name: kind.stream for name, kind in KINDS.items() if kind.stream}
+        # each kind's facts as bits: _BY_RANK (its stage names its rank), _REDUCED, _SIDE (a stream's)
+        flags = {name: (_BY_RANK if kind.owner == RANK else 0) | (_REDUCED if kind.reduced else 0)
+                 | (_SIDE if kind.stream else 0) for name, kind in KINDS.items()}
         flat = [action for actions in lists for action in actions]
         keys: dict[tuple, int] = {}  # each distinct (kind, stage, payload), numbered
         key_at = [keys.setdefault((a[0], a[1], a[3]), len(keys)) for a in flat]
@@ -178,22 +185,23 @@ class _Program:
                     found = ()
                 for dep in found:
                     q = done.get(dep)
-                    owner = dep[1] if dep[0] in by_rank else placement[dep[1]]
+                    flag = flags[dep[0]]
                     if q is None:
-                        if owner == r:
+                        if (dep[1] if flag & _BY_RANK else placement[dep[1]]) == r:
                             _local_order_error(schedule, r, k, action, dep)
                         waiting.setdefault(dep, []).append(r)
                         blocked_on[r] = dep
                         break
-                    if owner != r or dep[0] in reduced:
+                    if flag & _REDUCED or (dep[1] if flag & _BY_RANK else placement[dep[1]]) != r:
                         sent.add(key_at[q])
                         q += n
-                    if dep[0] in side and not stream:
+                    if flag & _SIDE and not stream:
                         waited = (waited or [zero]) + [q]
                     else:
                         inputs.append(q)
                 else:
-                    if len(found) > 1 and all(dep[0] in reduced and dep[0] not in side for dep in found):
+                    if (len(found) > 1 and flags[found[0][0]] & _COLLECTED == _REDUCED
+                            and all(flags[dep[0]] & _COLLECTED == _REDUCED for dep in found)):
                         collected[id(found)] = found, inputs[-len(found):]
                     slot = offsets[r] + k
                     order.append(slot)
@@ -292,34 +300,36 @@ def _deadlock_message(schedule: Schedule, pos: list[int], blocked_on: dict[int, 
     return "deadlock: " + "; ".join(waits(q) for q in seen)
 
 
-def peak_activation(
-    actions: Iterable[Action], delta: Callable[[Action], float], away: dict[tuple[int, int], float] | None = None,
-) -> float:
+def peak_activation(actions: Iterable[Action], delta: Callable[[Action], float]) -> float:
     """Peak activation memory of one rank's list, which depends on the order
     only; ``delta(action)`` is the action's :func:`memory_delta` (a compound's
-    parts count one after the other; it is asked once per (kind, stage, payload)).
+    parts count one after the other)."""
+    return ListPeaks((actions,))(delta)[0]
 
-    ``away`` maps (stage, microbatch) pairs to bytes copied to host from their
-    F's end to their backward's start, the copies (side-stream actions) left
-    out: on any timeline a copy to host frees its bytes after the F ends and
-    the copy back holds them before the backward starts, so the rank's peak
-    is then at least the one returned."""
-    level = peak = 0.0
-    known: dict[tuple, float] = {}  # delta of each (kind, stage, payload)
-    for action in actions:
-        if away is not None and KINDS[action[0]].stream:
-            continue
-        for part in parts(action):
-            kind, pair = part[0], (part[1], part[2])
-            if away and (kind == B or kind == BW) and pair in away:
-                level += away[pair]
-                peak = max(peak, level)
-            key = kind, part[1], part[3]
-            change = known.get(key)
-            if change is None:
-                change = known[key] = delta(part)
-            level += change
-            peak = max(peak, level)
-            if away and kind == F and pair in away:
-                level -= away[pair]
-    return peak
+
+class ListPeaks:
+    """:func:`peak_activation` of each of several lists, under any costs: the lists are
+    read once, each part reduced to the number of its (kind, stage, payload), so that
+    each later call asks ``delta`` once per number and sums in C."""
+
+    def __init__(self, lists: Iterable[Iterable[Action]]):
+        numbers: dict[tuple, int] = {}
+        #: an action of each number, standing for all in ``delta``
+        self.timed: list[Action] = []
+        self.lists: list[array] = []
+        for actions in lists:
+            sequence = array("i")
+            for action in actions:
+                for part in parts(action):
+                    key = part[0], part[1], part[3]
+                    number = numbers.get(key)
+                    if number is None:
+                        number = numbers[key] = len(self.timed)
+                        self.timed.append(part)
+                    sequence.append(number)
+            self.lists.append(sequence)
+
+    def __call__(self, delta: Callable[[Action], float]) -> list[float]:
+        """Each list's peak, from 0 before its first action."""
+        get = [delta(action) for action in self.timed].__getitem__
+        return [max(0.0, max(accumulate(map(get, sequence)), default=0.0)) for sequence in self.lists]

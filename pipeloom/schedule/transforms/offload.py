@@ -39,6 +39,7 @@ stage inputs that recomputation keeps are offloaded). Nothing is refused.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import replace
 
@@ -46,7 +47,7 @@ from ...errors import PipeloomError, ScheduleError
 from ..costs import Costs, StageCosts, register_field
 from ..deps import asap
 from ..ir import BW, B, F, Action, Schedule
-from ..kinds import Kind, register, register_inputs
+from ..kinds import KINDS, Kind, register, register_inputs
 from . import insert, refuse_compound
 
 #: Copy a pair's saved activations to host memory (after its F).
@@ -56,6 +57,7 @@ RELOAD = "RELOAD"
 #: The side stream both run on.
 COPY_STREAM = "copy"
 POLICIES = ("none", "full", "selective")
+_NOISE = 1e-9  # relative: memory levels that differ by less are equal
 
 register_field("offload")
 
@@ -154,20 +156,21 @@ class _Pairs:
         for rank, candidates in sorted(by_rank.items()):
             away = {pair: self._away(pair) for pair in candidates}
             events = self._events(rank)
-            peak, _ = _peak(events)
-            target = (1 - ratio) * peak + 1e-9 * max(peak, 1.0)
-            while away:
-                level, when = _peak(events)
-                if level <= target:
+            grid = sorted({t for t, _ in events}.union(*away.values()))
+            index = {t: k for k, t in enumerate(grid)}
+            levels = _Levels(_profile(events, grid))
+            held = _Held(len(grid))
+            for pair, (leave, back) in away.items():
+                held.add(index[leave], index[back], (-self._life(pair), pair[1], pair[0]), pair)
+            target = (1 - ratio) * levels.peak + _NOISE * max(levels.peak, 1.0)
+            while levels.peak > target:
+                pair = held.best(levels.first_peak())
+                if pair is None:
                     break
-                held = [p for p, (leave, back) in away.items() if leave <= when < back]
-                if not held:
-                    break
-                pair = max(held, key=lambda p: (self._life(p), -p[1], -p[0]))
-                leave, back = away.pop(pair)
+                held.remove(pair)
                 chosen.append(pair)
-                size = self.costs.m_b[pair[0]]
-                events += [(leave, -size), (back, size)]
+                leave, back = away[pair]
+                levels.add(index[leave], index[back], -self.costs.m_b[pair[0]])
         return chosen
 
     def _life(self, pair) -> float:
@@ -203,14 +206,130 @@ def copyable(actions) -> list[tuple[int, int]]:
     return found
 
 
-def _peak(events: list[tuple[float, float]]) -> tuple[float, float]:
-    """Highest level of a memory profile and the first time it is reached (falls before rises at one instant)."""
-    level, peak, when = 0.0, 0.0, 0.0
-    for t, delta in sorted(events):
-        level += delta
-        if level > peak + 1e-12:
-            peak, when = level, t
-    return peak, when
+def tightest(actions, pairs) -> list[Action]:
+    """One rank's list with the copies of ``pairs`` at their tightest: its side-stream
+    actions left out, each pair's OFFLOAD right after its F and its RELOAD right before
+    its backward. On any timeline an OFFLOAD frees its bytes after the F ends and a
+    RELOAD holds them before the backward starts, so this list's
+    :func:`~..deps.peak_activation` is at most the rank's simulated peak once ``pairs``
+    are copied to host, wherever the copies run."""
+    pairs = set(pairs)
+    found = []
+    for a in actions:
+        if KINDS[a.kind].stream:
+            continue
+        pair = a.stage, a.microbatch
+        if a.kind in (B, BW) and pair in pairs:
+            found.append(Action(RELOAD, *pair))
+        found.append(a)
+        if a.kind == F and pair in pairs:
+            found.append(Action(OFFLOAD, *pair))
+    return found
+
+
+def _profile(events: list[tuple[float, float]], grid: list[float]) -> list[float]:
+    """A memory profile's level at each time of ``grid`` (which holds every event's time), after
+    the events up to it in time order (falls before rises at one instant)."""
+    levels, level, k = [], 0.0, 0
+    ordered = sorted(events)
+    for t in grid:
+        while k < len(ordered) and ordered[k][0] <= t:
+            level += ordered[k][1]
+            k += 1
+        levels.append(level)
+    return levels
+
+
+class _Levels:
+    """Numbers on a line of points: add a value over a range of points, read the largest
+    number and its first point (a segment tree whose nodes keep the adds over their range)."""
+
+    def __init__(self, values: list[float]):
+        n = 1
+        while n < len(values):
+            n *= 2
+        self.n = n
+        self.top = [-math.inf] * (2 * n)  # a node's largest number, its own and its ancestors' adds left out
+        self.top[n:n + len(values)] = values
+        self.extra = [0.0] * (2 * n)  # what was added over a node's whole range
+        for i in range(n - 1, 0, -1):
+            self.top[i] = max(self.top[2 * i], self.top[2 * i + 1])
+
+    @property
+    def peak(self) -> float:
+        return self.top[1]
+
+    def first_peak(self) -> int:
+        """The first point whose number is the largest but for float noise (a relative 1e-9)."""
+        top, extra, i, above = self.top, self.extra, 1, 0.0  # above: the adds of i's ancestors
+        least = top[1] - _NOISE * max(abs(top[1]), 1.0)
+        while i < self.n:
+            above += extra[i]
+            i = 2 * i if top[2 * i] + above >= least else 2 * i + 1
+        return i - self.n
+
+    def add(self, first: int, end: int, value: float) -> None:
+        """Add ``value`` at points ``first`` to ``end - 1``."""
+        top, extra, n = self.top, self.extra, self.n
+        lo, hi = first + n, end + n
+        while lo < hi:
+            if lo & 1:
+                top[lo] += value
+                extra[lo] += value
+                lo += 1
+            if hi & 1:
+                hi -= 1
+                top[hi] += value
+                extra[hi] += value
+            lo //= 2
+            hi //= 2
+        for i in (first + n, end - 1 + n):
+            i //= 2
+            while i:
+                top[i] = max(top[2 * i], top[2 * i + 1]) + extra[i]
+                i //= 2
+
+
+class _Held:
+    """Items held over ranges of points: the least key among those held at a point (each
+    item on the O(log n) tree nodes that cover its range, in a heap per node)."""
+
+    def __init__(self, points: int):
+        n = 1
+        while n < points:
+            n *= 2
+        self.n = n
+        self.heaps: dict[int, list] = {}
+        self.removed: set = set()
+
+    def add(self, first: int, end: int, key: tuple, item) -> None:
+        """Hold ``item`` at points ``first`` to ``end - 1``."""
+        lo, hi = first + self.n, end + self.n
+        while lo < hi:
+            if lo & 1:
+                heapq.heappush(self.heaps.setdefault(lo, []), (key, item))
+                lo += 1
+            if hi & 1:
+                hi -= 1
+                heapq.heappush(self.heaps.setdefault(hi, []), (key, item))
+            lo //= 2
+            hi //= 2
+
+    def remove(self, item) -> None:
+        self.removed.add(item)
+
+    def best(self, point: int):
+        """The held item of least key at ``point``, or None."""
+        found = None
+        i = point + self.n
+        while i:
+            heap = self.heaps.get(i)
+            while heap and heap[0][1] in self.removed:
+                heapq.heappop(heap)
+            if heap and (found is None or heap[0] < found):
+                found = heap[0]
+            i //= 2
+        return None if found is None else found[1]
 
 
 def _place(schedule: Schedule, costs: StageCosts, pairs: _Pairs, chosen: list) -> Schedule:
