@@ -3,7 +3,7 @@
 import pytest
 
 from pipeloom.errors import PipeloomError
-from pipeloom.schedule import FAMILIES, build
+from pipeloom.schedule import BW, FAMILIES, build
 from pipeloom.sim import simulate
 
 # families that cannot use every microbatch count, and the words their refusal must contain
@@ -29,3 +29,12 @@ def test_family_validates_or_refuses_clearly(name):
             assert simulate(schedule).makespan > 0
     assert built >= FEWEST.get(name, 15 * 3)
 
+
+
+@pytest.mark.parametrize("name", [name for name, family in FAMILIES.items() if family.fused])
+def test_a_fused_family_never_splits_a_backward(name):
+    """The planner bounds a ``fused`` family's bubble counting each backward's W with it."""
+    for p, m in ((2, 4), (4, 8), (3, 9)):
+        schedule = build(name, p, m, vocab_parallel="vocab-1" if FAMILIES[name].makes_room else None)
+        backwards = {a.kind for actions in schedule.ranks for a in actions if a.kind in ("B", "W", BW)}
+        assert backwards == {BW}

@@ -6,7 +6,8 @@ ring, at the slower tier the group spans) from the end of its last action,
 then taking its optimizer step (:func:`~pipeloom.sim.model.optimizer_ms`):
 ``step = max over ranks (end + all-reduce + optimizer)``. 2bw never flushes:
 its step is the steady-state one, the simulated time of 2 steps less that of
-1, plus the longest all-reduce and optimizer step. Memory per rank is :func:`~pipeloom.sim.model.peak_memory_bytes`
+1 (and no less than any rank's work in a step), plus the longest all-reduce
+and optimizer step. Memory per rank is :func:`~pipeloom.sim.model.peak_memory_bytes`
 (model state with 2bw's weight versions, gradients from a stage's first
 backward, simulated activations, the transients of attention and recomputation).
 """
@@ -21,9 +22,10 @@ from ..errors import PipeloomError
 from ..modes import RECOMPUTE
 from ..schedule import Schedule, build, get_family, validate
 from ..schedule.costs import Costs, StageCosts
-from ..schedule.deps import peak_activation
-from ..schedule.ir import Action, looped_placement, v_placement
-from ..schedule.transforms.offload import RELOAD, Offload, copyable
+from ..schedule.deps import ListPeaks
+from ..schedule.ir import BW, B, F, Action, looped_placement, v_placement
+from ..schedule.transforms.offload import RELOAD, Offload, copyable, tightest
+from ..schedule.transforms.vocab import VOCAB_PASSES
 from ..sim import Result, simulate
 from ..sim.model import (
     GRAD_BYTES_PER_PARAM, costs_from_model, layer_flops, peak_memory_bytes, stage_parameters, state_bytes_per_param,
@@ -82,13 +84,20 @@ class Costing:
         self._schedules: dict[tuple, Schedule | PipeloomError] = {}
         self._paths: dict[tuple, CriticalPath] = {}
         self._tail: dict[tuple, list[float]] = {}
+        self._bounds: dict[tuple, float] = {}
+        self._states: dict[tuple, float] = {}
+        self._peaks: dict[tuple, ListPeaks | None] = {}
 
     def costs(self, c: Candidate) -> Costs:
         """The per-stage costs of ``c`` on the request's cluster (profile or formulas)."""
         return self._both(c)[0]
 
+    @staticmethod
+    def _costs_key(c: Candidate) -> tuple:
+        return c.pp, c.dp, c.sp, c.chunks, c.microbatch_size, c.recompute, c.vocab_parallel
+
     def _both(self, c: Candidate) -> tuple[Costs, StageCosts]:
-        key = c.pp, c.dp, c.sp, c.chunks, c.microbatch_size, c.recompute, c.vocab_parallel
+        key = self._costs_key(c)
         if key not in self._costs:
             r = self.request
             profile = {"profile": r.profile} if r.profile is not None else {}
@@ -144,17 +153,56 @@ class Costing:
         return self._tail[key]
 
     def lower_bound_ms(self, c: Candidate) -> float:
-        """A step time no schedule of ``c`` can beat: each rank's compute (F, B and W of its stages
-        for every microbatch), all-reduce and optimizer step, after the first microbatch's forwards reach it (none
-        for 2bw, whose steady state has no such wait, nor with vocabulary passes, which start
-        every rank)."""
+        """A step time no schedule of ``c`` can beat (once per costs and schedule shape): the larger of
+
+        - each rank's compute (F, B and W of its stages and its vocabulary passes, for every
+          microbatch), after the first microbatch's forwards reach it (2bw: no wait, its steady step has none), then its
+          all-reduce and optimizer step (2bw: the longest);
+        - but for 2bw, the chain that ends on stage 0's rank. A rank's last backward of one of its
+          stages ``s`` ends after the forwards reach the rank, then all its forwards and its
+          backwards of stages ``s`` and later: each of them precedes that microbatch's backward of
+          ``s``. That microbatch's backward then runs down stages ``s - 1`` to 0, each waiting for
+          its input to cross between ranks, then stage 0's W and its rank's all-reduce and optimizer
+          step. A backward counts its W too in the families that never split it (``fused``).
+        """
+        family = get_family(c.schedule)
+        key = self._costs_key(c), family.chunks == (2,), family.fused, c.schedule == "2bw"
+        if key not in self._bounds:
+            self._bounds[key] = max(self._busy_ms(c), 0.0 if c.schedule == "2bw" else self._chain_ms(c, family.fused))
+        return self._bounds[key]
+
+    def _busy_ms(self, c: Candidate) -> float:
         costs, tail = self._both(c)[1], self.tail_ms(c)
+        passes = VOCAB_PASSES.get(c.vocab_parallel, ())
         bound = 0.0
         for rank, stages in enumerate(stages_of_ranks(c)):
-            busy = c.microbatches * sum(costs.f[s] + costs.b[s] + costs.w[s] for s in stages)
-            wait = 0.0 if c.schedule == "2bw" or c.vocab_parallel != "none" else sum(costs.f[:min(stages)])
+            busy = c.microbatches * (sum(costs.f[s] + costs.b[s] + costs.w[s] for s in stages)
+                                     + sum(costs.duration(Action(kind, rank, 0)) for kind in passes))
+            wait = 0.0 if c.schedule == "2bw" else sum(costs.f[:min(stages)])
             bound = max(bound, wait + busy + (max(tail) if c.schedule == "2bw" else tail[rank]))
         return bound
+
+    def _chain_ms(self, c: Candidate, fused: bool) -> float:
+        costs = self._both(c)[1]
+        f, w = costs.f, costs.w
+        back = [b + x for b, x in zip(costs.b, w)] if fused else costs.b
+        ranks = stages_of_ranks(c)
+        rank_of = {s: r for r, stages in enumerate(ranks) for s in stages}
+        reach = [0.0]  # reach[s]: when stage s's first forward can start
+        down = [0.0]  # down[s]: from the end of stage s's backward of a microbatch to the start of its stage 0's
+        for s in range(1, len(f)):
+            cross = rank_of[s] != rank_of[s - 1]
+            reach.append(reach[-1] + f[s - 1] + (costs.transfer(Action(F, s - 1, 0)) if cross else 0.0))
+            down.append(down[-1] + back[s - 1] + (min(costs.transfer(Action(kind, s, 0)) for kind in (B, BW))
+                                                  if cross else 0.0))
+        last_w = 0.0 if fused else w[0]
+        bound = 0.0
+        for stages in ranks:
+            before = reach[min(stages)] + c.microbatches * sum(f[s] for s in stages)
+            for s in stages:
+                backwards = c.microbatches * sum(back[t] for t in stages if t >= s)
+                bound = max(bound, before + backwards + down[s] + last_w)
+        return bound + self.tail_ms(c)[0]
 
     def activation_memory_bound(self, c: Candidate, limit: float = math.inf) -> float:
         """Bytes the busiest rank needs at least once its costs are known: the model state but the
@@ -172,21 +220,24 @@ class Costing:
 
     def _list_peaks(self, c: Candidate, away: str | None) -> list[float] | None:
         """Per rank, :func:`peak_activation` of the list ``c`` runs (``away``: of the list without
-        offload, pairs that are "copyable", or of the offloaded list, the pairs it has "copied"),
-        or None where the schedule cannot be built."""
-        try:
-            schedule = self.schedule(replace(c, offload="none") if away == "copyable" else c,
-                                     2 if c.schedule == "2bw" else None)  # as evaluated
-        except PipeloomError:
-            return None
-        costs = self._both(c)[1]
-        peaks = []
-        for actions in schedule.ranks:
-            pairs = (copyable(actions) if away == "copyable" else
-                     [(a.stage, a.microbatch) for a in actions if a.kind == RELOAD] if away == "copied" else None)
-            held = None if pairs is None else {pair: costs.memory_delta(Action(RELOAD, *pair)) for pair in pairs}
-            peaks.append(peak_activation(actions, costs.memory_delta, held))
-        return peaks
+        offload, pairs that are "copyable", or of the offloaded list, the pairs it has "copied",
+        copied at their tightest: :func:`tightest`), or None where the schedule cannot be built.
+        The lists are read once per schedule and ``away``."""
+        bare = away == "copyable"
+        key = _shape(replace(c, offload="none") if bare else c), away
+        if key not in self._peaks:
+            try:
+                schedule = self.schedule(replace(c, offload="none") if bare else c,
+                                         2 if c.schedule == "2bw" else None)  # as evaluated
+            except PipeloomError:
+                self._peaks[key] = None
+            else:
+                self._peaks[key] = ListPeaks(
+                    tightest(actions, copyable(actions)) if bare else
+                    tightest(actions, [(a.stage, a.microbatch) for a in actions if a.kind == RELOAD]) if away else
+                    actions for actions in schedule.ranks)
+        peaks = self._peaks[key]
+        return None if peaks is None else peaks(self._both(c)[1].memory_delta)
 
     def _state_and_peaks(self, c: Candidate, peaks: list[float] | None) -> float:
         """The busiest rank's state but gradients plus its activation ``peaks`` (None: one
@@ -199,14 +250,19 @@ class Costing:
             state = sum(params[s] for s in stages)
             peak = peaks[rank] if peaks is not None else max(costs.m_b[s] for s in stages)
             first = max(held * state + peak, (held + grad) * state)
-            bound = max(bound, self.request.bytes_per_param * shard + first + max(costs.m_rerun[s] for s in stages))
+            bound = max(bound, (held + grad) * shard + first + max(costs.m_rerun[s] for s in stages))
         return bound
 
     def memory_lower_bound(self, c: Candidate) -> float:
-        """Bytes the busiest rank needs at least: its model state (2bw: with its weight versions)."""
-        per_param = sum(state_bytes_per_param(self.request.bytes_per_param, 2 if c.schedule == "2bw" else 0))
-        shard, params = _parameters(self.request, c)
-        return max(per_param * (shard + sum(params[s] for s in stages)) for stages in stages_of_ranks(c))
+        """Bytes the busiest rank needs at least: its model state (2bw: with its weight versions),
+        once per placement of the stages."""
+        key = c.pp, c.chunks, c.vocab_parallel, get_family(c.schedule).chunks == (2,), c.schedule == "2bw"
+        if key not in self._states:
+            per_param = sum(state_bytes_per_param(self.request.bytes_per_param, 2 if c.schedule == "2bw" else 0))
+            shard, params = _parameters(self.request, c)
+            self._states[key] = max(per_param * (shard + sum(params[s] for s in stages))
+                                    for stages in stages_of_ranks(c))
+        return self._states[key]
 
 
 def _shape(c: Candidate) -> tuple:
@@ -276,7 +332,8 @@ def evaluate(request: PlanRequest, c: Candidate, stage_costs: Costs, build_sched
     tail = [a + o for a, o in zip(reduce, update)]
     if c.schedule == "2bw":
         one, result = (simulate(build_schedule(c, steps), stage_costs) for steps in (1, 2))
-        steady = result.makespan - one.makespan
+        # the steady step: two steps' time less one's, and no less than a rank's work in a step
+        steady = max(result.makespan - one.makespan, *(two.busy - first.busy for two, first in zip(result.ranks, one.ranks)))
         step = steady + max(tail)
         bubble = max(1 - (two.busy - first.busy) / steady for two, first in zip(result.ranks, one.ranks))
     else:

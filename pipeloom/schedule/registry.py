@@ -26,6 +26,8 @@ class Family:
     generate: Callable[..., Schedule]
     chunks: tuple[int, ...] | None = (1,)  # allowed chunk counts; None: any >= 2
     default_chunks: int = 1
+    #: every backward is a fused BW (a W is never deferred): lets the planner bound its bubble tighter
+    fused: bool = False
 
     @property
     def options(self) -> list[str]:
@@ -42,10 +44,12 @@ class Family:
 FAMILIES: dict[str, Family] = {}
 
 
-def register(name: str, summary: str, chunks: tuple[int, ...] | None = (1,), default_chunks: int = 1):
-    """Decorator: register ``generate(pp, microbatches, chunks, **options)`` under ``name``."""
+def register(name: str, summary: str, chunks: tuple[int, ...] | None = (1,), default_chunks: int = 1,
+             fused: bool = False):
+    """Decorator: register ``generate(pp, microbatches, chunks, **options)`` under ``name``
+    (``fused``: its schedules run every backward as one BW)."""
     def wrap(generate):
-        FAMILIES[name] = Family(name, summary, generate, chunks, default_chunks)
+        FAMILIES[name] = Family(name, summary, generate, chunks, default_chunks, fused)
         return generate
     return wrap
 

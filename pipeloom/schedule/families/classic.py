@@ -28,19 +28,19 @@ def _single_chunk(family: str, pp: int, microbatches: int, warmup, steps: int = 
     return Schedule(family, pp, microbatches, looped_placement(pp, pp), tuple(ranks), steps=steps, weight_versions=versions)
 
 
-@register("gpipe", "all forwards, then all backwards (GPipe)")
+@register("gpipe", "all forwards, then all backwards (GPipe)", fused=True)
 def gpipe(pp: int, microbatches: int, chunks: int) -> Schedule:
     return _single_chunk("gpipe", pp, microbatches, warmup=lambda r: microbatches)
 
 
-@register("1f1b", "one forward, one backward (PipeDream-Flush)")
+@register("1f1b", "one forward, one backward (PipeDream-Flush)", fused=True)
 def one_f_one_b_flush(pp: int, microbatches: int, chunks: int, room: int = 0) -> Schedule:
     """``room`` more warm-up forwards on every rank delay the last
     stage's backward by as many intervals (room for vocabulary passes)."""
     return _single_chunk("1f1b", pp, microbatches, warmup=lambda r: pp - r - 1 + room)
 
 
-@register("2bw", "PipeDream-2BW: 1F1B with no flush, two weight versions, update every step")
+@register("2bw", "PipeDream-2BW: 1F1B with no flush, two weight versions, update every step", fused=True)
 def pipedream_2bw(pp: int, microbatches: int, chunks: int, steps: int = 4, room: int = 0) -> Schedule:
     if microbatches < pp:
         raise PipeloomError(
@@ -68,7 +68,8 @@ def _rounds(pp: int, microbatches: int) -> int:
     return microbatches // max(1, microbatches // pp)
 
 
-@register("interleaved-1f1b", "1F1B over v looped chunks per rank (Megatron-LM)", chunks=None, default_chunks=2)
+@register("interleaved-1f1b", "1F1B over v looped chunks per rank (Megatron-LM)", chunks=None, default_chunks=2,
+          fused=True)
 def interleaved_1f1b(pp: int, microbatches: int, chunks: int, room: int = 0) -> Schedule:
     per_round = _rounds(pp, microbatches)
     ranks = []
