@@ -153,17 +153,18 @@ class Costing:
         return self._tail[key]
 
     def lower_bound_ms(self, c: Candidate) -> float:
-        """A step time no schedule of ``c`` can beat (once per costs and schedule shape): the larger of
+        """A step time no schedule of ``c`` can beat (once per costs and schedule shape), the larger of:
 
-        - each rank's compute (F, B and W of its stages and its vocabulary passes, for every
-          microbatch), after the first microbatch's forwards reach it (2bw: no wait, its steady step has none), then its
-          all-reduce and optimizer step (2bw: the longest);
-        - but for 2bw, the chain that ends on stage 0's rank. A rank's last backward of one of its
-          stages ``s`` ends after the forwards reach the rank, then all its forwards and its
-          backwards of stages ``s`` and later: each of them precedes that microbatch's backward of
-          ``s``. That microbatch's backward then runs down stages ``s - 1`` to 0, each waiting for
-          its input to cross between ranks, then stage 0's W and its rank's all-reduce and optimizer
-          step. A backward counts its W too in the families that never split it (``fused``).
+        - busy: each rank's compute (F, B and W of its stages and its vocabulary passes, for every
+          microbatch) after the first microbatch's forwards reach it, then its all-reduce and
+          optimizer step (2bw: no wait, as its steady step has none, and the longest tail);
+        - chain (not for 2bw), ending on stage 0's rank: a rank's last backward of one of its
+          stages ``s`` ends after the forwards reach the rank and all its forwards and its
+          backwards of stages ``s`` and later ran, as each precedes that microbatch's backward of
+          ``s``; that microbatch's backward then runs down stages ``s - 1`` to 0, each waiting for
+          its input to cross between ranks, then stage 0's W and its rank's all-reduce and
+          optimizer step. A backward counts its W too in the families that never split it
+          (``fused``).
         """
         family = get_family(c.schedule)
         key = self._costs_key(c), family.chunks == (2,), family.fused, c.schedule == "2bw"
@@ -333,9 +334,10 @@ def evaluate(request: PlanRequest, c: Candidate, stage_costs: Costs, build_sched
     if c.schedule == "2bw":
         one, result = (simulate(build_schedule(c, steps), stage_costs) for steps in (1, 2))
         # the steady step: two steps' time less one's, and no less than a rank's work in a step
-        steady = max(result.makespan - one.makespan, *(two.busy - first.busy for two, first in zip(result.ranks, one.ranks)))
+        work = [two.busy - first.busy for two, first in zip(result.ranks, one.ranks)]
+        steady = max(result.makespan - one.makespan, *work)
         step = steady + max(tail)
-        bubble = max(1 - (two.busy - first.busy) / steady for two, first in zip(result.ranks, one.ranks))
+        bubble = max(1 - busy / steady for busy in work)
     else:
         result = simulate(build_schedule(c), stage_costs)
         step = max(max(ends, default=0.0) + t for ends, t in zip(result.ends, tail))
