@@ -357,7 +357,8 @@ class Trainer:
         done, stopped = self.start, 0
         try:
             for first in range(self.start, args.steps, per_call):
-                stopped = self.stop.agreed(self.device)  # every rank stops after the same step
+                # every rank stops after the same step
+                stopped = self.stop.agreed(self.device, pipe.channel, first + 1)
                 if stopped:
                     break
                 started = time.perf_counter()
@@ -367,7 +368,7 @@ class Trainer:
                 if args.report and first + per_call > args.steps - REPORT_STEPS:
                     timelines.append(gather_timeline(pipe))
                 measure = args.metrics and self.memory.measurable
-                peaks = self.memory.per_pipeline_rank(pipe.pp_rank, args.pp) if measure else None
+                peaks = self.memory.per_pipeline_rank(pipe.pp_rank, args.pp, pipe.channel) if measure else None
                 last = first + per_call  # the 1-based number of the call's last step
                 if args.eval_every and (last % args.eval_every == 0 or last == args.steps):
                     records[-1]["val_loss"] = round(self._evaluate(), 6)

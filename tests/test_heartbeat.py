@@ -28,13 +28,14 @@ def _pipeline():
     return pipeloom.Pipeline(GPT(config), schedule="1f1b", pp=2, microbatches=4, timeout=TIMEOUT), config
 
 
-def _on_first_call(module, do):
-    """Make ``module``'s first forward call ``do()`` first."""
+def _on_first_call(module, do, call=1):
+    """Make ``module``'s first forward (or its ``call``-th) call ``do()`` first."""
     forward, calls = module.forward, []
 
     def patched(x):
-        if not calls:
-            calls.append(do())
+        calls.append(None)
+        if len(calls) == call:
+            do()
         return forward(x)
     module.forward = patched
 
@@ -110,6 +111,26 @@ def test_a_hung_peer_is_named():
     assert re.fullmatch(r"rank 0: action 0B0 waited for the gradient of stage 1 microbatch 0 from rank 1 for \d+ s; "
                         r"rank 1 has not been heard from for 3 s: it died or hangs", message), message
     assert waited < TIMEOUT + heartbeat.SILENT + 2
+
+
+def _closing_worker(rank):
+    from pipeloom.runtime import p2p
+
+    pipe, config = _pipeline()
+    if rank == 1:  # in action 1F0 the link from rank 0 closes, as it does when rank 0's end dies
+        _on_first_call(pipe.stages[1], lambda: p2p._close(pipe.channel.groups[(0, 1)]))
+    else:  # action 0F1 runs after that, and its output is sent on the closed link
+        _on_first_call(pipe.stages[0], lambda: time.sleep(1), call=2)
+    return step_failure(pipe, config)
+
+
+@pytest.mark.timeout(60)
+def test_a_transfer_started_on_a_closed_link_names_its_action():
+    (message0, _), (message1, _) = spawn(2, _closing_worker, timeout=50)
+    assert re.fullmatch(r"rank 0: action 0SEND_F1 sent the activation of stage 0 microbatch 1 to rank 1, "
+                        r"and it failed: .+", message0), message0
+    assert re.fullmatch(r"rank 1: action 1RECV_F\d posted the receive of the activation of stage 0 microbatch \d "
+                        r"from rank 0, and it failed: .+", message1), message1
 
 
 class _Peers:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import math
 import subprocess
@@ -238,8 +239,10 @@ def test_a_killed_rank_stops_the_others_naming_what_they_waited_for(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0
-    # rank 0 names what it waited for: an action's input from rank 1, or the step's loss on rank 1
-    assert "rank 0: " in err and "waited for" in err and "rank 1" in err.split("stopped:")[0], err[-2000:]
+    # rank 0 names what waited for rank 1 (an action's input, the step's loss, a collective of the step's
+    # start or end), or the action whose transfer to or from rank 1 it started
+    assert re.search(r"rank 0: (action \S+|the [\w ]+) (waited for|sent|posted) .*rank 1",
+                     err.split("stopped:")[0]), err[-2000:]
     assert "rank 1 died of SIGKILL" in err
 
 

@@ -16,6 +16,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from .p2p import Channel
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 ORPHAN = 256  # the request made when the parent died: above every signal number
 ORPHAN_GRACE = 10.0  # seconds an orphaned worker has to stop at a step boundary
@@ -44,11 +46,13 @@ class StopRequest:
                     os._exit(128 + signal.SIGHUP)
                 return
 
-    def agreed(self, device: torch.device) -> int:
-        """What every rank requested, combined (the highest: SIGTERM over SIGINT, the
-        launcher's death over both); 0 to go on. A collective: every rank calls it."""
+    def agreed(self, device: torch.device, channel: Channel, step: int) -> int:
+        """What every rank requested before ``step`` (1-based), combined (the highest: SIGTERM over
+        SIGINT, the launcher's death over both); 0 to go on. A collective over every rank, waited
+        for through ``channel``."""
         code = torch.tensor([self.code], dtype=torch.int32, device=device)
-        dist.all_reduce(code, op=dist.ReduceOp.MAX)
+        channel.all_reduce(code, dist.group.WORLD, f"the start of step {step} waited for the stop requests",
+                           op=dist.ReduceOp.MAX)
         return int(code.item())
 
     def close(self) -> None:

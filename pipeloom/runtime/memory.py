@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .p2p import Channel
+
 _STATUS = Path("/proc/self/status")
 
 
@@ -53,12 +55,12 @@ class PeakMemory:
             return torch.cuda.max_memory_allocated(self.device)
         return None if self.base is None else _status("VmHWM") - self.base
 
-    def per_pipeline_rank(self, pp_rank: int, pp: int) -> list[int]:
+    def per_pipeline_rank(self, pp_rank: int, pp: int, channel: Channel) -> list[int]:
         """Every rank's :meth:`bytes`, the largest over the ranks of each pipeline rank
-        (its data- and sequence-parallel replicas); every rank calls this, where it is :attr:`measurable`."""
+        (its data- and sequence-parallel replicas), gathered through ``channel``; every rank
+        calls this, where it is :attr:`measurable`."""
         mine = torch.tensor([pp_rank, self.bytes()], dtype=torch.int64, device=self.device)
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, mine)
+        every = channel.all_gather(mine, dist.group.WORLD, "the memory report waited for every rank's peak")
         peaks = [0] * pp
         for rank, peak in (t.tolist() for t in every):
             peaks[rank] = max(peaks[rank], peak)

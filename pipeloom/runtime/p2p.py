@@ -5,7 +5,9 @@ own, so its messages are matched in the order they are sent, on every backend
 (NCCL matches in posting order; gloo does for one tag). Sends are
 non-blocking (``isend``). A receive is posted ahead (``post``, non-blocking)
 in its link's send order and collected when needed (``recv``), which blocks
-until its data arrives.
+until its data arrives. A link whose peer is gone fails when a transfer is
+started on it as well as when one is waited for; both raise :class:`PeerTimeout`
+naming the action.
 
 A wait that lasts ``timeout`` seconds on gloo is watched through the peers'
 heartbeats (:mod:`.heartbeat`): one that died, hangs or stalls ends it with a
@@ -50,32 +52,48 @@ class Channel:
             work = dist.isend(hello, dst, group=group) if self.rank == src else dist.irecv(hello, src, group=group)
             self.wait(work, f"opening the link from rank {src} to rank {dst}", group)
 
-    def send(self, tensor: torch.Tensor, peer: int) -> None:
+    def send(self, tensor: torch.Tensor, peer: int, action, what: str) -> None:
+        """Start sending ``what`` (``tensor``), which ``action`` hands on, to ``peer``."""
         tensor = tensor.contiguous()
         group = self.groups[(self.rank, peer)]
-        self.send_work(dist.isend(tensor, dst=peer, group=group), tensor, group)
+        try:
+            work = dist.isend(tensor, dst=peer, group=group)
+        except RuntimeError as err:
+            raise self._failed(f"action {action} sent {what} to rank {peer}", err) from None
+        self.send_work(work, tensor, group)
 
     def send_work(self, work: dist.Work, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
         """Count ``work`` (a send of ``tensor`` over ``group``, or a collective this rank only
         gives to) among the sends :meth:`flush` waits for, keeping ``tensor`` alive until then."""
         self.pending.append((work, tensor, group))
 
-    def post(self, buffer: torch.Tensor, peer: int, key, what: str) -> None:
-        """Start receiving ``what`` (the message ``key``) from ``peer`` into ``buffer``;
+    def post(self, buffer: torch.Tensor, peer: int, receive, what: str) -> None:
+        """Start receiving ``what`` from ``peer`` into ``buffer`` (the action ``receive``);
         post in the link's send order."""
-        work = dist.irecv(buffer, src=peer, group=self.groups[(peer, self.rank)])
-        self.posted[key] = (buffer, peer, work, what)
+        try:
+            work = dist.irecv(buffer, src=peer, group=self.groups[(peer, self.rank)])
+        except RuntimeError as err:
+            raise self._failed(f"action {receive} posted the receive of {what} from rank {peer}", err) from None
+        self.posted[receive] = (buffer, peer, work, what)
 
-    def recv(self, key, action) -> torch.Tensor:
-        """Wait for the receive :meth:`post` started for ``key``, which ``action`` needs; its buffer."""
-        buffer, peer, work, what = self.posted.pop(key)
+    def recv(self, receive, action) -> torch.Tensor:
+        """Wait for the receive :meth:`post` started as ``receive``, which ``action`` needs; its buffer."""
+        buffer, peer, work, what = self.posted.pop(receive)
         self.wait(work, f"action {action} waited for {what} from rank {peer}", self.groups[(peer, self.rank)])
         return buffer
 
-    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup, what: str) -> None:
-        """Sum ``tensor`` over ``group``, waited for as :meth:`wait` does, saying ``what`` waited."""
+    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup, what: str,
+                   op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+        """Reduce ``tensor`` over ``group`` by ``op`` (a sum by default), waited for as
+        :meth:`wait` does, saying ``what`` waited."""
         if dist.get_world_size(group) > 1:
-            self.wait(dist.all_reduce(tensor, group=group, async_op=True), what, group)
+            self.wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), what, group)
+
+    def all_gather(self, tensor: torch.Tensor, group: dist.ProcessGroup, what: str) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` over ``group``, by rank in the group, waited for as :meth:`all_reduce`."""
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        self.wait(dist.all_gather(parts, tensor, group=group, async_op=True), what, group)
+        return parts
 
     def flush(self) -> None:
         """Wait for every send posted so far to complete."""
@@ -94,23 +112,30 @@ class Channel:
             finished = work.wait() if self.watched else work.wait(timeout=timedelta(seconds=self.timeout))
         except RuntimeError as err:
             others = [r for r in dist.get_process_group_ranks(group) if r != self.rank]
-            peers = f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}"
-            raise PeerTimeout(self.heartbeat.why_ended(state) or f"rank {self.rank}: {what} (from {peers}), and it "
-                              f"failed after {time.monotonic() - start:.0f} s: {_reason(err)}") from None
+            if not all(re.search(rf"\brank {r}\b", what) for r in others):
+                what += f" (from rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})"
+            ended = self.heartbeat.why_ended(state)
+            raise (PeerTimeout(ended) if ended else self._failed(
+                what, err, f" after {time.monotonic() - start:.0f} s")) from None
         finally:
             self.heartbeat.now = previous
         if finished is False:
             raise PeerTimeout(f"rank {self.rank}: {what} for {self.timeout:g} s; is that rank alive?")
 
+    def _failed(self, what: str, err: RuntimeError, when: str = "") -> PeerTimeout:
+        """The error of a transfer that ``what`` describes, which failed (``when``) with ``err``."""
+        return PeerTimeout(f"rank {self.rank}: {what}, and it failed{when}: {_reason(err)}")
+
 
 def _close(group: dist.ProcessGroup) -> None:
-    """Close this rank's gloo links of ``group`` as gloo does when a wait on it times out:
+    """Close this rank's gloo links of ``group`` as gloo does when a wait on one times out:
     every wait on them ends with an error, here and at the peers."""
-    peer = next(r for r in dist.get_process_group_ranks(group) if r != dist.get_rank())
-    try:
-        dist.irecv(torch.empty(1), peer, group=group).wait(timeout=timedelta(milliseconds=1))
-    except RuntimeError:
-        pass  # the timeout that closes them
+    for peer in dist.get_process_group_ranks(group):
+        if peer != dist.get_rank():
+            try:
+                dist.irecv(torch.empty(1), peer, group=group).wait(timeout=timedelta(milliseconds=1))
+            except RuntimeError:
+                pass  # the timeout that closes the link, or a link closed already
 
 
 def _reason(err: RuntimeError) -> str:

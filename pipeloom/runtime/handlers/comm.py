@@ -21,7 +21,8 @@ from . import register
 def _send(action, context) -> None:
     what = ACTIVATION if action.kind == SEND_F else GRADIENT
     tensor = context.step.mail.pop((what, action.stage, action.microbatch))
-    context.channel.send(tensor, context.mesh.peers[peer(context.schedule, action)])
+    context.channel.send(tensor, context.mesh.peers[peer(context.schedule, action)], action,
+                         f"the {what} of stage {action.stage} microbatch {action.microbatch}")
 
 
 def _post(action, context) -> None:
