@@ -28,8 +28,8 @@ def _pipeline():
     return pipeloom.Pipeline(GPT(config), schedule="1f1b", pp=2, microbatches=4, timeout=TIMEOUT), config
 
 
-def _on_first_call(module, do, call=1):
-    """Make ``module``'s first forward (or its ``call``-th) call ``do()`` first."""
+def _before_call(module, do, call=1):
+    """Make ``module``'s ``call``-th forward call (its first by default) call ``do()`` first."""
     forward, calls = module.forward, []
 
     def patched(x):
@@ -44,7 +44,7 @@ def _busy_worker(rank):
     pipe, config = _pipeline()
     tokens, targets = make_batch(config, 8, 16)
     if rank == 0:
-        _on_first_call(pipe.stages[0], lambda: time.sleep(2.5 * TIMEOUT))  # action 0F0 takes 5 s
+        _before_call(pipe.stages[0], lambda: time.sleep(2.5 * TIMEOUT))  # action 0F0 takes 5 s
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         loss = pipe.step(tokens, targets)
@@ -69,7 +69,7 @@ def _deadlock_worker(rank):
     pipe, config = _pipeline()
     if rank == 0:  # action 0F0 waits for a message that never comes
         work = dist.irecv(torch.zeros(1), 1, group=side)
-        _on_first_call(pipe.stages[0], lambda: pipe.channel.wait(work, "a test waited for rank 1", side))
+        _before_call(pipe.stages[0], lambda: pipe.channel.wait(work, "a test waited for rank 1", side))
     return step_failure(pipe, config)
 
 
@@ -92,7 +92,7 @@ def _hung_worker(rank):
     dist.all_gather_object(pids, os.getpid())
     pipe, config = _pipeline()
     if rank == 1:  # the whole process stops in action 1F0, its heartbeat too
-        _on_first_call(pipe.stages[1], lambda: os.kill(os.getpid(), signal.SIGSTOP))
+        _before_call(pipe.stages[1], lambda: os.kill(os.getpid(), signal.SIGSTOP))
     start = time.monotonic()
     try:
         pipe.step(*make_batch(config, 8, 16))
@@ -118,9 +118,9 @@ def _closing_worker(rank):
 
     pipe, config = _pipeline()
     if rank == 1:  # in action 1F0 the link from rank 0 closes, as it does when rank 0's end dies
-        _on_first_call(pipe.stages[1], lambda: p2p._close(pipe.channel.groups[(0, 1)]))
+        _before_call(pipe.stages[1], lambda: p2p._close(pipe.channel.groups[(0, 1)]))
     else:  # action 0F1 runs after that, and its output is sent on the closed link
-        _on_first_call(pipe.stages[0], lambda: time.sleep(1), call=2)
+        _before_call(pipe.stages[0], lambda: time.sleep(1), call=2)
     return step_failure(pipe, config)
 
 

@@ -49,10 +49,10 @@ class StopRequest:
     def agreed(self, device: torch.device, channel: Channel, step: int) -> int:
         """What every rank requested before ``step`` (1-based), combined (the highest: SIGTERM over
         SIGINT, the launcher's death over both); 0 to go on. A collective over every rank, waited
-        for through ``channel``."""
+        for through ``channel`` (not watched: see :meth:`~.p2p.Channel.wait`)."""
         code = torch.tensor([self.code], dtype=torch.int32, device=device)
         channel.all_reduce(code, dist.group.WORLD, f"the start of step {step} waited for the stop requests",
-                           op=dist.ReduceOp.MAX)
+                           op=dist.ReduceOp.MAX, watch=False)
         return int(code.item())
 
     def close(self) -> None:

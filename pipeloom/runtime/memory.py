@@ -57,10 +57,11 @@ class PeakMemory:
 
     def per_pipeline_rank(self, pp_rank: int, pp: int, channel: Channel) -> list[int]:
         """Every rank's :meth:`bytes`, the largest over the ranks of each pipeline rank
-        (its data- and sequence-parallel replicas), gathered through ``channel``; every rank
-        calls this, where it is :attr:`measurable`."""
+        (its data- and sequence-parallel replicas), gathered through ``channel`` (not watched,
+        as between steps); every rank calls this, where it is :attr:`measurable`."""
         mine = torch.tensor([pp_rank, self.bytes()], dtype=torch.int64, device=self.device)
-        every = channel.all_gather(mine, dist.group.WORLD, "the memory report waited for every rank's peak")
+        every = channel.all_gather(mine, dist.group.WORLD, "the memory report waited for every rank's peak",
+                                   watch=False)
         peaks = [0] * pp
         for rank, peak in (t.tolist() for t in every):
             peaks[rank] = max(peaks[rank], peak)

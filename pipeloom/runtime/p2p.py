@@ -83,16 +83,17 @@ class Channel:
         return buffer
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup, what: str,
-                   op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+                   op: dist.ReduceOp = dist.ReduceOp.SUM, watch: bool = True) -> None:
         """Reduce ``tensor`` over ``group`` by ``op`` (a sum by default), waited for as
         :meth:`wait` does, saying ``what`` waited."""
         if dist.get_world_size(group) > 1:
-            self.wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), what, group)
+            self.wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), what, group, watch)
 
-    def all_gather(self, tensor: torch.Tensor, group: dist.ProcessGroup, what: str) -> list[torch.Tensor]:
+    def all_gather(self, tensor: torch.Tensor, group: dist.ProcessGroup, what: str,
+                   watch: bool = True) -> list[torch.Tensor]:
         """Every rank's ``tensor`` over ``group``, by rank in the group, waited for as :meth:`all_reduce`."""
         parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        self.wait(dist.all_gather(parts, tensor, group=group, async_op=True), what, group)
+        self.wait(dist.all_gather(parts, tensor, group=group, async_op=True), what, group, watch)
         return parts
 
     def flush(self) -> None:
@@ -101,15 +102,19 @@ class Channel:
             self.wait(work, "the end of the step waited for its sends to be received", group)
         self.pending.clear()
 
-    def wait(self, work: dist.Work, what: str, group: dist.ProcessGroup) -> None:
+    def wait(self, work: dist.Work, what: str, group: dist.ProcessGroup, watch: bool = True) -> None:
         """Wait for ``work`` on ``group``; a failed, dead or stalled peer raises :class:`PeerTimeout`
-        saying ``what`` waited, a busy one is waited for (see the module's docstring)."""
+        saying ``what`` waited, a busy one is waited for (see the module's docstring). Unless ``watch``,
+        only the group's own timeout bounds the wait: for the collectives between steps, which a peer
+        may reach late after work of its own outside a step (saving a checkpoint)."""
+        watched = watch and self.watched
         previous = self.heartbeat.now
-        state = self.heartbeat.waiting(what, group, self.timeout if self.watched else None)
+        state = self.heartbeat.waiting(what, group, self.timeout if watched else None)
         start = time.monotonic()
         try:
             # gloo's own timeout would close the link: watched, the wait is bounded by the group's
-            finished = work.wait() if self.watched else work.wait(timeout=timedelta(seconds=self.timeout))
+            timed = watch and not self.watched
+            finished = work.wait(timeout=timedelta(seconds=self.timeout)) if timed else work.wait()
         except RuntimeError as err:
             others = [r for r in dist.get_process_group_ranks(group) if r != self.rank]
             if not all(re.search(rf"\brank {r}\b", what) for r in others):
