@@ -225,11 +225,11 @@ class Costing:
         copied at their tightest: :func:`tightest`), or None where the schedule cannot be built.
         The lists are read once per schedule and ``away``."""
         bare = away == "copyable"
-        key = _shape(replace(c, offload="none") if bare else c), away
+        listed = replace(c, offload="none") if bare else c
+        key = _shape(listed), away
         if key not in self._peaks:
             try:
-                schedule = self.schedule(replace(c, offload="none") if bare else c,
-                                         2 if c.schedule == "2bw" else None)  # as evaluated
+                schedule = self.schedule(listed, 2 if c.schedule == "2bw" else None)  # as evaluated
             except PipeloomError:
                 self._peaks[key] = None
             else:
