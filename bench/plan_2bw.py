@@ -16,9 +16,13 @@ with the same width and 42 layers, and a 3.8B model of 32 layers, h 3072,
 
 For every model x GPU count x global batch x GPU memory, the planner
 (:func:`pipeloom.plan.search`) is run three times, each restricted to one
-schedule family (``gpipe``, ``1f1b``, ``2bw``), with no vocabulary
-parallelism and no offload, recomputation (none, cheap, full), pipeline
-depth, data- and sequence-parallel widths and microbatch size left to it.
+schedule family (``gpipe``, ``1f1b``, ``2bw``), with no offload,
+recomputation (none, cheap, full), pipeline depth, data- and
+sequence-parallel widths and microbatch size left to it. Two passes: without
+vocabulary parallelism (the paper's setting; the embedding and the LM head
+on the end stages make those stages the slowest), and with it searched
+(``vocab-1``, ``vocab-2``), which balances the stages as the paper's planner
+assumes them (equal stages of transformer blocks).
 Per family it records the best plan (throughput, layout, microbatch size,
 recomputation, peak memory per rank, bubble rate) or the planner's one-line
 "none fits", and the search's time; per setting the throughput ratios
@@ -27,7 +31,7 @@ ever); ``pipeloom train`` runs 2bw in calls of 4 steps that each end in a
 flush, so 2bw's best plan is also simulated that way ("per call") and its
 ratio to 1F1B given too. Planned, not measured: the cost model is the FLOP
 formulas on the ``v100`` preset (no profile). Writes
-bench/results/plan_2bw.json and prints a markdown table.
+bench/results/plan_2bw.json and prints a markdown table per pass.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from common import write_results  # noqa: E402
 from pipeloom.errors import PipeloomError  # noqa: E402
 from pipeloom.plan import Cluster, Costing, PlanRequest, schedule_of, search  # noqa: E402
 from pipeloom.sim import simulate  # noqa: E402
-from pipeloom.sim.model import GRAD_BYTES_PER_PARAM, VERSION_BYTES_PER_PARAM, ModelSpec, get_model  # noqa: E402
+from pipeloom.sim.model import VERSION_BYTES_PER_PARAM, ModelSpec, get_model  # noqa: E402
 
 _GiB = 2**30
 SEQ = 512
@@ -61,11 +65,11 @@ MODELS = (
 TIE = 0.01
 
 
-def best(model: ModelSpec, gpus: int, batch: int, memory_gib: float, family: str) -> dict:
-    """The planner's best plan of one family, or its reason for none."""
+def best(model: ModelSpec, gpus: int, batch: int, memory_gib: float, family: str, vocab: tuple[str, ...]) -> dict:
+    """The planner's best plan of one family (vocabulary parallelism among ``vocab``), or its reason for none."""
     cluster = Cluster.of("v100", gpus, gpus_per_node=8, memory=memory_gib * _GiB, inter_bandwidth=INTER_BANDWIDTH)
     request = PlanRequest(model=model, seq=SEQ, global_batch=batch, cluster=cluster, schedules=(family,),
-                          vocab_parallel=("none",), offload=("none",), top=1)
+                          vocab_parallel=vocab, offload=("none",), top=1)
     started = time.perf_counter()
     try:
         found = search(request)
@@ -84,7 +88,7 @@ def best(model: ModelSpec, gpus: int, batch: int, memory_gib: float, family: str
         as_run = {}
     return {
         "fits": True, "pp": c.pp, "dp": c.dp, "sp": c.sp, "chunks": c.chunks, "microbatch_size": c.microbatch_size,
-        "microbatches": c.microbatches, "recompute": c.recompute, "step_ms": round(plan.step_ms, 2),
+        "microbatches": c.microbatches, "recompute": c.recompute, "vocab_parallel": c.vocab_parallel, "step_ms": round(plan.step_ms, 2),
         "samples_per_s": round(plan.samples_per_s, 2), "tokens_per_s": round(plan.tokens_per_s, 1),
         "mfu": round(plan.mfu, 4), "peak_memory_gib": round(max(plan.peak_memory_bytes) / _GiB, 2),
         "bubble_rate": round(plan.bubble_rate, 4), "allreduce_ms": round(plan.allreduce_ms, 2),
@@ -153,23 +157,20 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 32, 64])
-    parser.add_argument("--batches", type=int, nargs="+", default=[64, 512], help="global batches (sequences)")
-    parser.add_argument("--memories", type=float, nargs="+", default=[8, 16, 64],
-                        help="GPU memory in GiB: below the paper's, the paper's V100-16GB, ample")
-    parser.add_argument("--models", nargs="+", default=[m.name for m in MODELS])
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
-    models = [m for m in MODELS if m.name in args.models]
-    started = time.perf_counter()
+#: The passes: the paper's setting (the embedding and head on the end stages, as pipeloom train
+#: places them without vocabulary parallelism), and with vocabulary parallelism searched too, which
+#: balances the stages as the paper's planner assumes (d equal stages of transformer blocks).
+VOCAB = {"none": ("none",), "searched": ("none", "vocab-1", "vocab-2")}
+
+
+def compare(models: list[ModelSpec], args, vocab: tuple[str, ...]) -> dict:
+    """Every setting's best plan per family and the ratios, their summaries and the search times."""
     rows = []
     for model in models:
         for gpus in args.gpus:
             for batch in args.batches:
                 for memory in args.memories:
-                    plans = {family: best(model, gpus, batch, memory, family) for family in FAMILIES}
+                    plans = {family: best(model, gpus, batch, memory, family, vocab) for family in FAMILIES}
                     row = {"model": model.name, "gpus": gpus, "global_batch": batch, "memory_gib": memory,
                            "plans": plans}
                     for rival in ("1f1b", "gpipe"):
@@ -179,42 +180,70 @@ def main(argv=None):
                         row["2bw_per_call_over_1f1b"] = round(
                             plans["2bw"]["per_call_samples_per_s"] / plans["1f1b"]["samples_per_s"], 4)
                     rows.append(row)
-                    print(f"{model.name} {gpus} GPUs batch {batch} {memory:g} GiB: "
+                    print(f"vocab {'/'.join(vocab)}: {model.name} {gpus} GPUs batch {batch} {memory:g} GiB: "
                           + ", ".join(f"{f} {cell(p)} [{p['search_s']:.2f}s]" for f, p in plans.items()),
                           file=sys.stderr, flush=True)
     times = {f: [r["plans"][f]["search_s"] for r in rows] for f in FAMILIES}
-    search_s = {f: {"median": round(median(t), 3), "max": round(max(t), 3), "total": round(sum(t), 2)}
-                for f, t in times.items()}
+    return {
+        "vocab_parallel_searched": list(vocab),
+        "rows": rows,
+        "summary_by_memory": summarise(rows, lambda r: f"{r['memory_gib']:g} GiB"),
+        "summary_by_memory_and_batch": summarise(rows, lambda r: f"{r['memory_gib']:g} GiB, batch {r['global_batch']}"),
+        "search_seconds": {f: {"median": round(median(t), 3), "max": round(max(t), 3), "total": round(sum(t), 2)}
+                           for f, t in times.items()},
+    }
+
+
+def report(name: str, result: dict) -> None:
+    """Print one pass's table, summaries and search times."""
+    print(f"## vocabulary parallelism: {name} ({', '.join(result['vocab_parallel_searched'])})")
+    print(table(result["rows"]))
+    print()
+    for key in ("summary_by_memory", "summary_by_memory_and_batch"):
+        for group, entry in result[key].items():
+            for rival, s in entry.items():
+                counts = ", ".join(f"{k} {v}" for k, v in s.items()
+                                   if k not in ("settings", "geomean_ratio", "max_ratio", "min_ratio",
+                                                "geomean_per_call_ratio"))
+                call = f"; per call {s['geomean_per_call_ratio']}" if "geomean_per_call_ratio" in s else ""
+                print(f"{group}: 2bw vs {rival}: {counts}; geomean ratio {s['geomean_ratio']} "
+                      f"(min {s['min_ratio']}, max {s['max_ratio']}){call}")
+    print("search seconds per call: " + "; ".join(f"{f} median {s['median']} max {s['max']}"
+                                                   for f, s in result["search_seconds"].items()))
+    print()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 32, 64])
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 512], help="global batches (sequences)")
+    parser.add_argument("--memories", type=float, nargs="+", default=[8, 16, 64],
+                        help="GPU memory in GiB: below the paper's, the paper's V100-16GB, ample")
+    parser.add_argument("--models", nargs="+", default=[m.name for m in MODELS])
+    parser.add_argument("--vocab", nargs="+", choices=list(VOCAB), default=list(VOCAB),
+                        help="passes: without vocabulary parallelism (the paper's setting), and with it searched")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    models = [m for m in MODELS if m.name in args.models]
+    started = time.perf_counter()
+    passes = {name: compare(models, args, VOCAB[name]) for name in args.vocab}
     results = {
         "setting": {
             "seq": SEQ, "device": "v100", "gpus_per_node": 8, "inter_bandwidth_bytes_per_s": INTER_BANDWIDTH,
             "models": [{"name": m.name, "layers": m.layers, "hidden": m.hidden, "heads": m.heads, "vocab": m.vocab,
                         "parameters": m.parameters(SEQ)} for m in models],
             "gpus": args.gpus, "global_batches": args.batches, "memories_gib": args.memories,
-            "searched": "recompute none/cheap/full, pp, dp, sp, microbatch size; vocab_parallel none; offload none",
+            "searched": "recompute none/cheap/full, pp, dp, sp, microbatch size; offload none; vocabulary "
+                        "parallelism per pass",
             "costs": "FLOP formulas on the v100 preset (no profile)",
-            "2bw_extra_bytes_per_param": 2 * VERSION_BYTES_PER_PARAM - GRAD_BYTES_PER_PARAM,
+            "2bw_extra_bytes_per_param": VERSION_BYTES_PER_PARAM,  # its second weight version
         },
-        "rows": rows,
-        "summary_by_memory": summarise(rows, lambda r: f"{r['memory_gib']:g} GiB"),
-        "summary_by_memory_and_batch": summarise(rows, lambda r: f"{r['memory_gib']:g} GiB, batch {r['global_batch']}"),
-        "search_seconds": search_s,
+        "passes": passes,
         "seconds": round(time.perf_counter() - started, 1),
     }
     path = write_results("plan_2bw", results, args.out)
-    print(table(rows))
-    print()
-    for key in ("summary_by_memory", "summary_by_memory_and_batch"):
-        for name, entry in results[key].items():
-            for rival, s in entry.items():
-                counts = ", ".join(f"{k} {v}" for k, v in s.items()
-                                   if k not in ("settings", "geomean_ratio", "max_ratio", "min_ratio",
-                                                "geomean_per_call_ratio"))
-                call = f"; per call {s['geomean_per_call_ratio']}" if "geomean_per_call_ratio" in s else ""
-                print(f"{name}: 2bw vs {rival}: {counts}; geomean ratio {s['geomean_ratio']} "
-                      f"(min {s['min_ratio']}, max {s['max_ratio']}){call}")
-    print("search seconds per call: " + "; ".join(f"{f} median {s['median']} max {s['max']}"
-                                                   for f, s in search_s.items()))
+    for name, result in passes.items():
+        report(name, result)
     print(f"wrote {path} in {results['seconds']} s")
 
 

@@ -134,9 +134,6 @@ def check(args, world: int):
     schedule = build(args.schedule, args.pp, args.microbatches, args.chunks,
                      transforms=[Offload(args.offload, args.offload_ratio)],
                      **({"vocab_parallel": vocab} if vocab else {}))
-    if args.recompute == "cheap" and schedule.weight_versions > 1:
-        raise PipeloomError("--recompute cheap reruns norms with the current weights; 2bw keeps older weight "
-                            "versions: use --recompute full")
     if args.steps % schedule.steps:
         raise PipeloomError(f"{args.schedule} runs {schedule.steps} steps per call without a flush; "
                             f"use a --steps that is a multiple of {schedule.steps}")

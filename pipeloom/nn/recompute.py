@@ -19,6 +19,8 @@ import contextlib
 from typing import Callable
 
 import torch
+from torch import nn
+from torch.func import functional_call
 
 _active = False
 
@@ -35,8 +37,15 @@ def cheap_recompute():
 
 
 def mark(output: torch.Tensor, rebuild: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
-    """``output``, marked (inside :func:`cheap_recompute`) as ``rebuild(*inputs)``; returns it."""
+    """``output``, marked (inside :func:`cheap_recompute`) as ``rebuild(*inputs)``; returns it. A
+    module rebuilds with the weights it runs with now: under ``torch.func.functional_call`` (2bw's
+    weight versions) those of this forward, not the ones it holds when the backward unpacks."""
     if _active:
+        if isinstance(rebuild, nn.Module):
+            module, weights = rebuild, dict(rebuild.named_parameters())
+
+            def rebuild(*args):
+                return functional_call(module, weights, args)
         output._pipeloom_rebuild = (rebuild, inputs)
     return output
 

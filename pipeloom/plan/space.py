@@ -109,7 +109,7 @@ def candidates(request: PlanRequest) -> Iterator[Candidate]:
     """Every layout of ``request`` on all its GPUs that the runtime accepts (its refusals mirrored:
     vocabulary parallelism only with pp > 1, with 2bw only with enough microbatches
     (:func:`~pipeloom.schedule.transforms.vocab.versioned_microbatches`, which the planner's builds of
-    1 and 2 steps do not reach); cheap recomputation and offload not with 2bw's weight versions;
+    1 and 2 steps do not reach); offload not with 2bw's weight versions;
     offload only on an accelerator)."""
     layers = request.model.layers
     for pp, dp, sp in layouts(request, request.cluster.gpus):
@@ -124,8 +124,6 @@ def candidates(request: PlanRequest) -> Iterator[Candidate]:
                 multi_step = "steps" in family.options
                 for b in sizes:
                     for recompute in request.recompute:
-                        if recompute == "cheap" and multi_step:
-                            continue
                         for mode in request.vocab_parallel:
                             if mode != "none" and pp == 1 or multi_step and mode in ALGORITHMS and \
                                     per_replica // b < versioned_microbatches(pp, mode):

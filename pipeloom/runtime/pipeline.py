@@ -133,7 +133,7 @@ class Pipeline:
         self.versions = WeightVersions(self.stages, self.schedule.weight_versions) if multi_step else None
         self.context = Context(
             self.schedule, self.mesh, self.stages, self.channel, self.device, dtype, autocast,
-            recompute=recomputed(recompute, self.stages, multi_step), loss_fn=loss_fn,
+            recompute=recomputed(recompute, self.stages), loss_fn=loss_fn,
             boundary=model.boundary_shape if isinstance(model, Stages) else _hidden_states(model),
             versions=self.versions)
         self.vocab = VocabPasses(self.context, model, algorithm) if algorithm else None

@@ -7,12 +7,15 @@ finished it, to the newest version, giving the version of step ``t + V``:
     W(t + V) = W(t + V - 1) - lr * grad f(W(t))
 
 For V = 2 this is 2BW's delayed update ``W(t+1) = W(t) - lr * grad f(W(t-1))``
-(and W(1) = W(0)). A stage's module parameters always hold the newest
-version and carry the optimizer's state; each version in use is a detached
-copy that the forward runs with (``torch.func.functional_call``) and whose
-``.grad`` collects that step's gradient, so a backward always sees the
-weights of its own forward. Weights a rank holds outside its stages (the
-vocabulary shards) are versioned the same way, as one more module
+(and W(1) = W(0)). Each version in use is a set of detached leaves that the
+forward runs with (``torch.func.functional_call``) and whose ``.grad``
+collects that step's gradient, so a backward always sees the weights of its
+own forward. A stage keeps V buffers of its weights, no more: the newest
+version shares its storage with the module's parameters, which carry the
+optimizer's state, and the update of step ``t`` (whose backwards are all done)
+reuses version ``t``'s buffer for the new weights. A stage's backwards run in
+step order, so one gradient exists at a time. Weights a rank holds outside its
+stages (the vocabulary shards) are versioned the same way, as one more module
 (:meth:`WeightVersions.add`).
 """
 
@@ -36,16 +39,29 @@ class WeightVersions:
     def add(self, key, module: nn.Module) -> None:
         """Version ``module`` (weights outside the stages) as the stages are, under ``key``."""
         self.stages[key] = module
-        self.weights.update({(key, t): self._copy(key) for t in sorted({t for _, t in self.weights})})
+        self._start(key, sorted({t for _, t in self.weights}))
 
     def restart(self, step: int) -> None:
-        """Make the versions of steps ``step`` .. ``step + V - 1`` copies of the newest weights."""
-        self.weights = {(s, step + j): self._copy(s) for s in self.stages for j in range(self.count)}
+        """Make the versions of steps ``step`` .. ``step + V - 1`` the newest weights."""
+        self.weights = {}
+        for s in self.stages:
+            self._start(s, range(step, step + self.count))
 
-    def _copy(self, s: int) -> dict[str, torch.Tensor]:
-        """The stage's newest weights as fresh leaves, by local name (shared tensors stay shared)."""
-        copies: dict[int, torch.Tensor] = {}
-        return {name: copies.setdefault(id(p), p.detach().clone().requires_grad_(p.requires_grad))
+    def _start(self, s, steps) -> None:
+        """Stage ``s``'s versions of ``steps`` as its weights now: the last one the module's own
+        storage, the others copies."""
+        *older, newest = steps
+        for t in older:
+            self.weights[s, t] = self._leaves(s, copy=True)
+        self.weights[s, newest] = self._leaves(s, copy=False)
+
+    def _leaves(self, s, copy: bool) -> dict[str, torch.Tensor]:
+        """The stage's weights as fresh leaves by local name, copies or sharing the parameters'
+        storage (``.data``: not their version counter, which the optimizer's step bumps while
+        autograd still holds this version; shared tensors stay shared)."""
+        leaves: dict[int, torch.Tensor] = {}
+        return {name: leaves.setdefault(id(p), (p.detach().clone() if copy else p.data)
+                                        .requires_grad_(p.requires_grad))
                 for name, p in self.stages[s].named_parameters(remove_duplicate=False)}
 
     def module(self, s, t: int) -> Callable:
@@ -56,17 +72,22 @@ class WeightVersions:
     def update(self, s: int, t: int, optimizer: torch.optim.Optimizer,
                reduce: Callable[[dict[str, torch.Tensor]], None]) -> None:
         """Apply step ``t``'s gradient on stage ``s`` (after ``reduce`` sums it, by local
-        name, over replicas and tied copies) to the newest weights: the version of step ``t + V``."""
-        old = self.weights.pop((s, t))
+        name, over replicas and tied copies) to the newest weights, in version ``t``'s
+        buffer, which becomes the version of step ``t + V`` (and the parameters' storage)."""
+        buffer = self.weights.pop((s, t))
         params = dict(self.stages[s].named_parameters())
-        grads = {name: old[name].grad for name in params if old[name].grad is not None}
+        grads = {name: buffer[name].grad for name in params if buffer[name].grad is not None}
         reduce(grads)
         everything = [p for group in optimizer.param_groups for p in group["params"]]
         for p in everything:
             p.grad = None
-        for name, grad in grads.items():
-            params[name].grad = grad
+        with torch.no_grad():
+            for name, p in params.items():
+                buffer[name].grad = None
+                buffer[name].copy_(p)
+                p.data = buffer[name]
+                p.grad = grads.get(name)
         optimizer.step()  # parameters without a gradient (other stages) are left alone
         for p in everything:
             p.grad = None
-        self.weights[s, t + self.count] = self._copy(s)
+        self.weights[s, t + self.count] = buffer

@@ -106,10 +106,12 @@ BYTES_PER_PARAM = 18
 #: Of those, the fp32 gradient: it exists only from a stage's first backward
 #: of the step (the runtime frees gradients after each optimizer step).
 GRAD_BYTES_PER_PARAM = 4
-#: Bytes per parameter of each weight version a schedule that runs several steps
-#: without a flush keeps (2bw: 2): an fp32 copy of the weights and its gradient,
-#: which then holds the gradient instead of the module.
-VERSION_BYTES_PER_PARAM = 8
+#: Bytes per parameter of each weight version beyond the first that a schedule
+#: running several steps without a flush keeps (2bw: 2 versions, so one more): a
+#: copy of the fp32 weights the runtime keeps. The newest version is the
+#: parameters themselves, and a stage runs its backwards in step order, so it holds
+#: one gradient at a time (:mod:`pipeloom.runtime.versions`).
+VERSION_BYTES_PER_PARAM = 4
 
 
 #: Bytes an AdamW step with gradient clipping moves per fp32 parameter: reads the weight,
@@ -132,11 +134,10 @@ def optimizer_ms(params: float, device: Device, profile: Profile | None = None) 
 
 def state_bytes_per_param(bytes_per_param: float, versions: int) -> tuple[float, float]:
     """(bytes of model state per parameter held all step, bytes of its gradient, which
-    appears at the stage's first backward) with ``versions`` weight versions (0: none)."""
+    appears at the stage's first backward) with ``versions`` weight versions (0 or 1:
+    the parameters only; each more, :data:`VERSION_BYTES_PER_PARAM`)."""
     grad = min(GRAD_BYTES_PER_PARAM, bytes_per_param)
-    if versions:
-        return bytes_per_param - grad + versions * VERSION_BYTES_PER_PARAM, 0.0
-    return bytes_per_param - grad, grad
+    return bytes_per_param - grad + max(versions - 1, 0) * VERSION_BYTES_PER_PARAM, grad
 
 
 @dataclass(frozen=True)
@@ -713,8 +714,8 @@ def peak_memory_bytes(
     """Peak bytes per rank: model state of the rank's stages and vocabulary
     shard (``bytes_per_param`` each, of which a stage's gradient,
     :data:`GRAD_BYTES_PER_PARAM`, only from its first backward of the step on;
-    with weight versions, :data:`VERSION_BYTES_PER_PARAM` more per version, the
-    versions holding the gradients; the shard's too)
+    with weight versions, :data:`VERSION_BYTES_PER_PARAM` more per version beyond
+    the first; the shard's too)
     plus the simulated activation memory (with the vocabulary buffers), which
     is in bytes when ``result`` was simulated with :func:`costs_from_model`
     costs, at the moment their sum peaks, plus, with ring
@@ -732,8 +733,7 @@ def peak_memory_bytes(
     _positive(microbatch_size=microbatch_size)
     transient = _attention_memory(model, seq, microbatch_size, sp, _attention(attention, sp))[1]
     rerun = result.costs.m_rerun
-    versions = schedule.weight_versions if schedule.steps > 1 or schedule.weight_versions > 1 else 0
-    held, grad = state_bytes_per_param(bytes_per_param, versions)
+    held, grad = state_bytes_per_param(bytes_per_param, schedule.weight_versions)
     peaks = []
     for rank in range(schedule.pp):
         stages = schedule.stages_of(rank)

@@ -118,15 +118,11 @@ def _weights(action, context) -> None:
     context.step.slots.pop(key).weights.run()
 
 
-def recomputed(recompute, stages, multi_step: bool) -> frozenset[int]:
-    """The stages whose forward reruns in backward (none for "cheap"); "cheap" refused with 2bw's
-    weight versions (it reruns norms with the current weights)."""
+def recomputed(recompute, stages) -> frozenset[int]:
+    """The stages whose forward reruns in backward (none for "cheap")."""
     if isinstance(recompute, str):
         if recompute != "cheap":
             raise PipeloomError(f"recompute={recompute!r}: give True, the stages, or 'cheap'")
-        if multi_step:
-            raise PipeloomError("recompute='cheap' reruns norms with the current weights; 2bw keeps older "
-                                "weight versions: use recompute=True")
         return frozenset()
     return frozenset(stages if recompute is True else recompute or ())
 
