@@ -96,10 +96,10 @@ def test_training_steps_with_adamw_match(name, pp, dp):
         assert losses == pytest.approx(ref_losses, rel=1e-4)
 
 
-def _two_bw_worker(rank, pp, dp, calls, steps, tied, vocab=None, recompute=False):
+def _two_bw_worker(rank, pp, dp, calls, steps, tied, vocab=None, options=None):
     """PipeDream-2BW against its definition on one process: W(1) = W(0) and
     W(t+1) = W(t) - update(grad f(W(t-1))), over several calls of several steps (with
-    ``vocab``, the vocabulary shards too; with ``recompute``, the pipeline's). SGD with
+    ``vocab``, the vocabulary shards too; ``options``: the pipeline's other options). SGD with
     momentum: AdamW would magnify the float noise of gradients that are zero in exact
     arithmetic (the key bias) into differences of a whole learning rate."""
     import pipeloom
@@ -132,7 +132,7 @@ def _two_bw_worker(rank, pp, dp, calls, steps, tied, vocab=None, recompute=False
     model = GPT(config)
     moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
     pipe = pipeloom.Pipeline(model, schedule="2bw", pp=pp, microbatches=m, dp=dp, steps=steps, vocab_parallel=vocab,
-                            recompute=recompute)
+                             **(options or {}))
     opt = torch.optim.SGD(pipe.parameters(), lr=0.5, momentum=0.9)
     losses = []
     for c in range(calls):
@@ -146,12 +146,14 @@ def _two_bw_worker(rank, pp, dp, calls, steps, tied, vocab=None, recompute=False
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("pp,dp,tied,vocab,recompute", [
-    (2, 1, True, None, False), (2, 2, False, None, False), (4, 1, True, None, False), (2, 1, False, "vocab-1", False),
-    (2, 1, True, "vocab-2", False), (2, 1, True, None, "cheap"), (2, 1, False, None, True)])
-def test_two_bw_gives_its_delayed_update(pp, dp, tied, vocab, recompute):
-    """Each backward sees its forward's weight version, the norms cheap recomputation rebuilds too."""
-    for ref_losses, losses, error, moved in spawn(pp * dp, _two_bw_worker, pp, dp, 2, 3, tied, vocab, recompute,
+@pytest.mark.parametrize("pp,dp,tied,vocab,options", [
+    (2, 1, True, None, None), (2, 2, False, None, None), (4, 1, True, None, None), (2, 1, False, "vocab-1", None),
+    (2, 1, True, "vocab-2", None), (2, 1, True, None, {"recompute": "cheap"}), (2, 1, False, None, {"recompute": True}),
+    (2, 1, True, None, {"offload": "full"}), (2, 1, False, "vocab-2", {"offload": "selective", "offload_ratio": 0.5})])
+def test_two_bw_gives_its_delayed_update(pp, dp, tied, vocab, options):
+    """Each backward sees its forward's weight version, the norms cheap recomputation rebuilds too,
+    and activations offloaded to the host come back for it."""
+    for ref_losses, losses, error, moved in spawn(pp * dp, _two_bw_worker, pp, dp, 2, 3, tied, vocab, options,
                                                   timeout=240):
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         assert moved > 1e-2  # the updates changed the weights

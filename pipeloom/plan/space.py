@@ -109,8 +109,7 @@ def candidates(request: PlanRequest) -> Iterator[Candidate]:
     """Every layout of ``request`` on all its GPUs that the runtime accepts (its refusals mirrored:
     vocabulary parallelism only with pp > 1, with 2bw only with enough microbatches
     (:func:`~pipeloom.schedule.transforms.vocab.versioned_microbatches`, which the planner's builds of
-    1 and 2 steps do not reach); offload not with 2bw's weight versions;
-    offload only on an accelerator)."""
+    1 and 2 steps do not reach); offload only on an accelerator)."""
     layers = request.model.layers
     for pp, dp, sp in layouts(request, request.cluster.gpus):
         per_replica = request.global_batch // dp
@@ -129,7 +128,7 @@ def candidates(request: PlanRequest) -> Iterator[Candidate]:
                                     per_replica // b < versioned_microbatches(pp, mode):
                                 continue
                             for offload in request.offload:
-                                if offload != "none" and (multi_step or request.cluster.device.name == "cpu"):
+                                if offload != "none" and request.cluster.device.name == "cpu":
                                     continue
                                 yield Candidate(pp, dp, sp, name, chunks, b, per_replica // b, recompute, mode,
                                                 offload)
