@@ -88,7 +88,8 @@ def best(model: ModelSpec, gpus: int, batch: int, memory_gib: float, family: str
         as_run = {}
     return {
         "fits": True, "pp": c.pp, "dp": c.dp, "sp": c.sp, "chunks": c.chunks, "microbatch_size": c.microbatch_size,
-        "microbatches": c.microbatches, "recompute": c.recompute, "vocab_parallel": c.vocab_parallel, "step_ms": round(plan.step_ms, 2),
+        "microbatches": c.microbatches, "recompute": c.recompute, "vocab_parallel": c.vocab_parallel,
+        "step_ms": round(plan.step_ms, 2),
         "samples_per_s": round(plan.samples_per_s, 2), "tokens_per_s": round(plan.tokens_per_s, 1),
         "mfu": round(plan.mfu, 4), "peak_memory_gib": round(max(plan.peak_memory_bytes) / _GiB, 2),
         "bubble_rate": round(plan.bubble_rate, 4), "allreduce_ms": round(plan.allreduce_ms, 2),
