@@ -149,7 +149,9 @@ def _two_bw_worker(rank, pp, dp, calls, steps, tied, vocab=None, options=None):
 @pytest.mark.parametrize("pp,dp,tied,vocab,options", [
     (2, 1, True, None, None), (2, 2, False, None, None), (4, 1, True, None, None), (2, 1, False, "vocab-1", None),
     (2, 1, True, "vocab-2", None), (2, 1, True, None, {"recompute": "cheap"}), (2, 1, False, None, {"recompute": True}),
-    (2, 1, True, None, {"offload": "full"}), (2, 1, False, "vocab-2", {"offload": "selective", "offload_ratio": 0.5})])
+    (2, 1, True, None, {"offload": "full"}), (2, 1, False, "vocab-2", {"offload": "selective", "offload_ratio": 0.5})],
+    ids=["pp2-tied", "dp2", "pp4-tied", "vocab-1", "vocab-2-tied", "cheap", "full-recompute", "offload",
+         "vocab-2-selective-offload"])
 def test_two_bw_gives_its_delayed_update(pp, dp, tied, vocab, options):
     """Each backward sees its forward's weight version, the norms cheap recomputation rebuilds too,
     and activations offloaded to the host come back for it."""

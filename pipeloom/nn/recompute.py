@@ -39,10 +39,12 @@ def cheap_recompute():
 def mark(output: torch.Tensor, rebuild: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
     """``output``, marked (inside :func:`cheap_recompute`) as ``rebuild(*inputs)``; returns it. A
     module rebuilds with the weights it runs with now: under ``torch.func.functional_call`` (2bw's
-    weight versions) those of this forward, not the ones it holds when the backward unpacks."""
+    weight versions: tensors, not its parameters) those of this forward, not the ones it holds when
+    the backward unpacks."""
     if _active:
-        if isinstance(rebuild, nn.Module):
-            module, weights = rebuild, dict(rebuild.named_parameters())
+        weights = dict(rebuild.named_parameters()) if isinstance(rebuild, nn.Module) else {}
+        if not all(isinstance(w, nn.Parameter) for w in weights.values()):
+            module = rebuild
 
             def rebuild(*args):
                 return functional_call(module, weights, args)
