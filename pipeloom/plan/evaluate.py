@@ -244,7 +244,7 @@ class Costing:
         """The busiest rank's state but gradients plus its activation ``peaks`` (None: one
         microbatch's) and reruns, or its whole state."""
         costs = self._both(c)[1]
-        held, grad = state_bytes_per_param(self.request.bytes_per_param, 2 if c.schedule == "2bw" else 0)
+        held, grad = self._state_bytes(c)
         shard, params = _parameters(self.request, c)
         bound = 0.0
         for rank, stages in enumerate(stages_of_ranks(c)):
@@ -254,12 +254,16 @@ class Costing:
             bound = max(bound, (held + grad) * shard + first + max(costs.m_rerun[s] for s in stages))
         return bound
 
+    def _state_bytes(self, c: Candidate) -> tuple[float, float]:
+        """:func:`~pipeloom.sim.model.state_bytes_per_param` of ``c`` (2bw: its 2 weight versions)."""
+        return state_bytes_per_param(self.request.bytes_per_param, 2 if c.schedule == "2bw" else 1)
+
     def memory_lower_bound(self, c: Candidate) -> float:
         """Bytes the busiest rank needs at least: its model state (2bw: with its weight versions),
         once per placement of the stages."""
         key = c.pp, c.chunks, c.vocab_parallel, get_family(c.schedule).chunks == (2,), c.schedule == "2bw"
         if key not in self._states:
-            per_param = sum(state_bytes_per_param(self.request.bytes_per_param, 2 if c.schedule == "2bw" else 0))
+            per_param = sum(self._state_bytes(c))
             shard, params = _parameters(self.request, c)
             self._states[key] = max(per_param * (shard + sum(params[s] for s in stages))
                                     for stages in stages_of_ranks(c))
