@@ -47,7 +47,7 @@ class Dependencies:
         self.fused = self.split and frozenset((a[1], a[2]) for a in backwards if a[0] == BW and a[1] in self.split)
         self._facts: dict = {}
         self._every: dict[tuple[str, int], tuple[Action, ...]] = {}
-        self._needs = {name: self._parts_need if kind.compound else kind.needs for name, kind in KINDS.items()}
+        self._needs = {name: _parts_need if kind.compound else kind.needs for name, kind in KINDS.items()}
         self.rules = [rule for factory in INPUT_RULES if (rule := factory(schedule)) is not None]
 
     def __call__(self, action: Action, plain: bool = False) -> tuple[Action, ...]:
@@ -64,9 +64,6 @@ class Dependencies:
         if self.compound and not plain:
             found = tuple(self.compound.get(dep, dep) for dep in found)
         return found
-
-    def _parts_need(self, action: Action, deps) -> tuple[Action, ...]:
-        return tuple(dict.fromkeys(dep for part in parts(action) for dep in self(part, True)))
 
     def backward(self, s: int, i: int) -> Action:
         """The backward of stage ``s`` for microbatch ``i``: B where the stage splits it, else BW."""
@@ -87,6 +84,12 @@ class Dependencies:
         if key not in self._facts:
             self._facts[key] = compute(self.schedule)
         return self._facts[key]
+
+
+def _parts_need(action: Action, deps: Dependencies) -> tuple[Action, ...]:
+    """What a compound action needs: what its parts need (a module function, so that
+    :class:`Dependencies` holds no reference to itself and dies with its last use)."""
+    return tuple(dict.fromkeys(dep for part in parts(action) for dep in deps(part, True)))
 
 
 def memory_delta(action: Action, value: Callable[[str, Action], float], memory: str = "memory") -> float:

@@ -65,31 +65,41 @@ def _check_shape(schedule: Schedule) -> None:
     for stage, rank in enumerate(schedule.placement):
         if not 0 <= rank < p:
             raise ScheduleError(f"stage {stage} is placed on rank {rank}, outside 0..{p - 1}")
+    total = schedule.total_microbatches
     for rank, actions in enumerate(schedule.ranks):
+        placed = set()  # (kind, stage) of the actions checked to belong here
         for action in (p for a in actions for p in _parts(rank, a)):
-            if action.kind not in KINDS:
-                raise ScheduleError(f"rank {rank}: action {action}: unknown kind {action.kind!r}; "
-                                    f"registered kinds: {', '.join(KINDS)}")
-            by_rank = get(action.kind).owner == RANK
-            if by_rank:
-                if not 0 <= action.stage < p:
-                    raise ScheduleError(
-                        f"rank {rank}: action {action} (a pass of one rank) names rank {action.stage}; "
-                        f"ranks are 0..{p - 1}"
-                    )
-            elif not 0 <= action.stage < schedule.stages:
-                raise ScheduleError(
-                    f"rank {rank}: action {action} names stage {action.stage}; stages are 0..{schedule.stages - 1}"
-                )
-            if not 0 <= action.microbatch < schedule.total_microbatches:
+            if (action[0], action[1]) not in placed:
+                _check_place(schedule, rank, action)
+                placed.add((action[0], action[1]))
+            if not 0 <= action[2] < total:
                 raise ScheduleError(
                     f"rank {rank}: action {action} names microbatch {action.microbatch}; "
-                    f"microbatches are 0..{schedule.total_microbatches - 1}"
+                    f"microbatches are 0..{total - 1}"
                 )
-            owner = schedule.rank_of(action)
-            if owner != rank:
-                holds = f"shard {owner}" if by_rank else f"stage {action.stage}"
-                raise ScheduleError(f"rank {rank}: action {action} belongs to rank {owner}, which holds {holds}")
+
+
+def _check_place(schedule: Schedule, rank: int, action) -> None:
+    """``action``'s kind is registered, it names a real stage (or rank) and it belongs to ``rank``."""
+    p = schedule.pp
+    if action.kind not in KINDS:
+        raise ScheduleError(f"rank {rank}: action {action}: unknown kind {action.kind!r}; "
+                            f"registered kinds: {', '.join(KINDS)}")
+    by_rank = get(action.kind).owner == RANK
+    if by_rank:
+        if not 0 <= action.stage < p:
+            raise ScheduleError(
+                f"rank {rank}: action {action} (a pass of one rank) names rank {action.stage}; "
+                f"ranks are 0..{p - 1}"
+            )
+    elif not 0 <= action.stage < schedule.stages:
+        raise ScheduleError(
+            f"rank {rank}: action {action} names stage {action.stage}; stages are 0..{schedule.stages - 1}"
+        )
+    owner = schedule.rank_of(action)
+    if owner != rank:
+        holds = f"shard {owner}" if by_rank else f"stage {action.stage}"
+        raise ScheduleError(f"rank {rank}: action {action} belongs to rank {owner}, which holds {holds}")
 
 
 def _parts(rank: int, action) -> tuple:
