@@ -2,6 +2,7 @@
 bounds, its cluster tiers and its command line."""
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -10,7 +11,9 @@ import pytest
 
 from pipeloom.cli import _parser
 from pipeloom.errors import PipeloomError
-from pipeloom.plan import Cluster, Costing, PlanRequest, candidate_of, candidates, command, exhaustive, search
+from pipeloom.plan import (
+    Candidate, Cluster, Costing, PlanRequest, candidate_of, candidates, command, exhaustive, search,
+)
 from pipeloom.plan.evaluate import schedule_of
 from pipeloom.sim.model import ModelSpec
 from pipeloom.train import check
@@ -124,6 +127,28 @@ def test_infeasible_requests_say_what_would_fit():
     # pp <= 2 layers, dp | 2 sequences, sp | 4 (seq 8 in 2 x sp chunks): 16 GPUs at most
     with pytest.raises(PipeloomError, match=r"cannot use 64 GPUs .*; at most 16 GPUs would"):
         search(request(64, 80, 2, model=ModelSpec("two", 2, 256, 4, 1024), seq=8))
+
+
+def test_infeasible_names_the_least_memory_any_candidate_needs():
+    """The pruned hunt for the smallest layout names one that simulating every candidate finds
+    the smallest."""
+    want = request(4, 0.5, 16, model=ModelSpec("mid", 8, 2048, 16, 32000))
+    costing = Costing(want)
+    peaks = {}
+    for c in candidates(want):
+        try:
+            peaks[c] = max(costing.evaluate(c).peak_memory_bytes)
+        except PipeloomError:
+            continue
+    with pytest.raises(PipeloomError) as error:
+        search(want)
+    found = re.search(r"the smallest needs ([0-9.]+) GiB \(pp (\d+), dp (\d+), sp (\d+), ([\w-]+), chunks (\d+), "
+                      r"microbatch size (\d+), recompute (\w+), vocab-parallel ([\w-]+), offload (\w+)\)$",
+                      error.value.args[0])
+    pp, dp, sp, schedule, chunks, b, recompute, vocab, offload = found.groups()[1:]
+    named = Candidate(int(pp), int(dp), int(sp), schedule, int(chunks), int(b), 16 // int(dp) // int(b), recompute,
+                      vocab, offload)
+    assert peaks[named] == min(peaks.values()) and found[1] == f"{peaks[named] / GiB:.1f}"
 
 
 def test_bad_requests_one_line():

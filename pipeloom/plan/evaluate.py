@@ -208,16 +208,25 @@ class Costing:
     def activation_memory_bound(self, c: Candidate, limit: float = math.inf) -> float:
         """Bytes the busiest rank needs at least once its costs are known: the model state but the
         gradients (which may not exist yet) plus its activations at their peak (recomputed: a
-        stage's rerun too), or the whole state. The peak is its list's, which depends on the order
-        only (:func:`~pipeloom.schedule.deps.peak_activation`); with offload, each pair that is
-        copied to host held only while its F runs and from its backward's start: first every pair
-        that may be copied (:func:`~pipeloom.schedule.transforms.offload.copyable`, from the list
-        without offload), then, while that bound is within ``limit``, those the offloaded list
-        copies (building it)."""
-        bound = self._state_and_peaks(c, self._list_peaks(c, None if c.offload == "none" else "copyable"))
-        if c.offload != "none" and bound <= limit:
-            bound = max(bound, self._state_and_peaks(c, self._list_peaks(c, "copied")))
+        stage's rerun too), or the whole state. Each step below is taken only while the bound is
+        within ``limit``: first one microbatch's activations of a stage (every list holds its F),
+        then the peak of its list, which depends on the order only
+        (:func:`~pipeloom.schedule.deps.peak_activation`); with offload, each pair that is copied
+        to host held only while its F runs and from its backward's start: first every pair that
+        may be copied (:func:`~pipeloom.schedule.transforms.offload.copyable`, from the list
+        without offload), then those the offloaded list copies (building it)."""
+        bound = self.microbatch_memory_bound(c)
+        for away in (None,) if c.offload == "none" else ("copyable", "copied"):
+            if bound > limit:
+                break
+            bound = max(bound, self._state_and_peaks(c, self._list_peaks(c, away)))
         return bound
+
+    def microbatch_memory_bound(self, c: Candidate) -> float:
+        """Bytes the busiest rank needs at least without reading its list: the model state but the
+        gradients plus one microbatch's activations of a stage (every list holds each stage's F)
+        and its rerun, or the whole state."""
+        return self._state_and_peaks(c, None)
 
     def _list_peaks(self, c: Candidate, away: str | None) -> list[float] | None:
         """Per rank, :func:`peak_activation` of the list ``c`` runs (``away``: of the list without

@@ -17,9 +17,12 @@ exhaustive search (:func:`exhaustive`) ranks first.
 
 from __future__ import annotations
 
+import gc
 import heapq
+import math
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..errors import PipeloomError
@@ -27,6 +30,8 @@ from .evaluate import Costing, Plan
 from .space import OFFLOADS, RECOMPUTES, Candidate, PlanRequest, candidates, layouts
 
 _GiB = 2**30
+#: Offload policies, the one that saves the most memory first.
+_SAVES = ("full", "selective", "none")
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,22 @@ class Search:
     seconds: float
 
 
+@contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off while searching: the search allocates millions of
+    small tuples, and each collection they trigger walks every schedule the search keeps (a third
+    of a search's time). What the search drops, reference counting frees; its costing's caches
+    (which errors' tracebacks tie in cycles) go once the collector is back."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@_collector_paused()
 def search(request: PlanRequest) -> Search:
     """The ``request.top`` fastest layouts that fit, each with its best memory savers (raises one
     line saying what would fit when none does)."""
@@ -97,6 +118,7 @@ def search(request: PlanRequest) -> Search:
     return Search(plans, len(pool), simulated, time.perf_counter() - started)
 
 
+@_collector_paused()
 def exhaustive(request: PlanRequest) -> list[Plan]:
     """Every candidate simulated; per layout the best that fits, the ``request.top`` fastest
     layouts (what :func:`search` must return)."""
@@ -151,19 +173,30 @@ def _most_gpus(request: PlanRequest) -> str:
 
 
 def _smallest_memory(request: PlanRequest, costing: Costing, pool: list[Candidate]) -> str:
-    """One line: the GPU memory the least demanding layout needs, found best first on the state bound."""
+    """One line: the GPU memory the least demanding layout needs, found best first on the bound of
+    one microbatch's activations, the candidates that save the most (full recomputation, full
+    offload, the smallest microbatch) first among equals, those whose list's bound cannot beat the
+    best so far left unsimulated."""
     best: Plan | None = None
-    for bound, c in sorted((costing.memory_lower_bound(c), c) for c in pool):
-        if best is not None and bound >= max(best.peak_memory_bytes):
+    least = math.inf
+
+    def order(c: Candidate) -> tuple:
+        return (costing.microbatch_memory_bound(c), -RECOMPUTES.index(c.recompute), _SAVES.index(c.offload),
+                c.microbatch_size, c)
+
+    for c in sorted(pool, key=order):
+        if costing.microbatch_memory_bound(c) >= least:
             break
+        if costing.activation_memory_bound(c, least) >= least:
+            continue
         plan = _try(costing, c)
-        if plan is not None and (best is None or max(plan.peak_memory_bytes) < max(best.peak_memory_bytes)):
-            best = plan
+        if plan is not None and max(plan.peak_memory_bytes) < least:
+            best, least = plan, max(plan.peak_memory_bytes)
     have = request.cluster.gpu_memory / _GiB
     head = f"no layout of {request.model.name} on {request.cluster.gpus} GPUs fits {have:.1f} GiB per GPU"
     if best is None:
         return f"{head}: none of the candidate schedules can be built for this batch"
     c = best.candidate
-    return (f"{head}; the smallest needs {max(best.peak_memory_bytes) / _GiB:.1f} GiB (pp {c.pp}, dp {c.dp}, "
-            f"sp {c.sp}, {c.schedule}, microbatch size {c.microbatch_size}, recompute {c.recompute}, "
+    return (f"{head}; the smallest needs {least / _GiB:.1f} GiB (pp {c.pp}, dp {c.dp}, sp {c.sp}, {c.schedule}, "
+            f"chunks {c.chunks}, microbatch size {c.microbatch_size}, recompute {c.recompute}, "
             f"vocab-parallel {c.vocab_parallel}, offload {c.offload})")
