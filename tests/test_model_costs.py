@@ -8,10 +8,13 @@ import pytest
 from pipeloom.errors import PipeloomError
 from pipeloom.partition import split_layers
 from pipeloom.schedule import build
+from pipeloom.schedule.deps import ListPeaks
+from pipeloom.schedule.ir import B, F, W, Action
 from pipeloom.sim import (
     BYTES_PER_PARAM, DEVICES, MODELS, Device, ModelSpec, costs_from_model, peak_memory_bytes, simulate,
     stage_parameters,
 )
+from pipeloom.sim.model import _with_gradients
 
 # "Zero Bubble Pipeline Parallelism": the paper's profiled costs (ms; A100, s = 1024): p, b, T_F.
 PROFILED = {"1.5b": (8, 6, 18.522), "6.2b": (8, 3, 29.718), "14.6b": (16, 1, 11.347), "28.3b": (32, 1, 10.419)}
@@ -157,6 +160,38 @@ def test_peak_memory_counts_every_virtual_stage_of_a_rank():
     assert schedule.stages_of(3) == [3, 7]  # looped: the last stage (LM head) on the last rank
     assert state[3] == pytest.approx(BYTES_PER_PARAM * (params[3] + params[7]))
     assert sum(state) == pytest.approx(BYTES_PER_PARAM * sum(params))
+
+
+@pytest.mark.parametrize("name,options", [
+    ("1f1b", {}), ("gpipe", {}), ("interleaved-1f1b", {"chunks": 2}), ("zb-h1", {}), ("zb-v", {}),
+    ("2bw", {"steps": 2}), ("1f1b", {"vocab_parallel": "vocab-1"}), ("dualpipev", {}),
+])
+def test_list_peaks_with_gradients_never_exceed_the_simulated_peak(name, options):
+    """The planner's bound read off the lists (activations plus the gradients of the stages whose
+    backward has begun) is at most what the simulated timeline holds, and equal to it for the
+    families whose lists change memory at every action."""
+    schedule = build(name, 4, 8, **options)
+    costs = costs_from_model("4b", 4, 2048, 1, "a100", chunks=schedule.chunks,
+                             vocab_parallel=options.get("vocab_parallel"))
+    result = simulate(schedule, costs)
+    grads = {s: 4.0 * n for s, n in enumerate(stage_parameters("4b", schedule.stages, 2048,
+                                                              vocab_parallel=options.get("vocab_parallel")))}
+    listed = ListPeaks(schedule.ranks)(result.costs.memory_delta, grads)
+    for rank, bound in enumerate(listed):
+        simulated = _with_gradients(result, rank, {s: grads[s] for s in schedule.stages_of(rank)})
+        assert bound <= simulated * (1 + 1e-12)
+        if name in ("1f1b", "gpipe"):
+            assert bound == pytest.approx(simulated, rel=1e-12)
+
+
+def test_list_peaks_count_a_gradient_from_the_next_change():
+    """A stage's gradient joins the activations where memory next changes after its first
+    backward starts, as the simulator reads it: a B that keeps what it frees (no change) waits
+    for its W."""
+    actions = [Action(F, 0, 0), Action(F, 0, 1), Action(B, 0, 0), Action(W, 0, 0), Action(B, 0, 1), Action(W, 0, 1)]
+    delta = {F: 1.0, B: 0.0, W: -1.0}
+    assert ListPeaks([actions])(lambda a: delta[a.kind], {0: 10.0}) == [11.0]  # not 2 + 10 at the first B
+    assert ListPeaks([actions])(lambda a: delta[a.kind]) == [2.0]
 
 
 def test_model_module_does_not_import_torch():

@@ -207,11 +207,11 @@ class Costing:
 
     def activation_memory_bound(self, c: Candidate, limit: float = math.inf) -> float:
         """Bytes the busiest rank needs at least once its costs are known: the model state but the
-        gradients (which may not exist yet) plus its activations at their peak (recomputed: a
-        stage's rerun too), or the whole state. Each step below is taken only while the bound is
-        within ``limit``: first one microbatch's activations of a stage (every list holds its F),
-        then the peak of its list, which depends on the order only
-        (:func:`~pipeloom.schedule.deps.peak_activation`); with offload, each pair that is copied
+        gradients plus its activations and the gradients that exist by then at their peak
+        (recomputed: a stage's rerun too), or the whole state. Each step below is taken only while
+        the bound is within ``limit``: first one microbatch's activations of a stage (every list
+        holds its F), then the peak of its list, which depends on the order only
+        (:class:`~pipeloom.schedule.deps.ListPeaks`); with offload, each pair that is copied
         to host held only while its F runs and from its backward's start: first every pair that
         may be copied (:func:`~pipeloom.schedule.transforms.offload.copyable`, from the list
         without offload), then those the offloaded list copies (building it)."""
@@ -229,10 +229,11 @@ class Costing:
         return self._state_and_peaks(c, None)
 
     def _list_peaks(self, c: Candidate, away: str | None) -> list[float] | None:
-        """Per rank, :func:`peak_activation` of the list ``c`` runs (``away``: of the list without
-        offload, pairs that are "copyable", or of the offloaded list, the pairs it has "copied",
-        copied at their tightest: :func:`tightest`), or None where the schedule cannot be built.
-        The lists are read once per schedule and ``away``."""
+        """Per rank, the peak of the activations and the stages' gradients (each from the stage's
+        first backward in the list on: :class:`~pipeloom.schedule.deps.ListPeaks`) of the list
+        ``c`` runs (``away``: of the list without offload, pairs that are "copyable", or of the
+        offloaded list, the pairs it has "copied", copied at their tightest: :func:`tightest`), or
+        None where the schedule cannot be built. The lists are read once per schedule and ``away``."""
         bare = away == "copyable"
         listed = replace(c, offload="none") if bare else c
         key = _shape(listed), away
@@ -247,11 +248,15 @@ class Costing:
                     tightest(actions, [(a.stage, a.microbatch) for a in actions if a.kind == RELOAD]) if away else
                     actions for actions in schedule.ranks)
         peaks = self._peaks[key]
-        return None if peaks is None else peaks(self._both(c)[1].memory_delta)
+        if peaks is None:
+            return None
+        grad = self._state_bytes(c)[1]
+        grads = {s: grad * n for s, n in enumerate(_parameters(self.request, c)[1])}
+        return peaks(self._both(c)[1].memory_delta, grads)
 
     def _state_and_peaks(self, c: Candidate, peaks: list[float] | None) -> float:
-        """The busiest rank's state but gradients plus its activation ``peaks`` (None: one
-        microbatch's) and reruns, or its whole state."""
+        """The busiest rank's state but gradients plus its ``peaks`` of activations and gradients
+        (None: one microbatch's activations) and reruns, or its whole state."""
         costs = self._both(c)[1]
         held, grad = self._state_bytes(c)
         shard, params = _parameters(self.request, c)

@@ -22,7 +22,7 @@ from typing import Callable, Iterable
 from ..errors import ScheduleError
 from . import compute  # noqa: F401  (registers F, B, W, BW)
 from .ir import BW, B, Action, Schedule
-from .kinds import COMPOUND, INPUT_RULES, KINDS, RANK, get, parts
+from .kinds import COMPOUND, INPUT_RULES, KINDS, RANK, get, graded, parts
 
 _new = tuple.__new__  # builds an Action without NamedTuple's slower constructor (hot path)
 
@@ -317,11 +317,14 @@ class ListPeaks:
 
     def __init__(self, lists: Iterable[Iterable[Action]]):
         numbers: dict[tuple, int] = {}
+        backward = graded()
         #: an action of each number, standing for all in ``delta``
         self.timed: list[Action] = []
         self.lists: list[array] = []
+        #: per list, (position, stage) of each stage's first part of a :func:`~.kinds.graded` kind
+        self.firsts: list[list[tuple[int, int]]] = []
         for actions in lists:
-            sequence = array("i")
+            sequence, first = array("i"), {}
             for action in actions:
                 for part in parts(action):
                     key = part[0], part[1], part[3]
@@ -329,10 +332,37 @@ class ListPeaks:
                     if number is None:
                         number = numbers[key] = len(self.timed)
                         self.timed.append(part)
+                    if part[0] in backward and part[1] not in first:
+                        first[part[1]] = len(sequence)
                     sequence.append(number)
             self.lists.append(sequence)
+            self.firsts.append(sorted((k, stage) for stage, k in first.items()))
 
-    def __call__(self, delta: Callable[[Action], float]) -> list[float]:
-        """Each list's peak, from 0 before its first action."""
+    def __call__(self, delta: Callable[[Action], float], grads: dict[int, float] | None = None) -> list[float]:
+        """Each list's peak, from 0 before its first action; with ``grads`` (bytes per stage), of
+        the activations plus the gradients of the stages whose first backward part has run,
+        each counted from the first change of activations there on (the simulator reads memory
+        where it changes: :func:`~pipeloom.sim.model.peak_memory_bytes`), and no less than all
+        gradients: the simulated peak of a list without side streams, with them a lower bound."""
         get = [delta(action) for action in self.timed].__getitem__
-        return [max(0.0, max(accumulate(map(get, sequence)), default=0.0)) for sequence in self.lists]
+        peaks = []
+        for sequence, firsts in zip(self.lists, self.firsts):
+            changes = list(map(get, sequence))
+            levels = list(accumulate(changes))
+            if not grads:
+                peaks.append(max(0.0, max(levels, default=0.0)))
+                continue
+            joins = []  # (position, bytes): each gradient from the first change at or after its first backward
+            for k, stage in firsts:
+                while k < len(changes) and not changes[k]:
+                    k += 1
+                joins.append((k, grads[stage]))
+            peak = held = 0.0
+            start = 0
+            for k, extra in sorted(joins) + [(len(levels), 0.0)]:
+                if k > start:
+                    peak = max(peak, held + max(levels[start:k]))
+                held += extra
+                start = k
+            peaks.append(max(peak, held))
+        return peaks

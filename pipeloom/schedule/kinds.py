@@ -165,6 +165,12 @@ def rank_of(action: Action, placement: tuple[int, ...]) -> int:
     return action.stage if get(action.kind).owner == RANK else placement[action.stage]
 
 
+def graded() -> frozenset[str]:
+    """The kinds of a stage timed by the ``b`` or ``w`` cost: a stage's gradient exists from the
+    start of its first such action."""
+    return frozenset(name for name, kind in KINDS.items() if kind.owner == STAGE and {"b", "w"} & set(kind.cost))
+
+
 def checks() -> list[Callable[[Schedule], None]]:
     """The distinct completeness rules of the registered kinds, in registration order."""
     return list(dict.fromkeys(k.check for k in KINDS.values() if k.check))

@@ -92,7 +92,7 @@ from ..partition import balanced_layers, split_layers, stage_totals
 from ..presets import SIZES
 from ..schedule import build
 from ..schedule.costs import Costs
-from ..schedule.kinds import KINDS, STAGE, parts
+from ..schedule.kinds import graded, parts
 from .simulate import Result, simulate
 
 if TYPE_CHECKING:
@@ -748,11 +748,11 @@ def _with_gradients(result: Result, rank: int, grads: dict[int, float]) -> float
     (``grads``: bytes per stage) of the stages whose backward has begun: a
     stage's gradient appears when its first action timed by the ``b`` or ``w``
     cost (or a compound action holding one) starts."""
-    graded = {name for name, kind in KINDS.items() if kind.owner == STAGE and {"b", "w"} & set(kind.cost)}
+    backward = graded()
     first = {}
     for action, start in zip(result.schedule.ranks[rank], result.starts[rank]):
         for kind, stage, _, _ in parts(action):
-            if kind in graded and stage in grads and stage not in first:
+            if kind in backward and stage in grads and stage not in first:
                 first[stage] = start
         if len(first) == len(grads):
             break
