@@ -1,0 +1,80 @@
+"""Seconds `pipeloom plan` takes to search, on requests from 8 to 1,024 GPUs.
+
+    python bench/plan_search.py [--out FILE]
+
+Writes bench/results/plan_search.json: per request its `pipeloom plan`
+arguments, the seconds the search took, the layouts searched and simulated,
+and the best plan, or the one line an infeasible request gets. The goal is seconds for 1,024 GPUs; long
+schedules (few GPUs, large batches: hundreds of microbatches a schedule)
+and tight memory are where the time goes. Asserts nothing about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_results  # noqa: E402
+
+from pipeloom.cli import _parser  # noqa: E402
+from pipeloom.errors import PipeloomError  # noqa: E402
+from pipeloom.plan import search  # noqa: E402
+from pipeloom.plan_cli import request_of  # noqa: E402
+
+#: `pipeloom plan` arguments of each request timed: the default, then by GPUs.
+REQUESTS = (
+    (),
+    ("--model", "6.2b", "--gpus", "8", "--seq", "1024"),
+    ("--model", "28.3b", "--gpus", "8"),
+    ("--model", "llama-70b", "--gpus", "8"),
+    ("--model", "gpt-1.3b", "--gpus", "8", "--global-batch", "2048"),
+    ("--model", "28.3b", "--gpus", "64", "--seq", "1024"),
+    ("--model", "llama-70b", "--gpus", "256"),
+    ("--model", "gpt-1.3b", "--gpus", "1024"),
+    ("--model", "6.2b", "--gpus", "1024", "--seq", "1024"),
+    ("--model", "28.3b", "--gpus", "1024", "--seq", "1024"),
+    ("--model", "llama-8b", "--gpus", "1024"),
+    ("--model", "llama-70b", "--gpus", "1024", "--seq", "4096", "--global-batch", "1024"),
+    ("--model", "llama-70b", "--gpus", "1024", "--global-batch", "1024"),
+)
+
+
+def timed(words: tuple[str, ...]) -> dict:
+    """One request searched: its facts, its best plan or why none fits."""
+    args = _parser().parse_args(["plan", *words])
+    request, _ = request_of(args)
+    row = {"args": " ".join(words), "model": request.model.name, "gpus": request.cluster.gpus, "seq": request.seq,
+           "global_batch": request.global_batch}
+    started = time.perf_counter()
+    try:
+        found = search(request)
+    except PipeloomError as err:
+        return {**row, "seconds": round(time.perf_counter() - started, 2), "infeasible": str(err)}
+    best = found.plans[0]
+    c = best.candidate
+    return {**row, "seconds": round(time.perf_counter() - started, 2), "candidates": found.candidates,
+            "simulated": found.simulated, "best": {
+                "pp": c.pp, "dp": c.dp, "sp": c.sp, "schedule": c.schedule, "chunks": c.chunks,
+                "microbatch_size": c.microbatch_size, "microbatches": c.microbatches, "recompute": c.recompute,
+                "vocab_parallel": c.vocab_parallel, "offload": c.offload, "step_ms": round(best.step_ms, 1)}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    rows = []
+    for words in REQUESTS:
+        row = timed(words)
+        rows.append(row)
+        what = row.get("infeasible") or f"{row['candidates']} layouts, {row['simulated']} simulated"
+        what = f"{row['seconds']} s: {what}"
+        print(f"pipeloom plan {row['args'] or '(defaults)'}: {what}", flush=True)
+    print(f"wrote {write_results('plan_search', {'requests': rows}, args.out)}")
+
+
+if __name__ == "__main__":
+    main()
