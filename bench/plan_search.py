@@ -4,9 +4,10 @@
 
 Writes bench/results/plan_search.json: per request its `pipeloom plan`
 arguments, the seconds the search took, the layouts searched and simulated,
-and the best plan, or the one line an infeasible request gets. The goal is seconds for 1,024 GPUs; long
-schedules (few GPUs, large batches: hundreds of microbatches a schedule)
-and tight memory are where the time goes. Asserts nothing about time.
+and the best plan, or the one line an infeasible request gets. The goal is
+seconds for 1,024 GPUs; long schedules (few GPUs, large batches: hundreds of
+microbatches a schedule) and tight memory are where the time goes. Asserts
+nothing about time.
 """
 
 from __future__ import annotations

@@ -341,9 +341,10 @@ class ListPeaks:
     def __call__(self, delta: Callable[[Action], float], grads: dict[int, float] | None = None) -> list[float]:
         """Each list's peak, from 0 before its first action; with ``grads`` (bytes per stage), of
         the activations plus the gradients of the stages whose first backward part has run,
-        each counted from the first change of activations there on (the simulator reads memory
-        where it changes: :func:`~pipeloom.sim.model.peak_memory_bytes`), and no less than all
-        gradients: the simulated peak of a list without side streams, with them a lower bound."""
+        each counted from the first change of activations there on, and no less than all
+        gradients. Never above what :func:`~pipeloom.sim.model.peak_memory_bytes` counts for the
+        same list, which reads memory where it changes in time (without side streams: the same
+        changes, in list order)."""
         get = [delta(action) for action in self.timed].__getitem__
         peaks = []
         for sequence, firsts in zip(self.lists, self.firsts):
