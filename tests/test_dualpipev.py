@@ -13,7 +13,7 @@ from pipeloom.errors import PipeloomError
 from pipeloom.schedule import BW, B, F, W, Action, Costs, Kfac, Offload, Schedule, build, v_placement, validate
 from pipeloom.schedule.deps import peak_activation
 from pipeloom.schedule.families.dualpipe import OVERLAP_F_B, overlapped
-from pipeloom.schedule.kinds import parts
+from pipeloom.schedule.ir import parts
 from pipeloom.sim import simulate, text_grid
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from pipeloom.errors import ScheduleError
 from pipeloom.schedule import FAMILIES, Offload, build, forward_only, lower, validate
-from pipeloom.schedule.kinds import parts
+from pipeloom.schedule.ir import parts
 
 
 def test_forward_only_keeps_the_forwards_of_one_step_in_the_family_order():

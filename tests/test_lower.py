@@ -5,7 +5,7 @@ import pytest
 from pipeloom.errors import ScheduleError
 from pipeloom.schedule import RECV_B, RECV_F, SEND_B, SEND_F, Action, Costs, Schedule, build, lower, validate
 from pipeloom.schedule.deps import Dependencies
-from pipeloom.schedule.kinds import parts
+from pipeloom.schedule.ir import parts
 from pipeloom.schedule.lower import COMM_KINDS, links, matching, peer
 from pipeloom.sim import simulate
 

@@ -16,7 +16,8 @@ from contextlib import ExitStack
 from typing import Callable, Mapping
 
 from .context import Context, Step
-from ..schedule.kinds import COMPOUND, parts
+from ..schedule.ir import parts
+from ..schedule.kinds import COMPOUND
 from .handlers import AROUND, Handler, handler_of
 
 

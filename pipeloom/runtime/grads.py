@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import PipeloomError
 from ..schedule import BW, B, W
-from ..schedule.kinds import parts
+from ..schedule.ir import parts
 from ..schedule.lower import SEND_B
 from .context import Context
 from .handlers.vocab import GRADIENT_PASSES, SHARDS

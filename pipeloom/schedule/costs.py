@@ -12,7 +12,8 @@ from typing import Mapping, Sequence, Union
 
 from ..errors import PipeloomError
 from .deps import memory_delta
-from .kinds import get, parts
+from .ir import parts
+from .kinds import get
 
 Value = Union[float, Sequence[float]]
 

@@ -21,8 +21,8 @@ from typing import Callable, Iterable
 
 from ..errors import ScheduleError
 from . import compute  # noqa: F401  (registers F, B, W, BW)
-from .ir import BW, B, Action, Schedule
-from .kinds import COMPOUND, INPUT_RULES, KINDS, RANK, get, graded, parts
+from .ir import BW, B, Action, Schedule, parts
+from .kinds import COMPOUND, INPUT_RULES, KINDS, RANK, get, graded
 
 _new = tuple.__new__  # builds an Action without NamedTuple's slower constructor (hot path)
 

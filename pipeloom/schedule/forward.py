@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .ir import Schedule
-from .kinds import get, parts
+from .ir import Schedule, parts
+from .kinds import get
 from .validate import validate
 
 #: Options of techniques whose actions a forward-only schedule leaves out.

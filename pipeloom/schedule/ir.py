@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from ..errors import ScheduleError
 from ..modes import VocabMode
-from . import kinds
+from .kinds import COMPOUND, KINDS, RANK, from_code, get
 
 #: Forward pass of a stage.
 F = "F"
@@ -49,10 +49,10 @@ class Action(NamedTuple):
     payload: tuple = ()
 
     def __str__(self) -> str:
-        kind = kinds.KINDS.get(self.kind)
+        kind = KINDS.get(self.kind)
         code = kind.code if kind else self.kind
         if kind and kind.compound:
-            return f"({';'.join(map(str, kinds.parts(self)))}){code}"
+            return f"({';'.join(map(str, parts(self)))}){code}"
         return f"{self.stage}{code}{self.microbatch}"
 
     @classmethod
@@ -61,14 +61,27 @@ class Action(NamedTuple):
         if compound:
             parts = [cls.parse(part) for part in compound.group(1).split(";")]
             payload = tuple(x for part in parts for x in part[:3])
-            return cls(kinds.from_code(compound.group(2)), parts[0].stage, parts[0].microbatch, payload)
+            return cls(from_code(compound.group(2)), parts[0].stage, parts[0].microbatch, payload)
         match = _ACTION_RE.match(text.strip())
         if not match:
             raise ScheduleError(
                 f"cannot read action {text!r}: expected STAGE KIND MICROBATCH such as '1F3', '1I3', '1W3' or '1B3'"
             )
         stage, code, mb = match.groups()
-        return cls(kinds.from_code(code), int(stage), int(mb))
+        return cls(from_code(code), int(stage), int(mb))
+
+
+def parts(action: Action) -> tuple[Action, ...]:
+    """The actions ``action`` stands for: a compound action's parts (:mod:`~.kinds`), else itself alone."""
+    if action[0] not in COMPOUND:
+        return (action,)
+    p = action[3]
+    return tuple(tuple.__new__(type(action), (p[k], p[k + 1], p[k + 2], ())) for k in range(0, len(p) - 2, 3))
+
+
+def rank_of(action: Action, placement: tuple[int, ...]) -> int:
+    """The rank that runs ``action``: its stage's, or for a rank-owned kind the one it names."""
+    return action.stage if get(action.kind).owner == RANK else placement[action.stage]
 
 
 def looped_placement(pp: int, stages: int) -> tuple[int, ...]:
@@ -125,7 +138,7 @@ class Schedule:
     def rank_of(self, action: Action) -> int:
         """The rank that runs ``action``: its stage's rank, or for a kind owned
         by a rank the rank its ``stage`` field names."""
-        return kinds.rank_of(action, self.placement)
+        return rank_of(action, self.placement)
 
     @property
     def vocab_parallel(self) -> str | None:

@@ -15,32 +15,37 @@ receives in :mod:`.lower`, DualPipeV's overlapped pair in
 
 A *compound* kind's action stands for several actions run as one (torch's
 ``OVERLAP_F_B`` and its ``sub_actions``): its payload holds its parts as
-(kind, stage, microbatch) triples, :func:`parts` reads them, and its stage
+(kind, stage, microbatch) triples, :func:`~.ir.parts` reads them, and its stage
 and microbatch are its first part's. Its inputs, completeness, messages and
 memory are its parts'; an action that consumes a part's result waits for the
 compound (:class:`~.deps.Dependencies` maps each part to it).
+
+This module is the schedule language's lowest: actions (:mod:`.ir`), the
+dependencies (:mod:`.deps`) and everything else read it, and it imports none
+of them, so the rules' arguments are named in words, not in types.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from ..errors import ScheduleError
-
-if TYPE_CHECKING:
-    from .deps import Dependencies
-    from .ir import Action, Schedule
 
 #: ``Kind.owner``: the action's ``stage`` field is a pipeline stage, run by the rank it is placed on.
 STAGE = "stage"
 #: ``Kind.owner``: the action's ``stage`` field is the rank that runs it (a pass every rank makes).
 RANK = "rank"
 
-Rule = Callable[["Action", "Dependencies"], tuple]
+#: A dependency rule: ``rule(action, deps)`` gives the actions (:class:`~.ir.Action`) whose results
+#: ``action`` consumes, ``deps`` being the schedule's :class:`~.deps.Dependencies`.
+Rule = Callable[..., tuple]
+#: A completeness rule: ``check(schedule)`` raises :class:`~pipeloom.errors.ScheduleError` where a
+#: :class:`~.ir.Schedule` breaks it.
+Check = Callable[..., None]
 
 
-def _nothing(action: Action, deps: Dependencies) -> tuple:
+def _nothing(action, deps) -> tuple:
     return ()
 
 
@@ -92,7 +97,7 @@ class Kind:
     torch_csv: bool | None = None
     drawn: bool = True
     stream: str | None = None
-    check: Callable[[Schedule], None] | None = None
+    check: Check | None = None
     forward: bool = False
     compound: bool = False
     overlap: str | None = None
@@ -118,7 +123,7 @@ KINDS: dict[str, Kind] = {}
 COMPOUND: set[str] = set()
 #: Factories of extra input rules: ``factory(schedule)`` gives a rule adding
 #: inputs to other kinds' actions in that schedule, or None where it does not apply.
-INPUT_RULES: list[Callable[[Schedule], Rule | None]] = []
+INPUT_RULES: list[Callable[..., Rule | None]] = []
 _BY_CODE: dict[str, str] = {}
 
 
@@ -133,7 +138,7 @@ def register(kind: Kind) -> Kind:
     return kind
 
 
-def register_inputs(factory: Callable[[Schedule], Rule | None]) -> Callable:
+def register_inputs(factory: Callable[..., Rule | None]) -> Callable:
     """Add a factory of input rules (see :data:`INPUT_RULES`); usable as a decorator."""
     INPUT_RULES.append(factory)
     return factory
@@ -152,25 +157,12 @@ def from_code(code: str) -> str:
     return _BY_CODE.get(code, code)
 
 
-def parts(action: Action) -> tuple[Action, ...]:
-    """The actions ``action`` stands for: a compound action's parts, else itself alone."""
-    if action[0] not in COMPOUND:
-        return (action,)
-    p = action[3]
-    return tuple(tuple.__new__(type(action), (p[k], p[k + 1], p[k + 2], ())) for k in range(0, len(p) - 2, 3))
-
-
-def rank_of(action: Action, placement: tuple[int, ...]) -> int:
-    """The rank that runs ``action``: its stage's, or for a rank-owned kind the one it names."""
-    return action.stage if get(action.kind).owner == RANK else placement[action.stage]
-
-
 def graded() -> frozenset[str]:
     """The kinds of a stage timed by the ``b`` or ``w`` cost: a stage's gradient exists from the
     start of its first such action."""
     return frozenset(name for name, kind in KINDS.items() if kind.owner == STAGE and {"b", "w"} & set(kind.cost))
 
 
-def checks() -> list[Callable[[Schedule], None]]:
+def checks() -> list[Check]:
     """The distinct completeness rules of the registered kinds, in registration order."""
     return list(dict.fromkeys(k.check for k in KINDS.values() if k.check))

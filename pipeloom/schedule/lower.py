@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..errors import ScheduleError
-from .ir import BW, B, F, Action, Schedule
-from .kinds import Kind, parts, register, register_inputs
+from .ir import BW, B, F, Action, Schedule, parts
+from .kinds import Kind, register, register_inputs
 
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 #: The kinds this pass adds.

@@ -21,8 +21,8 @@ import re
 from pathlib import Path
 
 from ..errors import PipeloomError, ScheduleError
-from .ir import Action, Schedule
-from .kinds import KINDS, get, parts
+from .ir import Action, Schedule, parts
+from .kinds import KINDS, get
 from .validate import validate
 
 #: The schedule classes of torch.distributed.pipelining (2.13) that :func:`from_torch` reads by name,

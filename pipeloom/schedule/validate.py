@@ -8,8 +8,8 @@ from dataclasses import replace
 from ..errors import ScheduleError
 from .costs import Costs
 from .deps import asap, peak_activation
-from .ir import Schedule
-from .kinds import COMPOUND, KINDS, RANK, checks, get, parts
+from .ir import Schedule, parts
+from .kinds import COMPOUND, KINDS, RANK, checks, get
 
 
 def validate(

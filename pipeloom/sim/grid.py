@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 
-from ..schedule.kinds import get, parts
+from ..schedule.ir import parts
+from ..schedule.kinds import get
 from .simulate import Result
 
 IDLE = "."

@@ -92,7 +92,8 @@ from ..partition import balanced_layers, split_layers, stage_totals
 from ..presets import SIZES
 from ..schedule import build
 from ..schedule.costs import Costs
-from ..schedule.kinds import graded, parts
+from ..schedule.ir import parts
+from ..schedule.kinds import graded
 from .simulate import Result, simulate
 
 if TYPE_CHECKING:

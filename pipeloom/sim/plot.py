@@ -21,7 +21,8 @@ from pathlib import Path
 
 from ..errors import PipeloomError
 from ..paths import suffix_problem
-from ..schedule.kinds import COMPOUND, RANK, get, parts
+from ..schedule.ir import parts
+from ..schedule.kinds import COMPOUND, RANK, get
 from .simulate import Result
 
 SUFFIXES = (".png", ".svg")

@@ -10,8 +10,8 @@ from typing import NamedTuple
 from ..errors import PipeloomError
 from ..schedule.costs import Costs, StageCosts
 from ..schedule.deps import asap
-from ..schedule.ir import Action, Schedule
-from ..schedule.kinds import COMPOUND, KINDS, parts
+from ..schedule.ir import Action, Schedule, parts
+from ..schedule.kinds import COMPOUND, KINDS
 
 
 class Event(NamedTuple):

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
 from ..schedule.deps import Dependencies
-from ..schedule.ir import BW, B, F, Action, Schedule
-from ..schedule.kinds import RANK, get, parts
+from ..schedule.ir import BW, B, F, Action, Schedule, parts
+from ..schedule.kinds import RANK, get
 from .simulate import Event, Result
 
 #: Microseconds per simulator time unit (1 unit = 1 ms).
