@@ -299,7 +299,8 @@ def _simulate_one(args, name: str, compare: bool):
         return _report(base, model, args), base
     from .schedule import Kfac
     from .sim import kfac_report
-    from .sim.model import KFAC_UNITS_PER_LAYER, stage_layers
+    from .sim.formulas import KFAC_UNITS_PER_LAYER
+    from .sim.model import stage_layers
 
     units = 1 if model is None else [KFAC_UNITS_PER_LAYER * n for n in stage_layers(
         model[0], schedule.stages, args.seq, vocab_parallel=args.vocab_parallel)]
@@ -332,7 +333,8 @@ def _costs(args, family, chunks):
         return Costs.parse(args.costs), None
     from dataclasses import replace
 
-    from .sim.model import costs_from_model, get_device, get_model
+    from .sim.model import costs_from_model
+    from .sim.specs import get_device, get_model
 
     model, device = get_model(args.model), get_device(args.device)
     if args.vocab is not None:
@@ -446,7 +448,8 @@ def _sp_report(spec, device, schedule, args) -> dict:
     from dataclasses import asdict
 
     from .modes import Attention
-    from .sim.model import sequence_parallel_costs, stage_layers
+    from .sim.formulas import sequence_parallel_costs
+    from .sim.model import stage_layers
 
     sp = _sp(args)
     layer = sequence_parallel_costs(spec, args.seq, args.microbatch_size, device, sp, args.attention)
@@ -662,7 +665,7 @@ def _run_profile(args) -> int:
     """Check the inputs and --out, measure, write the profile and print it."""
     from .paths import prepare_output
     from .presets import SIZES
-    from .sim.model import ModelSpec, get_device
+    from .sim.specs import ModelSpec, get_device
 
     if args.model not in SIZES:
         raise PipeloomError(f"--model {args.model!r}: choose one of {', '.join(SIZES)}")
@@ -712,7 +715,7 @@ def _microbatch_sizes(text: str) -> list[int]:
 
 def _profile_table(profile, preset) -> str:
     """The profile as tables: per microbatch size, the layer's times, FLOP rates and bytes; the ends; the links."""
-    from .sim.model import layer_flops
+    from .sim.formulas import layer_flops
 
     machine, model, seq = profile.machine, profile.model, profile.seq
     giga = machine["device"] == "cpu"

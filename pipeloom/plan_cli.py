@@ -12,7 +12,7 @@ _GiB = 2**30
 def add_parser(sub) -> None:
     from .plan.space import OFFLOADS, RECOMPUTES, VOCAB_MODES
     from .schedule import FAMILIES
-    from .sim.model import DEVICES
+    from .sim.specs import DEVICES
 
     p = sub.add_parser(
         "plan",
@@ -66,7 +66,7 @@ def request_of(args):
     from .presets import SIZES
     from .plan.space import OFFLOADS, RECOMPUTES, VOCAB_MODES
     from .schedule import FAMILIES
-    from .sim.model import get_model
+    from .sim.specs import get_model
 
     profile = None
     if args.profile is not None:

@@ -593,7 +593,8 @@ def _kfac(args, config, schedule, device) -> dict:
     this kind of device (the ``cpu`` or ``h100`` preset)."""
     if args.optimizer != "kfac":
         return {}
-    from .sim.model import MODELS, costs_from_model
+    from .sim.model import costs_from_model
+    from .sim.specs import MODELS
 
     spec = dataclasses.replace(MODELS[args.model], vocab=config.vocab_size)
     costs = costs_from_model(spec, args.pp, args.seq, args.microbatch_size, "h100" if device.type == "cuda" else "cpu",
@@ -604,7 +605,8 @@ def _kfac(args, config, schedule, device) -> dict:
 def _redistributed(config, args, schedule) -> tuple[int, ...]:
     """The ``redis`` baseline's layers per stage: the simulator's balance of compute
     with the embedding on the first stage and the LM head on the last."""
-    from .sim.model import MODELS, balanced_layers
+    from .partition import balanced_layers
+    from .sim.specs import MODELS
 
     spec = dataclasses.replace(MODELS[args.model], vocab=config.vocab_size)
     return balanced_layers(spec, schedule.stages, args.seq)

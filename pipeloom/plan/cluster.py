@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ..errors import PipeloomError
-from ..sim.model import Device, get_device
+from ..sim.specs import Device, get_device
 
 
 @dataclass(frozen=True)

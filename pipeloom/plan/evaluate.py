@@ -27,8 +27,9 @@ from ..schedule.ir import BW, B, F, Action, looped_placement, v_placement
 from ..schedule.transforms.offload import RELOAD, Offload, copyable, tightest
 from ..schedule.transforms.vocab import VOCAB_PASSES
 from ..sim import Result, simulate
+from ..sim.formulas import layer_flops
 from ..sim.model import (
-    GRAD_BYTES_PER_PARAM, costs_from_model, layer_flops, peak_memory_bytes, stage_parameters, state_bytes_per_param,
+    GRAD_BYTES_PER_PARAM, costs_from_model, peak_memory_bytes, stage_parameters, state_bytes_per_param,
 )
 from ..sim.model import optimizer_ms as sim_optimizer_ms
 from .bounds import CriticalPath, critical_path

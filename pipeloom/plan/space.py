@@ -9,8 +9,8 @@ from ..errors import PipeloomError
 from ..modes import RECOMPUTE, VocabMode
 from ..schedule import FAMILIES, get_family
 from ..schedule.transforms.vocab import ALGORITHMS, versioned_microbatches
-from ..sim.model import ModelSpec, get_model
 from ..sim.profile import Profile
+from ..sim.specs import ModelSpec, get_model
 from .cluster import Cluster
 
 #: The choices searched by default for each dimension that is not a number.

@@ -10,11 +10,9 @@ from .grid import text_grid
 from .plot import plot_rank_comparison, plot_schedule, plot_schedules
 from .trace import Transfer, chrome_trace, chrome_trace_events, transfers_of, write_chrome_trace
 from .kfac import kfac_report, without_pieces
-from .model import (
-    ATTENTIONS, BYTES_PER_PARAM, DEVICES, MODELS, Device, ModelSpec, SequenceParallelCosts, costs_from_model, kfac_costs,
-    get_device, get_model, layer_flops, longest_sequence, peak_memory_bytes, sequence_parallel_costs, stage_layers,
-    stage_parameters,
-)
+from .specs import DEVICES, MODELS, Device, ModelSpec, get_device, get_model
+from .formulas import ATTENTIONS, SequenceParallelCosts, kfac_costs, layer_flops, sequence_parallel_costs
+from .model import BYTES_PER_PARAM, costs_from_model, longest_sequence, peak_memory_bytes, stage_layers, stage_parameters
 from .profile import Profile, load_profile
 
 __all__ = ["Costs", "StageCosts", "Event", "RankStats", "Result", "simulate"]

@@ -1,28 +1,11 @@
-"""Costs from a model description: decoder FLOP and memory formulas on a device.
+"""Costs from a model description: a decoder's per-stage costs on a device.
 
-The per-layer formulas are those of "Zero Bubble Pipeline Parallelism" (a
-GPT layer with ``ffn = 4h``; see docs/design.md), with the 4 generalised to
-:attr:`ModelSpec.ffn`: for one layer and one microbatch of ``b`` sequences
-of ``s`` tokens,
-
-- forward ``F = bsh((8 + 4·ffn)h + 4s)`` FLOPs, input-gradient backward
-  ``B = bsh((8 + 4·ffn)h + 8s)``, weight-gradient backward ``W = (8 + 4·ffn)bsh²``
-  (24 for ``ffn = 4``);
-- activations kept from F to the backward ``M_B = sb((18 + 4·ffn)h + 5as)``
-  bytes (34h), of which ``M_W = (16 + 4·ffn)sbh`` (32) stay from B to W;
-- parameters ``(4 + 2·ffn)h² + (9 + ffn)h`` (12h² + 13h).
-
-Llama-style layers (:class:`ModelSpec`'s ``kv_heads``, ``ffn_hidden``,
-``gated``, ``bias``, ``rotary``) count the same things from their shapes: with
-``P`` the weights of a layer's matrices (:attr:`ModelSpec.matrix_params`:
-``2h² + 2h·kv`` for q, k, v and the output projection, ``kv`` the width of
-the keys, plus 2 or, gated (SwiGLU), 3 matrices of ``h × f``), ``F =
-bs(2P + 4sh)``, ``B = bs(2P + 8sh)``, ``W = 2bsP``; ``M_B = sb(14h + 4kv + 4f
-+ 5as)`` bytes, ``8f`` instead of ``4f`` when gated (the gate, its SiLU, the up
-projection and their product), ``M_W = sb(12h + 4kv + 4f)`` (``6f`` gated: the
-inputs and output gradients of the linear layers); no biases and one-weight
-norms (RMSNorm) without ``bias``, and no position embeddings with ``rotary``.
-With ``kv = h``, ``f = ffn·h`` these are the formulas above.
+:func:`costs_from_model` sums one layer's formulas (:mod:`.formulas`: FLOPs,
+activation bytes, sequence parallelism's ring, K-FAC's pieces) over the layers
+of each stage of a :class:`~.specs.ModelSpec` on a :class:`~.specs.Device`, or
+takes measured ones from a :class:`~.profile.Profile`. This module is also the
+public path of the model, device and formula names: it hands on those of
+:mod:`.specs` and :mod:`.formulas`.
 
 The input embedding (3bsh FLOPs, hV + sh parameters) sits on the first stage;
 the output layer (LM head and softmax cross-entropy: 2bshV FLOPs each for F,
@@ -46,58 +29,35 @@ which R is for vocab-1 and naive; the input layer's all-reduce (2bsh). An S
 keeps the fp32 softmax (4bsV/p) and its input (2bsh) until its T. The first
 stage keeps the position embeddings, the last the final norm (whose input
 stays in its M_B).
-
-``sp = N`` adds sequence parallelism inside every stage (Ring Self-Attention,
-"Sequence Parallelism: Long Sequence Training from System Perspective"): each
-of N ranks holds ``t = s/N`` tokens of every sequence and all the stage's
-weights, so every per-token term above counts ``t`` tokens and attention ``t``
-rows of ``s`` columns (compute and activations 1/N), the model state is
-unchanged, and the keys and values go round a ring of N ranks, at the link
-bandwidth:
-
-- ``ring`` (blockwise ring attention, online softmax): N-1 steps of one K
-  and one V block (``4bth`` bytes) per layer forward, twice the bytes
-  backward (K, V, dK, dV); a step's transfer overlaps the compute of the
-  current ``[t, t]`` block (``4bt²h`` FLOPs forward, ``8bt²h`` backward), so
-  only ``max(0, transfer - block)`` per step adds to F and B. Between F and B
-  a layer keeps its log-sum-exp (``4bat`` bytes) instead of the scores, and
-  while it computes it holds one ``[b, a, t, t]`` block (``5at²b`` bytes,
-  the 5 bytes a score of ``M_B``'s ``5as`` term), which
-  :func:`peak_memory_bytes` adds once.
-- ``rsa`` (Ring Self-Attention): K, then V, round the ring (2(N-1) steps of
-  ``2bth`` bytes), not overlapped; the backward passes K and V again and
-  all-reduces full-length dK and dV (the RSA paper's ``8(N-1)·b·t·h`` elements
-  per layer in all), also on the critical path. A layer keeps its
-  ``[b, a, t, s]`` scores: ``5atsb`` bytes.
-
-With ``sp = 1`` and no ``attention`` a layer runs fused attention (``sdpa``,
-torch's ``scaled_dot_product_attention``, as the runtime does): no scores at
-all, only the log-sum-exp (``4bas`` bytes) kept, in place of ``M_B``'s
-``5as`` term, which assumes the scores are kept (measured on an H100: gpt-350m
-at microbatch 4 took 11.06 GiB where the ``5as²b`` term predicted 18.28).
-``rsa`` on one rank is plain attention, whose scores stay from F to B;
-``ring`` on one rank is blockwise attention (log-sum-exp kept, one
-``[b, a, s, s]`` block while it computes).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import replace
 
 from ..errors import PipeloomError
-from ..modes import Attention, VocabMode
+from ..modes import VocabMode
 from ..partition import balanced_layers, split_layers, stage_totals
-from ..presets import SIZES
 from ..schedule import build
 from ..schedule.costs import Costs
 from ..schedule.ir import parts
 from ..schedule.kinds import graded
+from .formulas import (
+    ATTENTIONS, FUSED, INVERSION_EFFICIENCY, KFAC_UNITS_PER_LAYER, SequenceParallelCosts, _attention,
+    _attention_memory, _collective_ms, _layer_bytes, kfac_costs, layer_flops, sequence_parallel_costs,
+)
+from .profile import Profile
 from .simulate import Result, simulate
+from .specs import CPU_MEMORY_BANDWIDTH, DEVICES, MODELS, Device, ModelSpec, _positive, get_device, get_model
 
-if TYPE_CHECKING:
-    from .profile import Profile
+__all__ = [
+    "ATTENTIONS", "BYTES_PER_PARAM", "CPU_MEMORY_BANDWIDTH", "DEVICES", "FUSED", "GRAD_BYTES_PER_PARAM",
+    "INVERSION_EFFICIENCY", "KFAC_UNITS_PER_LAYER", "MODELS", "OPTIMIZER_BYTES_PER_PARAM", "VERSION_BYTES_PER_PARAM",
+    "Device", "ModelSpec", "SequenceParallelCosts", "costs_from_model", "get_device", "get_model", "kfac_costs",
+    "layer_flops", "longest_sequence", "offload_time_ratio", "optimizer_ms", "peak_memory_bytes",
+    "sequence_parallel_costs", "stage_layers", "stage_parameters", "state_bytes_per_param",
+]
 
 #: Bytes of model state per parameter, Megatron-style mixed precision: bf16
 #: weights (2) + fp32 gradient buffer (4) + fp32 master weights (4) + Adam's
@@ -118,8 +78,6 @@ VERSION_BYTES_PER_PARAM = 4
 #: Bytes an AdamW step with gradient clipping moves per fp32 parameter: reads the weight,
 #: gradient and two moments (and the gradient once more for the norm), writes weight and moments.
 OPTIMIZER_BYTES_PER_PARAM = 32
-#: See :data:`DEVICES`.
-CPU_MEMORY_BANDWIDTH = 7e9
 
 
 def optimizer_ms(params: float, device: Device, profile: Profile | None = None) -> float:
@@ -141,198 +99,6 @@ def state_bytes_per_param(bytes_per_param: float, versions: int) -> tuple[float,
     return bytes_per_param - grad + max(versions - 1, 0) * VERSION_BYTES_PER_PARAM, grad
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """A decoder: ``layers`` transformer layers of width ``hidden`` with
-    ``heads`` attention heads, a ``vocab``-token embedding, an LM head and an
-    MLP ``ffn`` times as wide as ``hidden``.
-
-    ``tied_embeddings`` shares the LM head with the token embedding in the
-    parameter count; a pipeline still keeps a copy of it on the last stage
-    (as Megatron-LM does), so per-stage memory is the same either way.
-
-    The defaults describe a GPT. A Llama-style layer sets ``kv_heads``
-    (grouped-query attention: keys and values of that many heads; None:
-    ``heads``), ``ffn_hidden`` (the MLP's width, instead of ``ffn`` times
-    ``hidden``), ``gated`` (a SwiGLU MLP: three matrices), ``bias`` False (no
-    biases in the linear layers, norms of one weight vector: RMSNorm) and
-    ``rotary`` (rotary positions: no position embeddings).
-    """
-
-    name: str
-    layers: int
-    hidden: int
-    heads: int
-    vocab: int
-    ffn: int = 4
-    tied_embeddings: bool = False
-    kv_heads: int | None = None
-    ffn_hidden: int | None = None
-    gated: bool = False
-    bias: bool = True
-    rotary: bool = False
-
-    def __post_init__(self):
-        for field in ("layers", "hidden", "heads", "vocab", "ffn", "kv_heads", "ffn_hidden"):
-            value = getattr(self, field)
-            if value is None and field in ("kv_heads", "ffn_hidden"):
-                continue
-            if not isinstance(value, int) or value < 1:
-                raise PipeloomError(f"model {self.name!r}: {field} must be a positive integer, got {value!r}")
-        if self.hidden % self.heads:
-            raise PipeloomError(
-                f"model {self.name!r}: hidden {self.hidden} is not divisible by heads {self.heads}"
-            )
-        if self.heads % (self.kv_heads or self.heads):
-            raise PipeloomError(f"model {self.name!r}: kv_heads {self.kv_heads} does not divide heads {self.heads}")
-
-    @property
-    def kv_width(self) -> int:
-        """Width of a layer's keys (and of its values): ``kv_heads`` heads of ``hidden / heads``."""
-        return self.hidden // self.heads * (self.kv_heads or self.heads)
-
-    @property
-    def mlp_width(self) -> int:
-        """The MLP's hidden width: ``ffn_hidden``, or ``ffn`` times ``hidden``."""
-        return self.ffn_hidden or self.ffn * self.hidden
-
-    @property
-    def matrix_params(self) -> int:
-        """Weights of one layer's matrices: q, k, v and the output projection, the MLP's
-        two (three when ``gated``). Each does 2 FLOPs per weight and token in F, B and W."""
-        h = self.hidden
-        return 2 * h * h + 2 * h * self.kv_width + (3 if self.gated else 2) * h * self.mlp_width
-
-    @property
-    def norm_params(self) -> int:
-        """One norm's parameters: a LayerNorm's weight and bias (2h), without ``bias`` a weight (h)."""
-        return 2 * self.hidden if self.bias else self.hidden
-
-    @property
-    def layer_params(self) -> int:
-        h, f = self.hidden, self.mlp_width
-        biases = 3 * h + 2 * self.kv_width + (2 if self.gated else 1) * f if self.bias else 0
-        return self.matrix_params + 2 * self.norm_params + biases
-
-    def parameters(self, seq: int) -> int:
-        """Distinct parameters: layers, token and position embeddings (``seq``
-        positions), LM head (unless tied) and final norm."""
-        head = self.head_params - (self.hidden * self.vocab if self.tied_embeddings else 0)
-        return self.layers * self.layer_params + self.embedding_params(seq) + head
-
-    def position_params(self, seq: int) -> int:
-        """Learned position embeddings of ``seq`` positions (none with ``rotary``)."""
-        return 0 if self.rotary else self.hidden * seq
-
-    def embedding_params(self, seq: int) -> int:
-        return self.hidden * self.vocab + self.position_params(seq)
-
-    @property
-    def head_params(self) -> int:
-        """LM head weights (hV) plus the final norm (2h; h without ``bias``)."""
-        return self.hidden * self.vocab + self.norm_params
-
-    def vocab_shard_params(self, ranks: int) -> int:
-        """Parameters of one rank's vocabulary shard (V/p rows, padded) of the
-        token embedding and the LM head (one matrix when they are tied)."""
-        return -(-self.vocab // ranks) * self.hidden * (1 if self.tied_embeddings else 2)
-
-
-def _spec(name: str, size) -> ModelSpec:
-    """The simulator's model of the :class:`~pipeloom.presets.ModelSize` ``size``."""
-    llama = size.family == "llama"
-    return ModelSpec(name, size.layers, size.hidden, size.heads, size.vocab, tied_embeddings=size.tied,
-                     kv_heads=size.kv_heads, ffn_hidden=size.ffn_hidden, gated=llama, bias=not llama, rotary=llama)
-
-
-#: Model presets by lowercase name: every size of :data:`pipeloom.presets.SIZES`.
-MODELS: dict[str, ModelSpec] = {name: _spec(name, size) for name, size in SIZES.items()}
-
-
-@dataclass(frozen=True)
-class Device:
-    """One accelerator: dense 16-bit peak FLOP/s, memory bytes, achievable
-    point-to-point bandwidth to the next pipeline rank and to host memory
-    (bytes/s), ``efficiency``, the fraction of peak a transformer layer
-    reaches (MFU-like; every FLOP count is divided by ``peak_flops * efficiency``),
-    and ``memory_bandwidth`` (bytes/s), which times the optimizer step (None: not timed)."""
-
-    name: str
-    peak_flops: float
-    memory: float
-    link_bandwidth: float
-    host_bandwidth: float
-    efficiency: float = 0.5
-    memory_bandwidth: float | None = None
-
-    def __post_init__(self):
-        for field in ("peak_flops", "memory", "link_bandwidth", "host_bandwidth"):
-            if not getattr(self, field) > 0:
-                raise PipeloomError(f"device {self.name!r}: {field} must be positive, got {getattr(self, field)!r}")
-        if self.memory_bandwidth is not None and not self.memory_bandwidth > 0:
-            raise PipeloomError(f"device {self.name!r}: memory_bandwidth must be positive or None, "
-                                f"got {self.memory_bandwidth!r}")
-        if not 0 < self.efficiency <= 1:
-            raise PipeloomError(f"device {self.name!r}: efficiency must be in (0, 1], got {self.efficiency!r}")
-
-    def ms(self, flops: float) -> float:
-        """Milliseconds to run ``flops`` at the achievable rate."""
-        return 1e3 * flops / (self.peak_flops * self.efficiency)
-
-
-_GiB = 2**30
-
-#: Device presets by lowercase name. Link bandwidths are what pipeline P2P
-#: achieves, not the NVLink headline: the zero-bubble paper's profiled T_comm
-#: move a 2bsh activation at about 48 GB/s inside an A100 node;
-#: H100 and V100 scale that by their NVLink generation (450 and 150 GB/s per
-#: direction against the A100's 300). Host links: the ~15 GB/s for A100
-#: (PCIe 4) of "PipeOffload: Improving Scalability of Pipeline Parallelism with
-#: Memory Optimization"; H100: 55 GB/s, pinned copies of 64 MiB to 1 GiB
-#: measured both ways on an H200 (PCIe 5) for this project; ~10 GB/s for PCIe 3.
-#: Memory bandwidth: the HBM datasheet figures (A100 80 GB 2.0 TB/s, H100 SXM
-#: 3.35, V100 0.9); the CPU's is what one thread's clipping and AdamW step
-#: achieve over :data:`OPTIMIZER_BYTES_PER_PARAM` on the development VM (about
-#: 5 ns per parameter: ``pipeloom train``'s measured step less its actions' span).
-DEVICES: dict[str, Device] = {
-    d.name: d
-    for d in (
-        # A100 SXM 80 GB: 312 TFLOP/s dense bf16. Efficiency 0.5 puts the
-        # zero-bubble paper's four models within ~20% of their profiled T_F.
-        Device("a100", 312e12, 80 * _GiB, 50e9, 15e9, 0.5, 2.0e12),
-        # H100 SXM 80 GB: 989 TFLOP/s dense bf16. Efficiency measured: one
-        # layer's F, B and W (bench/gpu_layer.py, bf16, on an H200, the same
-        # compute) of the zero-bubble 1.5B and 6.2B shapes and gpt-1.3b reach
-        # 0.42-0.63 of peak, 0.53 over their summed time; the issue's H100
-        # figures for the 6.2B layer (T_F 2.07 ms) give 0.62 for F.
-        Device("h100", 989e12, 80 * _GiB, 75e9, 55e9, 0.53, 3.35e12),
-        # V100 SXM2 32 GB: 125 TFLOP/s fp16 tensor cores (no bf16 on V100).
-        Device("v100", 125e12, 32 * _GiB, 25e9, 10e9, 0.4, 0.9e12),
-        # A small x86 VM (2 AVX-512 cores): ~0.26 TFLOP/s fp32 matmul measured
-        # with numpy on the development machine; gloo over loopback between ranks.
-        Device("cpu", 0.26e12, 16 * _GiB, 5e9, 10e9, 0.5, CPU_MEMORY_BANDWIDTH),
-    )
-}
-
-
-def get_model(model: ModelSpec | str) -> ModelSpec:
-    """``model`` itself, or the preset of that name."""
-    return _preset(model, ModelSpec, MODELS, "model")
-
-
-def get_device(device: Device | str) -> Device:
-    """``device`` itself, or the preset of that name."""
-    return _preset(device, Device, DEVICES, "device")
-
-
-def _preset(value, kind: type, presets: dict, what: str):
-    if isinstance(value, kind):
-        return value
-    if value not in presets:
-        raise PipeloomError(f"unknown {what} {value!r}; presets: {', '.join(presets)}")
-    return presets[value]
-
-
 def _stage_layers(model: ModelSpec, stages: int, layers_per_stage, seq: int = 0,
                   mode: VocabMode = VocabMode.NONE) -> tuple[int, ...]:
     if layers_per_stage is None:
@@ -344,122 +110,6 @@ def _stage_layers(model: ModelSpec, stages: int, layers_per_stage, seq: int = 0,
             f"(the layers of {model.name!r})"
         )
     return split
-
-
-def _positive(**values) -> None:
-    for name, value in values.items():
-        if not isinstance(value, int) or value < 1:
-            raise PipeloomError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _collective_ms(device: Device, nbytes: float, ranks: int, passes: int) -> float:
-    """A ring collective of ``nbytes`` over ``ranks``: ``passes`` = 2 for an
-    all-reduce, 1 for a reduce (each rank sends ``(ranks-1)/ranks`` per pass)."""
-    return 1e3 * passes * (ranks - 1) / ranks * nbytes / device.link_bandwidth
-
-
-#: The names of :class:`~pipeloom.modes.Attention`, the attention algorithms of sequence parallelism.
-ATTENTIONS = tuple(Attention)
-
-
-#: Fused attention on one rank (torch's ``scaled_dot_product_attention``, as the runtime runs
-#: with ``sp = 1``): no ``[s, s]`` scores are kept or materialised, only the log-sum-exp.
-FUSED = "sdpa"
-
-
-def _attention(attention: str | None, sp: int) -> str:
-    """``attention`` checked; by default ``ring``, or fused attention (``sdpa``) with ``sp = 1``."""
-    if attention is None:
-        return Attention.RING if sp > 1 else FUSED
-    if attention == FUSED:
-        if sp > 1:
-            raise PipeloomError(f"attention {FUSED!r} runs on one rank; with sp={sp} choose ring or rsa")
-        return FUSED
-    return Attention.of(attention)
-
-
-def _local_tokens(seq: int, sp: int) -> int:
-    """Tokens of a sequence on each of ``sp`` ranks."""
-    _positive(seq=seq, sp=sp)
-    if seq % sp:
-        raise PipeloomError(f"sp={sp} must divide seq={seq}: each rank holds seq/sp tokens of a sequence")
-    return seq // sp
-
-
-def _attention_memory(model: ModelSpec, seq: int, microbatch_size: int, sp: int, attention: str) -> tuple[int, int]:
-    """Bytes of one layer's attention scores on one rank: (kept from F to B, alive only while it computes)."""
-    b, s, a, t = microbatch_size, seq, model.heads, _local_tokens(seq, sp)
-    if attention == Attention.RSA:
-        return 5 * a * t * s * b, 0
-    return 4 * b * a * t, 0 if attention == FUSED else 5 * a * t * t * b
-
-
-@dataclass(frozen=True)
-class SequenceParallelCosts:
-    """Sequence parallelism's part of one layer, one microbatch, one rank (ms, bytes).
-
-    The forward sends ``steps`` messages of ``step_bytes`` round the ring,
-    ``step_ms`` each; ``forward_ms`` and ``backward_ms`` are all the ring's
-    transfers, ``exposed_forward_ms`` and ``exposed_backward_ms`` the part no
-    compute hides (all of it for rsa), which F and B take on top of their
-    FLOPs. ``kept_bytes``: the scores (rsa) or the log-sum-exp (ring) kept
-    from F to B; ``transient_bytes``: ring's score block while it computes.
-    """
-
-    sp: int
-    attention: str
-    steps: int
-    step_bytes: int
-    step_ms: float
-    forward_ms: float
-    backward_ms: float
-    exposed_forward_ms: float
-    exposed_backward_ms: float
-    kept_bytes: int
-    transient_bytes: int
-
-    @property
-    def comm_ms(self) -> float:
-        """The ring's transfers of one layer's F and B."""
-        return self.forward_ms + self.backward_ms
-
-
-def sequence_parallel_costs(
-    model: ModelSpec | str, seq: int, microbatch_size: int, device: Device | str, sp: int = 1,
-    attention: str | None = None,
-) -> SequenceParallelCosts:
-    """What ``attention`` (``ring`` or ``rsa``; default as :func:`costs_from_model`)
-    over an SP group of ``sp`` ranks costs one transformer layer for one
-    microbatch of ``microbatch_size`` sequences of ``seq`` tokens (module docstring)."""
-    model, device = get_model(model), get_device(device)
-    _positive(microbatch_size=microbatch_size)
-    attention = _attention(attention, sp)
-    b, s, h, t = microbatch_size, seq, model.hidden, _local_tokens(seq, sp)
-    kept, transient = _attention_memory(model, seq, microbatch_size, sp, attention)
-    block = 2 * b * t * h  # one rank's K (or V) of a layer, bf16
-
-    def link_ms(nbytes: float) -> float:
-        return 1e3 * nbytes / device.link_bandwidth
-
-    if attention == Attention.RSA:
-        forward = 2 * (sp - 1) * link_ms(block)
-        backward = forward + _collective_ms(device, 2 * (2 * b * s * h), sp, 2)  # all-reduce full-length dK, dV
-        return SequenceParallelCosts(sp, attention, 2 * (sp - 1), block, link_ms(block), forward, backward,
-                                     forward, backward, kept, transient)
-    step = link_ms(2 * block)
-    exposed_forward = (sp - 1) * max(0.0, step - device.ms(4 * b * t * t * h))
-    exposed_backward = (sp - 1) * max(0.0, 2 * step - device.ms(8 * b * t * t * h))
-    return SequenceParallelCosts(sp, attention, sp - 1, 2 * block, step, (sp - 1) * step, 2 * (sp - 1) * step,
-                                 exposed_forward, exposed_backward, kept, transient)
-
-
-def layer_flops(model: ModelSpec | str, seq: int, microbatch_size: int, sp: int = 1) -> tuple[int, int, int]:
-    """FLOPs of one transformer layer's F, B (input gradients) and W (weight
-    gradients) on a microbatch, on one of ``sp`` sequence-parallel ranks."""
-    model = get_model(model)
-    h, matrices = model.hidden, 2 * model.matrix_params  # (8 + 4·ffn)h² for a GPT layer
-    bt = microbatch_size * (seq // sp)
-    return (bt * (matrices + 4 * seq * h), bt * (matrices + 8 * seq * h), bt * matrices)
 
 
 def offload_time_ratio(
@@ -481,63 +131,11 @@ def offload_time_ratio(
     return 2 * costs.extra["offload"][1] / (costs.f[1] + costs.b[1] + costs.w[1])
 
 
-#: The fraction of a device's matmul rate a damped factor's Cholesky inversion reaches (small,
-#: sequential fp32 factorisations, far from a GEMM's efficiency; a judgment, not a measurement).
-INVERSION_EFFICIENCY = 0.1
-#: K-FAC pieces per transformer layer: one per linear layer (:mod:`pipeloom.schedule.transforms.kfac`'s units).
-KFAC_UNITS_PER_LAYER = 4
-
-
-def kfac_costs(model: ModelSpec | str, seq: int, microbatch_size: int, device: Device | str, dp: int = 1,
-               sp: int = 1) -> dict[str, float]:
-    """Times (ms) of one transformer layer's K-FAC pieces (:mod:`pipeloom.schedule.transforms.kfac`)
-    for the layer's four linear layers (q/k/v, attention output, the MLP's two; a gated MLP's gate and up
-    projections are one; with biases if the model has them):
-    ``kfac_a`` and ``kfac_g`` one microbatch's ``rowsᵀ·rows`` of inputs and output gradients
-    (2·rows·d² FLOPs a factor of side d); ``kfac_sync_a``/``kfac_sync_g`` the fp32 all-reduce
-    of the factors over ``dp`` replicas (0 with one); ``kfac_inv`` both factors' damped
-    inverses (d³ FLOPs a factor, at :data:`INVERSION_EFFICIENCY` of the matmul rate);
-    ``kfac_pre`` the preconditioning ``G⁻¹·∇W·A⁻¹`` of the layer's gradients, every step."""
-    model, device = get_model(model), get_device(device)
-    _positive(seq=seq, microbatch_size=microbatch_size, dp=dp, sp=sp)
-    h, f, one = model.hidden, model.mlp_width, int(model.bias)
-    rows = microbatch_size * (seq // sp)
-    up = 2 * f if model.gated else f
-    shapes = [(h + one, h + 2 * model.kv_width), (h + one, h), (h + one, up), (f + one, h)]  # (d_A, d_G) of each
-    inputs = [a for a, _ in shapes]
-    grads = [g for _, g in shapes]
-
-    def sync(sides):
-        return sum(_collective_ms(device, 4 * d * d, dp, 2) for d in sides) if dp > 1 else 0.0
-    return {
-        "kfac_a": device.ms(sum(2 * rows * d * d for d in inputs)),
-        "kfac_g": device.ms(sum(2 * rows * d * d for d in grads)),
-        "kfac_sync_a": sync(inputs),
-        "kfac_sync_g": sync(grads),
-        "kfac_inv": device.ms(sum(d ** 3 for d in inputs + grads)) / INVERSION_EFFICIENCY,
-        "kfac_pre": device.ms(sum(2 * (g * g * a + g * a * a) for a, g in shapes)),
-    }
-
-
-def _layer_bytes(model: ModelSpec, cheap: bool) -> tuple[int, int]:
-    """Bytes per token one layer keeps from F to its backward (without the attention
-    scores; ``cheap``: norms and the MLP's activation recomputed) and from B to W."""
-    h, kv, f = model.hidden, model.kv_width, model.mlp_width
-    # norms' inputs 4h; the q/k/v input 2h, q 2h, k and v 4kv, the projection's input 2h, a dropout
-    # mask h; the MLP's input 2h and mask h; GELU's input and output 4f, or gated 8f
-    kept = 14 * h + 4 * kv + (8 if model.gated else 4) * f
-    if cheap:  # the norms' outputs and the activation's output, rebuilt (PipeOffload's 20 of 34 with ffn = 4)
-        kept -= 6 * h + 2 * f
-    # the linear layers' inputs (6h + 2f) and their output gradients (6h + 4kv, and 2f or gated 4f)
-    weights = 12 * h + 4 * kv + (6 if model.gated else 4) * f
-    return kept, weights
-
-
 def _activation_bytes(model: ModelSpec, split, seq: int, microbatch_size: int, sp: int, attention_kept: int,
                       mode: VocabMode, recompute) -> tuple[list[float], list[float]]:
     """Per stage of ``split`` layers: bytes one microbatch keeps from F to its backward (``m_b``)
     and from B to W (``m_w``), as :func:`costs_from_model` says; ``attention_kept``: one layer's
-    attention bytes kept (:func:`_attention_memory`)."""
+    attention bytes kept (:func:`~.formulas._attention_memory`)."""
     b, t, h, v = microbatch_size, seq // sp, model.hidden, model.vocab
     bth = b * t * h
     kept, weights = _layer_bytes(model, recompute == "cheap")
@@ -595,7 +193,7 @@ def costs_from_model(
     redis, naive, vocab-1, vocab-2) places the vocabulary layers as the
     module docstring says. ``sp`` and ``attention`` (``ring``, the default
     with ``sp > 1``, or ``rsa``; with ``sp = 1`` the default is fused
-    attention, ``sdpa``) add sequence parallelism as the module docstring says: the
+    attention, ``sdpa``) add sequence parallelism as :mod:`.formulas` says: the
     ring's transfers that compute does not hide are in ``f`` and ``b``
     (:func:`sequence_parallel_costs` has them apart). ``kfac`` adds the
     K-FAC pieces' times (:func:`kfac_costs`, one unit a layer, the syncs over

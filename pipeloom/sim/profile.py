@@ -61,7 +61,8 @@ from pathlib import Path
 
 from ..errors import PipeloomError
 from ..partition import stage_totals
-from .model import ModelSpec, layer_flops
+from .formulas import layer_flops
+from .specs import ModelSpec
 
 #: The format tag of a profile.
 FORMAT = "pipeloom-profile/1"
@@ -76,7 +77,7 @@ SAMPLE_FIELDS = {
     ("memory", "layer", "full"): "layer_m_full", ("memory", "layer", "w"): "layer_m_w",
     ("memory", "head", "b"): "head_m_b", ("memory", "head", "w"): "head_m_w", ("memory", "head", "full"): "head_m_full",
 }
-#: The model fields of a profile: JSON key -> :class:`~pipeloom.sim.model.ModelSpec` field.
+#: The model fields of a profile: JSON key -> :class:`~pipeloom.sim.specs.ModelSpec` field.
 MODEL_FIELDS = {"name": "name", "layers": "layers", "hidden": "hidden", "heads": "heads", "vocab": "vocab",
                 "ffn": "ffn", "tied": "tied_embeddings"}
 #: The model sizes a profile must share with the model it costs.
@@ -255,7 +256,7 @@ class Profile:
               recompute: bool | str = False) -> ProfiledCosts:
         """A layer's and the ends' costs for microbatches of ``microbatch_size`` sequences on one of
         ``sp`` sequence-parallel ranks: measured at a profiled size, else the nearest size's times
-        scaled by FLOPs (:func:`~pipeloom.sim.model.layer_flops`; the ends' FLOPs are linear in the
+        scaled by FLOPs (:func:`~pipeloom.sim.formulas.layer_flops`; the ends' FLOPs are linear in the
         tokens) and bytes by tokens. ``recompute`` True adds F to B and keeps the checkpointed
         input; "cheap" keeps what the cheap recomputation keeps."""
         self.check(model, seq)

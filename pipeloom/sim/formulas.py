@@ -1,0 +1,231 @@
+"""One transformer layer's costs: its FLOP and byte formulas, sequence parallelism's ring, K-FAC's pieces.
+
+The per-layer formulas are those of "Zero Bubble Pipeline Parallelism" (a
+GPT layer with ``ffn = 4h``; see docs/design.md), with the 4 generalised to
+:attr:`~.specs.ModelSpec.ffn`: for one layer and one microbatch of ``b`` sequences
+of ``s`` tokens,
+
+- forward ``F = bsh((8 + 4·ffn)h + 4s)`` FLOPs, input-gradient backward
+  ``B = bsh((8 + 4·ffn)h + 8s)``, weight-gradient backward ``W = (8 + 4·ffn)bsh²``
+  (24 for ``ffn = 4``);
+- activations kept from F to the backward ``M_B = sb((18 + 4·ffn)h + 5as)``
+  bytes (34h), of which ``M_W = (16 + 4·ffn)sbh`` (32) stay from B to W;
+- parameters ``(4 + 2·ffn)h² + (9 + ffn)h`` (12h² + 13h).
+
+Llama-style layers (:class:`~.specs.ModelSpec`'s ``kv_heads``, ``ffn_hidden``,
+``gated``, ``bias``, ``rotary``) count the same things from their shapes: with
+``P`` the weights of a layer's matrices (:attr:`~.specs.ModelSpec.matrix_params`:
+``2h² + 2h·kv`` for q, k, v and the output projection, ``kv`` the width of
+the keys, plus 2 or, gated (SwiGLU), 3 matrices of ``h × f``), ``F =
+bs(2P + 4sh)``, ``B = bs(2P + 8sh)``, ``W = 2bsP``; ``M_B = sb(14h + 4kv + 4f
++ 5as)`` bytes, ``8f`` instead of ``4f`` when gated (the gate, its SiLU, the up
+projection and their product), ``M_W = sb(12h + 4kv + 4f)`` (``6f`` gated: the
+inputs and output gradients of the linear layers); no biases and one-weight
+norms (RMSNorm) without ``bias``, and no position embeddings with ``rotary``.
+With ``kv = h``, ``f = ffn·h`` these are the formulas above.
+
+Times are in milliseconds, memory in bytes. :mod:`.model` sums these over the
+layers of each stage, with the input embedding and the output layer.
+
+``sp = N`` adds sequence parallelism inside every stage (Ring Self-Attention,
+"Sequence Parallelism: Long Sequence Training from System Perspective"): each
+of N ranks holds ``t = s/N`` tokens of every sequence and all the stage's
+weights, so every per-token term above counts ``t`` tokens and attention ``t``
+rows of ``s`` columns (compute and activations 1/N), the model state is
+unchanged, and the keys and values go round a ring of N ranks, at the link
+bandwidth:
+
+- ``ring`` (blockwise ring attention, online softmax): N-1 steps of one K
+  and one V block (``4bth`` bytes) per layer forward, twice the bytes
+  backward (K, V, dK, dV); a step's transfer overlaps the compute of the
+  current ``[t, t]`` block (``4bt²h`` FLOPs forward, ``8bt²h`` backward), so
+  only ``max(0, transfer - block)`` per step adds to F and B. Between F and B
+  a layer keeps its log-sum-exp (``4bat`` bytes) instead of the scores, and
+  while it computes it holds one ``[b, a, t, t]`` block (``5at²b`` bytes,
+  the 5 bytes a score of ``M_B``'s ``5as`` term), which
+  :func:`~.model.peak_memory_bytes` adds once.
+- ``rsa`` (Ring Self-Attention): K, then V, round the ring (2(N-1) steps of
+  ``2bth`` bytes), not overlapped; the backward passes K and V again and
+  all-reduces full-length dK and dV (the RSA paper's ``8(N-1)·b·t·h`` elements
+  per layer in all), also on the critical path. A layer keeps its
+  ``[b, a, t, s]`` scores: ``5atsb`` bytes.
+
+With ``sp = 1`` and no ``attention`` a layer runs fused attention (``sdpa``,
+torch's ``scaled_dot_product_attention``, as the runtime does): no scores at
+all, only the log-sum-exp (``4bas`` bytes) kept, in place of ``M_B``'s
+``5as`` term, which assumes the scores are kept (measured on an H100: gpt-350m
+at microbatch 4 took 11.06 GiB where the ``5as²b`` term predicted 18.28).
+``rsa`` on one rank is plain attention, whose scores stay from F to B;
+``ring`` on one rank is blockwise attention (log-sum-exp kept, one
+``[b, a, s, s]`` block while it computes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import PipeloomError
+from ..modes import Attention
+from .specs import Device, ModelSpec, _positive, get_device, get_model
+
+
+def _collective_ms(device: Device, nbytes: float, ranks: int, passes: int) -> float:
+    """A ring collective of ``nbytes`` over ``ranks``: ``passes`` = 2 for an
+    all-reduce, 1 for a reduce (each rank sends ``(ranks-1)/ranks`` per pass)."""
+    return 1e3 * passes * (ranks - 1) / ranks * nbytes / device.link_bandwidth
+
+
+#: The names of :class:`~pipeloom.modes.Attention`, the attention algorithms of sequence parallelism.
+ATTENTIONS = tuple(Attention)
+
+
+#: Fused attention on one rank (torch's ``scaled_dot_product_attention``, as the runtime runs
+#: with ``sp = 1``): no ``[s, s]`` scores are kept or materialised, only the log-sum-exp.
+FUSED = "sdpa"
+
+
+def _attention(attention: str | None, sp: int) -> str:
+    """``attention`` checked; by default ``ring``, or fused attention (``sdpa``) with ``sp = 1``."""
+    if attention is None:
+        return Attention.RING if sp > 1 else FUSED
+    if attention == FUSED:
+        if sp > 1:
+            raise PipeloomError(f"attention {FUSED!r} runs on one rank; with sp={sp} choose ring or rsa")
+        return FUSED
+    return Attention.of(attention)
+
+
+def _local_tokens(seq: int, sp: int) -> int:
+    """Tokens of a sequence on each of ``sp`` ranks."""
+    _positive(seq=seq, sp=sp)
+    if seq % sp:
+        raise PipeloomError(f"sp={sp} must divide seq={seq}: each rank holds seq/sp tokens of a sequence")
+    return seq // sp
+
+
+def _attention_memory(model: ModelSpec, seq: int, microbatch_size: int, sp: int, attention: str) -> tuple[int, int]:
+    """Bytes of one layer's attention scores on one rank: (kept from F to B, alive only while it computes)."""
+    b, s, a, t = microbatch_size, seq, model.heads, _local_tokens(seq, sp)
+    if attention == Attention.RSA:
+        return 5 * a * t * s * b, 0
+    return 4 * b * a * t, 0 if attention == FUSED else 5 * a * t * t * b
+
+
+@dataclass(frozen=True)
+class SequenceParallelCosts:
+    """Sequence parallelism's part of one layer, one microbatch, one rank (ms, bytes).
+
+    The forward sends ``steps`` messages of ``step_bytes`` round the ring,
+    ``step_ms`` each; ``forward_ms`` and ``backward_ms`` are all the ring's
+    transfers, ``exposed_forward_ms`` and ``exposed_backward_ms`` the part no
+    compute hides (all of it for rsa), which F and B take on top of their
+    FLOPs. ``kept_bytes``: the scores (rsa) or the log-sum-exp (ring) kept
+    from F to B; ``transient_bytes``: ring's score block while it computes.
+    """
+
+    sp: int
+    attention: str
+    steps: int
+    step_bytes: int
+    step_ms: float
+    forward_ms: float
+    backward_ms: float
+    exposed_forward_ms: float
+    exposed_backward_ms: float
+    kept_bytes: int
+    transient_bytes: int
+
+    @property
+    def comm_ms(self) -> float:
+        """The ring's transfers of one layer's F and B."""
+        return self.forward_ms + self.backward_ms
+
+
+def sequence_parallel_costs(
+    model: ModelSpec | str, seq: int, microbatch_size: int, device: Device | str, sp: int = 1,
+    attention: str | None = None,
+) -> SequenceParallelCosts:
+    """What ``attention`` (``ring`` or ``rsa``; default as :func:`~.model.costs_from_model`)
+    over an SP group of ``sp`` ranks costs one transformer layer for one
+    microbatch of ``microbatch_size`` sequences of ``seq`` tokens (module docstring)."""
+    model, device = get_model(model), get_device(device)
+    _positive(microbatch_size=microbatch_size)
+    attention = _attention(attention, sp)
+    b, s, h, t = microbatch_size, seq, model.hidden, _local_tokens(seq, sp)
+    kept, transient = _attention_memory(model, seq, microbatch_size, sp, attention)
+    block = 2 * b * t * h  # one rank's K (or V) of a layer, bf16
+
+    def link_ms(nbytes: float) -> float:
+        return 1e3 * nbytes / device.link_bandwidth
+
+    if attention == Attention.RSA:
+        forward = 2 * (sp - 1) * link_ms(block)
+        backward = forward + _collective_ms(device, 2 * (2 * b * s * h), sp, 2)  # all-reduce full-length dK, dV
+        return SequenceParallelCosts(sp, attention, 2 * (sp - 1), block, link_ms(block), forward, backward,
+                                     forward, backward, kept, transient)
+    step = link_ms(2 * block)
+    exposed_forward = (sp - 1) * max(0.0, step - device.ms(4 * b * t * t * h))
+    exposed_backward = (sp - 1) * max(0.0, 2 * step - device.ms(8 * b * t * t * h))
+    return SequenceParallelCosts(sp, attention, sp - 1, 2 * block, step, (sp - 1) * step, 2 * (sp - 1) * step,
+                                 exposed_forward, exposed_backward, kept, transient)
+
+
+def layer_flops(model: ModelSpec | str, seq: int, microbatch_size: int, sp: int = 1) -> tuple[int, int, int]:
+    """FLOPs of one transformer layer's F, B (input gradients) and W (weight
+    gradients) on a microbatch, on one of ``sp`` sequence-parallel ranks."""
+    model = get_model(model)
+    h, matrices = model.hidden, 2 * model.matrix_params  # (8 + 4·ffn)h² for a GPT layer
+    bt = microbatch_size * (seq // sp)
+    return (bt * (matrices + 4 * seq * h), bt * (matrices + 8 * seq * h), bt * matrices)
+
+
+#: The fraction of a device's matmul rate a damped factor's Cholesky inversion reaches (small,
+#: sequential fp32 factorisations, far from a GEMM's efficiency; a judgment, not a measurement).
+INVERSION_EFFICIENCY = 0.1
+#: K-FAC pieces per transformer layer: one per linear layer (:mod:`pipeloom.schedule.transforms.kfac`'s units).
+KFAC_UNITS_PER_LAYER = 4
+
+
+def kfac_costs(model: ModelSpec | str, seq: int, microbatch_size: int, device: Device | str, dp: int = 1,
+               sp: int = 1) -> dict[str, float]:
+    """Times (ms) of one transformer layer's K-FAC pieces (:mod:`pipeloom.schedule.transforms.kfac`)
+    for the layer's four linear layers (q/k/v, attention output, the MLP's two; a gated MLP's gate and up
+    projections are one; with biases if the model has them):
+    ``kfac_a`` and ``kfac_g`` one microbatch's ``rowsᵀ·rows`` of inputs and output gradients
+    (2·rows·d² FLOPs a factor of side d); ``kfac_sync_a``/``kfac_sync_g`` the fp32 all-reduce
+    of the factors over ``dp`` replicas (0 with one); ``kfac_inv`` both factors' damped
+    inverses (d³ FLOPs a factor, at :data:`INVERSION_EFFICIENCY` of the matmul rate);
+    ``kfac_pre`` the preconditioning ``G⁻¹·∇W·A⁻¹`` of the layer's gradients, every step."""
+    model, device = get_model(model), get_device(device)
+    _positive(seq=seq, microbatch_size=microbatch_size, dp=dp, sp=sp)
+    h, f, one = model.hidden, model.mlp_width, int(model.bias)
+    rows = microbatch_size * (seq // sp)
+    up = 2 * f if model.gated else f
+    shapes = [(h + one, h + 2 * model.kv_width), (h + one, h), (h + one, up), (f + one, h)]  # (d_A, d_G) of each
+    inputs = [a for a, _ in shapes]
+    grads = [g for _, g in shapes]
+
+    def sync(sides):
+        return sum(_collective_ms(device, 4 * d * d, dp, 2) for d in sides) if dp > 1 else 0.0
+    return {
+        "kfac_a": device.ms(sum(2 * rows * d * d for d in inputs)),
+        "kfac_g": device.ms(sum(2 * rows * d * d for d in grads)),
+        "kfac_sync_a": sync(inputs),
+        "kfac_sync_g": sync(grads),
+        "kfac_inv": device.ms(sum(d ** 3 for d in inputs + grads)) / INVERSION_EFFICIENCY,
+        "kfac_pre": device.ms(sum(2 * (g * g * a + g * a * a) for a, g in shapes)),
+    }
+
+
+def _layer_bytes(model: ModelSpec, cheap: bool) -> tuple[int, int]:
+    """Bytes per token one layer keeps from F to its backward (without the attention
+    scores; ``cheap``: norms and the MLP's activation recomputed) and from B to W."""
+    h, kv, f = model.hidden, model.kv_width, model.mlp_width
+    # norms' inputs 4h; the q/k/v input 2h, q 2h, k and v 4kv, the projection's input 2h, a dropout
+    # mask h; the MLP's input 2h and mask h; GELU's input and output 4f, or gated 8f
+    kept = 14 * h + 4 * kv + (8 if model.gated else 4) * f
+    if cheap:  # the norms' outputs and the activation's output, rebuilt (PipeOffload's 20 of 34 with ffn = 4)
+        kept -= 6 * h + 2 * f
+    # the linear layers' inputs (6h + 2f) and their output gradients (6h + 4kv, and 2f or gated 4f)
+    weights = 12 * h + 4 * kv + (6 if model.gated else 4) * f
+    return kept, weights
