@@ -61,8 +61,8 @@ def critical_path(result: Result) -> CriticalPath:
             best = (r, k - 1)
         for dep in deps_of(action):
             dr, dk = where[dep]
-            owner = dep[1] if dep[0] in by_rank else schedule.placement[dep[1]]
-            cross = owner != r or dep[0] in reduced
+            owner = dep.stage if dep.kind in by_rank else schedule.placement[dep.stage]
+            cross = owner != r or dep.kind in reduced
             arrival = ends[dr][dk] + (result.costs.transfer(dep) if cross else 0.0)
             if arrival > best_time:
                 best, best_time, crossed = (dr, dk), arrival, cross
@@ -75,7 +75,7 @@ def critical_path(result: Result) -> CriticalPath:
 
 
 def _key(action) -> tuple:
-    return action[0], action[1]
+    return action.kind, action.stage
 
 
 def _stand_ins(schedule, counts: Counter) -> tuple:

@@ -15,22 +15,20 @@ from ..errors import ScheduleError
 from .ir import BW, B, F, W, Action, Schedule
 from .kinds import Kind, register
 
-_new = tuple.__new__  # builds an Action without NamedTuple's slower constructor (hot path)
-
 
 def _forward_needs(action: Action, deps) -> tuple:
-    s = action[1]
-    return (_new(Action, (F, s - 1, action[2], ())),) if s > 0 else ()
+    s = action.stage
+    return (Action.from_fields((F, s - 1, action.microbatch, ())),) if s > 0 else ()
 
 
 def _backward_needs(action: Action, deps) -> tuple:
-    s, i = action[1], action[2]
-    forward = _new(Action, (F, s, i, ()))
+    s, i = action.stage, action.microbatch
+    forward = Action.from_fields((F, s, i, ()))
     return (forward,) if s == deps.last else (forward, deps.backward(s + 1, i))
 
 
 def _weight_needs(action: Action, deps) -> tuple:
-    return (_new(Action, (B, action[1], action[2], ())),)
+    return (Action.from_fields((B, action.stage, action.microbatch, ())),)
 
 
 def check_compute(schedule: Schedule) -> None:

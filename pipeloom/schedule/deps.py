@@ -24,8 +24,6 @@ from . import compute  # noqa: F401  (registers F, B, W, BW)
 from .ir import BW, B, Action, Schedule, parts
 from .kinds import COMPOUND, INPUT_RULES, KINDS, RANK, get, graded
 
-_new = tuple.__new__  # builds an Action without NamedTuple's slower constructor (hot path)
-
 
 class Dependencies:
     """The implied dependencies of one schedule's actions: ``deps(action)``
@@ -38,13 +36,14 @@ class Dependencies:
         self.last = schedule.stages - 1
         self.ranks = range(schedule.pp)
         watched = {B, BW} | COMPOUND
-        found = [a for actions in schedule.ranks for a in actions if a[0] in watched]
+        found = [a for actions in schedule.ranks for a in actions if a.kind in watched]
         #: the compound action standing for each part
-        self.compound = {part: a for a in found if a[0] in COMPOUND for part in parts(a)}
+        self.compound = {part: a for a in found if a.kind in COMPOUND for part in parts(a)}
         backwards = found + list(self.compound) if self.compound else found
-        self.split = frozenset(a[1] for a in backwards if a[0] == B)
+        self.split = frozenset(a.stage for a in backwards if a.kind == B)
         #: (stage, microbatch) of the fused backwards of stages that split others (DualPipeV mixes them)
-        self.fused = self.split and frozenset((a[1], a[2]) for a in backwards if a[0] == BW and a[1] in self.split)
+        self.fused = self.split and frozenset((a.stage, a.microbatch) for a in backwards
+                                              if a.kind == BW and a.stage in self.split)
         self._facts: dict = {}
         self._every: dict[tuple[str, int], tuple[Action, ...]] = {}
         self._needs = {name: _parts_need if kind.compound else kind.needs for name, kind in KINDS.items()}
@@ -53,7 +52,7 @@ class Dependencies:
     def __call__(self, action: Action, plain: bool = False) -> tuple[Action, ...]:
         """The actions ``action`` consumes: a compound action stands for each of its parts
         (``plain``: the parts themselves)."""
-        needs = self._needs.get(action[0])
+        needs = self._needs.get(action.kind)
         if needs is None:
             get(action.kind)  # raises, naming the registered kinds
         found = needs(action, self)
@@ -68,7 +67,7 @@ class Dependencies:
     def backward(self, s: int, i: int) -> Action:
         """The backward of stage ``s`` for microbatch ``i``: B where the stage splits it, else BW."""
         split = s in self.split and not (self.fused and (s, i) in self.fused)
-        return _new(Action, (B if split else BW, s, i, ()))
+        return Action.from_fields((B if split else BW, s, i, ()))
 
     def every(self, kind: str, i: int) -> tuple[Action, ...]:
         """``kind`` of microbatch ``i`` on every rank: the inputs of a collective (one tuple
@@ -76,7 +75,7 @@ class Dependencies:
         key = kind, i
         found = self._every.get(key)
         if found is None:
-            found = self._every[key] = tuple(_new(Action, (kind, q, i, ())) for q in self.ranks)
+            found = self._every[key] = tuple(Action.from_fields((kind, q, i, ())) for q in self.ranks)
         return found
 
     def fact(self, key: str, compute: Callable[[Schedule], object]):
@@ -156,7 +155,7 @@ class _Program:
                  | (_SIDE if kind.stream else 0) for name, kind in KINDS.items()}
         flat = [action for actions in lists for action in actions]
         keys: dict[tuple, int] = {}  # each distinct (kind, stage, payload), numbered
-        key_at = [keys.setdefault((a[0], a[1], a[3]), len(keys)) for a in flat]
+        key_at = [keys.setdefault((a.kind, a.stage, a.payload), len(keys)) for a in flat]
         #: an action of each key, standing for all in timing
         self.timed: list[Action] = list(dict(zip(key_at, flat)).values())
         sent: set[int] = set()  # keys of the actions whose arrival another reads
@@ -178,7 +177,7 @@ class _Program:
             actions, k = lists[r], pos[r]
             while k < len(actions):
                 action = actions[k]
-                stream = side.get(action[0])
+                stream = side.get(action.kind)
                 inputs = [clock[r], streams[r].get(stream, zero)] if stream else [clock[r]]
                 waited = None
                 found = deps_of(action)
@@ -188,14 +187,14 @@ class _Program:
                     found = ()
                 for dep in found:
                     q = done.get(dep)
-                    flag = flags[dep[0]]
+                    flag = flags[dep.kind]
                     if q is None:
-                        if (dep[1] if flag & _BY_RANK else placement[dep[1]]) == r:
+                        if (dep.stage if flag & _BY_RANK else placement[dep.stage]) == r:
                             _local_order_error(schedule, r, k, action, dep)
                         waiting.setdefault(dep, []).append(r)
                         blocked_on[r] = dep
                         break
-                    if flag & _REDUCED or (dep[1] if flag & _BY_RANK else placement[dep[1]]) != r:
+                    if flag & _REDUCED or (dep.stage if flag & _BY_RANK else placement[dep.stage]) != r:
                         sent.add(key_at[q])
                         q += n
                     if flag & _SIDE and not stream:
@@ -203,8 +202,8 @@ class _Program:
                     else:
                         inputs.append(q)
                 else:
-                    if (len(found) > 1 and flags[found[0][0]] & _COLLECTED == _REDUCED
-                            and all(flags[dep[0]] & _COLLECTED == _REDUCED for dep in found)):
+                    if (len(found) > 1 and flags[found[0].kind] & _COLLECTED == _REDUCED
+                            and all(flags[dep.kind] & _COLLECTED == _REDUCED for dep in found)):
                         collected[id(found)] = found, inputs[-len(found):]
                     slot = offsets[r] + k
                     order.append(slot)
@@ -327,13 +326,13 @@ class ListPeaks:
             sequence, first = array("i"), {}
             for action in actions:
                 for part in parts(action):
-                    key = part[0], part[1], part[3]
+                    key = part.kind, part.stage, part.payload
                     number = numbers.get(key)
                     if number is None:
                         number = numbers[key] = len(self.timed)
                         self.timed.append(part)
-                    if part[0] in backward and part[1] not in first:
-                        first[part[1]] = len(sequence)
+                    if part.kind in backward and part.stage not in first:
+                        first[part.stage] = len(sequence)
                     sequence.append(number)
             self.lists.append(sequence)
             self.firsts.append(sorted((k, stage) for stage, k in first.items()))

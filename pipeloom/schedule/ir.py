@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from types import MethodType
+from typing import NamedTuple, Sequence
 
 from ..errors import ScheduleError
 from ..modes import VocabMode
@@ -41,6 +42,10 @@ class Action(NamedTuple):
     :meth:`parse` reads back; kinds torch lacks print as themselves (``3S7``:
     rank 3's S pass of microbatch 7). A compound action (:mod:`~.kinds`) prints as
     torch prints one with ``sub_actions``: its parts, then its code (``(0F3;7B1)OVERLAP_F_B``).
+
+    ``Action.from_fields((kind, stage, microbatch, payload))`` makes one as fast as a
+    tuple (hot paths); :meth:`compound` makes a compound one from its parts, which
+    :func:`parts` reads back.
     """
 
     kind: str
@@ -56,12 +61,17 @@ class Action(NamedTuple):
         return f"{self.stage}{code}{self.microbatch}"
 
     @classmethod
+    def compound(cls, kind: str, parts: Sequence[Action]) -> Action:
+        """The action of compound kind ``kind`` standing for ``parts``: their (kind, stage,
+        microbatch) triples are its payload, the first one's stage and microbatch its own."""
+        payload = tuple(x for part in parts for x in (part.kind, part.stage, part.microbatch))
+        return cls(kind, parts[0].stage, parts[0].microbatch, payload)
+
+    @classmethod
     def parse(cls, text: str) -> Action:
-        compound = _COMPOUND_RE.match(text.strip())
-        if compound:
-            parts = [cls.parse(part) for part in compound.group(1).split(";")]
-            payload = tuple(x for part in parts for x in part[:3])
-            return cls(from_code(compound.group(2)), parts[0].stage, parts[0].microbatch, payload)
+        found = _COMPOUND_RE.match(text.strip())
+        if found:
+            return cls.compound(from_code(found.group(2)), [cls.parse(part) for part in found.group(1).split(";")])
         match = _ACTION_RE.match(text.strip())
         if not match:
             raise ScheduleError(
@@ -71,12 +81,19 @@ class Action(NamedTuple):
         return cls(from_code(code), int(stage), int(mb))
 
 
+#: ``Action.from_fields((kind, stage, microbatch, payload))``: the action of those four fields,
+#: made by ``tuple.__new__`` without the NamedTuple constructor's argument handling (nor its check
+#: of their number), as fast as a tuple: for the hot paths that make millions (dependency rules,
+#: list schedulers). Bound here, as a class has no name for itself in its own body.
+Action.from_fields = MethodType(tuple.__new__, Action)
+
+
 def parts(action: Action) -> tuple[Action, ...]:
     """The actions ``action`` stands for: a compound action's parts (:mod:`~.kinds`), else itself alone."""
-    if action[0] not in COMPOUND:
+    if action.kind not in COMPOUND:
         return (action,)
-    p = action[3]
-    return tuple(tuple.__new__(type(action), (p[k], p[k + 1], p[k + 2], ())) for k in range(0, len(p) - 2, 3))
+    p = action.payload
+    return tuple(Action.from_fields((p[k], p[k + 1], p[k + 2], ())) for k in range(0, len(p) - 2, 3))
 
 
 def rank_of(action: Action, placement: tuple[int, ...]) -> int:

@@ -69,10 +69,10 @@ def _check_shape(schedule: Schedule) -> None:
     for rank, actions in enumerate(schedule.ranks):
         placed = set()  # (kind, stage) of the actions checked to belong here
         for action in (p for a in actions for p in _parts(rank, a)):
-            if (action[0], action[1]) not in placed:
+            if (action.kind, action.stage) not in placed:
                 _check_place(schedule, rank, action)
-                placed.add((action[0], action[1]))
-            if not 0 <= action[2] < total:
+                placed.add((action.kind, action.stage))
+            if not 0 <= action.microbatch < total:
                 raise ScheduleError(
                     f"rank {rank}: action {action} names microbatch {action.microbatch}; "
                     f"microbatches are 0..{total - 1}"

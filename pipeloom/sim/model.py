@@ -350,9 +350,9 @@ def _with_gradients(result: Result, rank: int, grads: dict[int, float]) -> float
     backward = graded()
     first = {}
     for action, start in zip(result.schedule.ranks[rank], result.starts[rank]):
-        for kind, stage, _, _ in parts(action):
-            if kind in backward and stage in grads and stage not in first:
-                first[stage] = start
+        for part in parts(action):
+            if part.kind in backward and part.stage in grads and part.stage not in first:
+                first[part.stage] = start
         if len(first) == len(grads):
             break
     appear = sorted((first.get(s, math.inf), g) for s, g in grads.items())

@@ -79,16 +79,16 @@ class Result:
         (per rank, in list order): simulated, or measured on the runtime;
         ``exposed``: per rank, the time compute waited for side streams."""
         makespan = max((max(e) for e in ends if e), default=0.0)
-        present = {a[0] for actions in schedule.ranks for a in actions}
+        present = {a.kind for actions in schedule.ranks for a in actions}
         side = frozenset(name for name, kind in KINDS.items() if kind.stream and name in present)
         hosted = frozenset(name for name, kind in KINDS.items() if kind.host and name in present)
         stats = []
         for rank, actions in enumerate(schedule.ranks):
             times = list(zip(actions, starts[rank], ends[rank]))
-            compute = [(s, e) for a, s, e in times if a[0] not in side] if side else [(s, e) for _, s, e in times]
+            compute = [(s, e) for a, s, e in times if a.kind not in side] if side else [(s, e) for _, s, e in times]
             busy = sum(e - s for s, e in compute)
             span = compute[-1][1] - compute[0][0] if compute else 0.0
-            host = [t for t in times if t[0][0] in hosted] if hosted else []
+            host = [t for t in times if t[0].kind in hosted] if hosted else []
             stats.append(RankStats(
                 busy=busy, idle=span - busy, span=span, makespan=makespan,
                 peak_activation=max(level for _, level in _levels(times, costs.memory_delta)),
@@ -145,8 +145,8 @@ def _levels(times, delta) -> list[tuple[float, float]]:
     distinct (kind, stage, payload)."""
     changes, ordered, last, known = [], True, 0.0, {}
     for action, start, end in times:
-        for part in parts(action) if action[0] in COMPOUND else (action,):
-            key = part[0], part[1], part[3]
+        for part in parts(action) if action.kind in COMPOUND else (action,):
+            key = part.kind, part.stage, part.payload
             d = known.get(key)
             if d is None:
                 d = known[key] = delta(part)

@@ -56,7 +56,7 @@ register_kind(Kind(OVERLAP_F_B, "overlapped F and B", compound=True, overlap="ov
 
 def overlapped(forward: Action, backward: Action) -> Action:
     """The one action that runs ``forward`` and ``backward`` overlapped."""
-    return Action(OVERLAP_F_B, forward.stage, forward.microbatch, (*forward[:3], *backward[:3]))
+    return Action.compound(OVERLAP_F_B, (forward, backward))
 
 
 def _rank_order(pp: int, microbatches: int, r: int) -> tuple[Action, ...]:

@@ -26,7 +26,6 @@ from ..ir import B, F, W, Action, Schedule, looped_placement, v_placement
 from ..registry import register
 
 _EPS = 1e-9
-_new = tuple.__new__  # builds an Action without NamedTuple's slower constructor (hot path)
 
 
 @dataclass(frozen=True)
@@ -94,7 +93,7 @@ class _Rank:
         self.deep_first = sorted(stages, reverse=True)  # forwards: the deeper stage first
         self.queues = {s: deque() for s in stages}  # B passes that will be ready: (arrival, microbatch)
         self.backwards = [(s, self.queues[s]) for s in sorted(stages)]  # the shallower stage first
-        self.deferred: deque[tuple] = deque()  # (W, stage, microbatch), oldest B first
+        self.deferred: deque[tuple[int, int]] = deque()  # (stage, microbatch) of W passes, oldest B first
         self.order: list[Action] = []
         self.work = work  # time of all the rank's actions
         self.start = self.clock = 0.0  # its first action's start; its last one's end
@@ -164,9 +163,10 @@ def list_schedule(
             f = forward(rank, now)
             if f is not None:
                 return f
-            w = rank.deferred[0] if rank.deferred else None
-            if w is not None and forward(rank, now, m_w[w[1]], 1) is not None:
-                return w
+            if rank.deferred:
+                s, i = rank.deferred[0]
+                if forward(rank, now, m_w[s], 1) is not None:
+                    return W, s, i
             b = backward(rank, now)
         else:
             b = backward(rank, now)
@@ -176,12 +176,12 @@ def list_schedule(
         if b is not None:
             return b
         if rank.deferred:
-            w = rank.deferred[0]
+            s, i = rank.deferred[0]
             if fill == "idle":
-                return w
+                return W, s, i
             gap = next_due(rank) - now
-            if gap >= duration[W][w[1]] - _EPS or (fill == "even" and rank.idle + gap + rank.work > longest + _EPS):
-                return w
+            if gap >= duration[W][s] - _EPS or (fill == "even" and rank.idle + gap + rank.work > longest + _EPS):
+                return W, s, i
         return None
 
     def hand_over(producer: int, consumer: int, end: float) -> float:
@@ -212,7 +212,7 @@ def list_schedule(
         else:
             rank.start = now
         end = rank.clock = now + duration[kind][s]
-        rank.order.append(_new(Action, (kind, s, i, ())))
+        rank.order.append(Action.from_fields((kind, s, i, ())))
         heapq.heappush(wake, (end, r))
         todo -= 1
         if kind == F:
@@ -228,7 +228,7 @@ def list_schedule(
                 notify(r, end + room)
         elif kind == B:
             rank.queues[s].popleft()
-            rank.deferred.append((W, s, i))
+            rank.deferred.append((s, i))
             rank.in_flight -= 1
             rank.memory += m_w[s] - m_b[s]
             if s > 0:

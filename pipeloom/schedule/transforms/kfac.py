@@ -319,8 +319,8 @@ def _flush(schedule: Schedule):
     per_copy = settings["period"] * schedule.microbatches
 
     def rule(action, deps):
-        if action[0] == F and action[1] == 0 and action[2] and action[2] % per_copy == 0:
-            t = action[2] // schedule.microbatches - 1
+        if action.kind == F and action.stage == 0 and action.microbatch and action.microbatch % per_copy == 0:
+            t = action.microbatch // schedule.microbatches - 1
             return tuple(Action(KFAC_PRE, s, t) for s in range(schedule.stages))
         return ()
     return rule

@@ -405,9 +405,9 @@ def _backward_inputs(schedule: Schedule):
         return None
 
     def rule(action, deps):
-        kind = action[0]
-        if (kind == B or kind == BW) and (action[1], action[2]) in deps.fact("offload", _offloaded):
-            return (Action(RELOAD, action[1], action[2]),)
+        kind = action.kind
+        if (kind == B or kind == BW) and (action.stage, action.microbatch) in deps.fact("offload", _offloaded):
+            return (Action(RELOAD, action.stage, action.microbatch),)
         return ()
     return rule
 

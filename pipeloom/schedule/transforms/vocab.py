@@ -287,11 +287,11 @@ def _pipeline_inputs(schedule: Schedule):
     gate = R if R in VOCAB_PASSES[algorithm] else C
 
     def rule(action, deps):
-        kind, s = action[0], action[1]
+        kind, s = action.kind, action.stage
         if kind == F and s == 0:
-            return deps.every(IF, action[2])
+            return deps.every(IF, action.microbatch)
         if (kind == B or kind == BW) and s == last:
-            return (Action(gate, head, action[2]),)
+            return (Action(gate, head, action.microbatch),)
         return ()
     return rule
 
