@@ -300,7 +300,7 @@ def _simulate_one(args, name: str, compare: bool):
     from .schedule import Kfac
     from .sim import kfac_report
     from .sim.formulas import KFAC_UNITS_PER_LAYER
-    from .sim.model import stage_layers
+    from .sim.stages import stage_layers
 
     units = 1 if model is None else [KFAC_UNITS_PER_LAYER * n for n in stage_layers(
         model[0], schedule.stages, args.seq, vocab_parallel=args.vocab_parallel)]
@@ -393,7 +393,7 @@ def _report(result, model, args) -> dict:
         ],
     }
     if model is not None:
-        from .sim.model import peak_memory_bytes
+        from .sim.memory import peak_memory_bytes
 
         spec, device = model
         full_stage_m_b = sum(result.costs.m_b) / schedule.pp  # bytes of M_B for an average full stage
@@ -449,7 +449,7 @@ def _sp_report(spec, device, schedule, args) -> dict:
 
     from .modes import Attention
     from .sim.formulas import sequence_parallel_costs
-    from .sim.model import stage_layers
+    from .sim.stages import stage_layers
 
     sp = _sp(args)
     layer = sequence_parallel_costs(spec, args.seq, args.microbatch_size, device, sp, args.attention)

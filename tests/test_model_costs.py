@@ -14,7 +14,7 @@ from pipeloom.sim import (
     BYTES_PER_PARAM, DEVICES, MODELS, Device, ModelSpec, costs_from_model, peak_memory_bytes, simulate,
     stage_parameters,
 )
-from pipeloom.sim.model import _with_gradients
+from pipeloom.sim.memory import _with_gradients
 
 # "Zero Bubble Pipeline Parallelism": the paper's profiled costs (ms; A100, s = 1024): p, b, T_F.
 PROFILED = {"1.5b": (8, 6, 18.522), "6.2b": (8, 3, 29.718), "14.6b": (16, 1, 11.347), "28.3b": (32, 1, 10.419)}

@@ -7,7 +7,7 @@ then taking its optimizer step (:func:`~pipeloom.sim.model.optimizer_ms`):
 ``step = max over ranks (end + all-reduce + optimizer)``. 2bw never flushes:
 its step is the steady-state one, the simulated time of 2 steps less that of
 1 (and no less than any rank's work in a step), plus the longest all-reduce
-and optimizer step. Memory per rank is :func:`~pipeloom.sim.model.peak_memory_bytes`
+and optimizer step. Memory per rank is :func:`~pipeloom.sim.memory.peak_memory_bytes`
 (model state with 2bw's weight versions, gradients from a stage's first
 backward, simulated activations, the transients of attention and recomputation).
 """
@@ -28,10 +28,10 @@ from ..schedule.transforms.offload import RELOAD, Offload, copyable, tightest
 from ..schedule.transforms.vocab import VOCAB_PASSES
 from ..sim import Result, simulate
 from ..sim.formulas import layer_flops
-from ..sim.model import (
-    GRAD_BYTES_PER_PARAM, costs_from_model, peak_memory_bytes, stage_parameters, state_bytes_per_param,
-)
+from ..sim.memory import GRAD_BYTES_PER_PARAM, peak_memory_bytes, state_bytes_per_param
+from ..sim.model import costs_from_model
 from ..sim.model import optimizer_ms as sim_optimizer_ms
+from ..sim.stages import stage_parameters
 from .bounds import CriticalPath, critical_path
 from .space import OFFLOADS, RECOMPUTES, Candidate, PlanRequest
 
@@ -270,7 +270,7 @@ class Costing:
         return bound
 
     def _state_bytes(self, c: Candidate) -> tuple[float, float]:
-        """:func:`~pipeloom.sim.model.state_bytes_per_param` of ``c`` (2bw: its 2 weight versions)."""
+        """:func:`~pipeloom.sim.memory.state_bytes_per_param` of ``c`` (2bw: its 2 weight versions)."""
         return state_bytes_per_param(self.request.bytes_per_param, 2 if c.schedule == "2bw" else 1)
 
     def memory_lower_bound(self, c: Candidate) -> float:

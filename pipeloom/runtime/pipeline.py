@@ -65,7 +65,7 @@ class Pipeline:
     embedding and the LM head by vocabulary over the pipeline ranks and runs
     the schedule's vocabulary passes (:mod:`pipeloom.runtime.handlers.vocab`); "redis"
     and "none" keep them on the first and last stage (give ``layers_per_stage``,
-    e.g. from :func:`pipeloom.sim.model.balanced_layers`, for the redis baseline).
+    e.g. from :func:`pipeloom.partition.balanced_layers`, for the redis baseline).
     ``sp``: sequence parallelism; each stage runs on ``sp`` ranks that each hold
     a balanced share of every sequence (an early and a late chunk), attention
     running over them with ``attention`` ("ring", the default, or "rsa",

@@ -341,7 +341,7 @@ class ListPeaks:
         """Each list's peak, from 0 before its first action; with ``grads`` (bytes per stage), of
         the activations plus the gradients of the stages whose first backward part has run,
         each counted from the first change of activations there on, and no less than all
-        gradients. Never above what :func:`~pipeloom.sim.model.peak_memory_bytes` counts for the
+        gradients. Never above what :func:`~pipeloom.sim.memory.peak_memory_bytes` counts for the
         same list, which reads memory where it changes in time (without side streams: the same
         changes, in list order)."""
         get = [delta(action) for action in self.timed].__getitem__

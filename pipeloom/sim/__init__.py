@@ -12,7 +12,9 @@ from .trace import Transfer, chrome_trace, chrome_trace_events, transfers_of, wr
 from .kfac import kfac_report, without_pieces
 from .specs import DEVICES, MODELS, Device, ModelSpec, get_device, get_model
 from .formulas import ATTENTIONS, SequenceParallelCosts, kfac_costs, layer_flops, sequence_parallel_costs
-from .model import BYTES_PER_PARAM, costs_from_model, longest_sequence, peak_memory_bytes, stage_layers, stage_parameters
+from .stages import stage_layers, stage_parameters
+from .memory import BYTES_PER_PARAM, peak_memory_bytes
+from .model import costs_from_model, longest_sequence
 from .profile import Profile, load_profile
 
 __all__ = ["Costs", "StageCosts", "Event", "RankStats", "Result", "simulate"]

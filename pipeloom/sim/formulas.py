@@ -43,7 +43,7 @@ bandwidth:
   a layer keeps its log-sum-exp (``4bat`` bytes) instead of the scores, and
   while it computes it holds one ``[b, a, t, t]`` block (``5at²b`` bytes,
   the 5 bytes a score of ``M_B``'s ``5as`` term), which
-  :func:`~.model.peak_memory_bytes` adds once.
+  :func:`~.memory.peak_memory_bytes` adds once.
 - ``rsa`` (Ring Self-Attention): K, then V, round the ring (2(N-1) steps of
   ``2bth`` bytes), not overlapped; the backward passes K and V again and
   all-reduces full-length dK and dV (the RSA paper's ``8(N-1)·b·t·h`` elements

@@ -2,10 +2,11 @@
 
 :func:`costs_from_model` sums one layer's formulas (:mod:`.formulas`: FLOPs,
 activation bytes, sequence parallelism's ring, K-FAC's pieces) over the layers
-of each stage of a :class:`~.specs.ModelSpec` on a :class:`~.specs.Device`, or
-takes measured ones from a :class:`~.profile.Profile`. This module is also the
-public path of the model, device and formula names: it hands on those of
-:mod:`.specs` and :mod:`.formulas`.
+of each stage (:mod:`.stages`) of a :class:`~.specs.ModelSpec` on a
+:class:`~.specs.Device`, or takes measured ones from a :class:`~.profile.Profile`;
+:mod:`.memory` adds the model state to the simulated activations. This module
+is also the public path of all those names: it hands on those of :mod:`.specs`,
+:mod:`.formulas`, :mod:`.stages` and :mod:`.memory`.
 
 The input embedding (3bsh FLOPs, hV + sh parameters) sits on the first stage;
 the output layer (LM head and softmax cross-entropy: 2bshV FLOPs each for F,
@@ -33,24 +34,27 @@ stays in its M_B).
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 from ..errors import PipeloomError
 from ..modes import VocabMode
-from ..partition import balanced_layers, split_layers, stage_totals
+from ..partition import stage_totals
 from ..schedule import build
 from ..schedule.costs import Costs
-from ..schedule.ir import parts
-from ..schedule.kinds import graded
 from .formulas import (
-    ATTENTIONS, FUSED, INVERSION_EFFICIENCY, KFAC_UNITS_PER_LAYER, SequenceParallelCosts, _attention,
-    _attention_memory, _collective_ms, _layer_bytes, kfac_costs, layer_flops, sequence_parallel_costs,
+    ATTENTIONS, FUSED, INVERSION_EFFICIENCY, KFAC_UNITS_PER_LAYER, SequenceParallelCosts, _collective_ms, _layer_bytes,
+    kfac_costs, layer_flops, sequence_parallel_costs,
+)
+from .memory import (
+    BYTES_PER_PARAM, GRAD_BYTES_PER_PARAM, VERSION_BYTES_PER_PARAM, peak_memory_bytes, state_bytes_per_param,
 )
 from .profile import Profile
-from .simulate import Result, simulate
+from .simulate import simulate
 from .specs import CPU_MEMORY_BANDWIDTH, DEVICES, MODELS, Device, ModelSpec, _positive, get_device, get_model
+from .stages import _stage_layers, stage_layers, stage_parameters
 
+#: The cost model's public names: this module's and those it hands on from :mod:`.specs`,
+#: :mod:`.formulas`, :mod:`.stages` and :mod:`.memory`.
 __all__ = [
     "ATTENTIONS", "BYTES_PER_PARAM", "CPU_MEMORY_BANDWIDTH", "DEVICES", "FUSED", "GRAD_BYTES_PER_PARAM",
     "INVERSION_EFFICIENCY", "KFAC_UNITS_PER_LAYER", "MODELS", "OPTIMIZER_BYTES_PER_PARAM", "VERSION_BYTES_PER_PARAM",
@@ -58,22 +62,6 @@ __all__ = [
     "layer_flops", "longest_sequence", "offload_time_ratio", "optimizer_ms", "peak_memory_bytes",
     "sequence_parallel_costs", "stage_layers", "stage_parameters", "state_bytes_per_param",
 ]
-
-#: Bytes of model state per parameter, Megatron-style mixed precision: bf16
-#: weights (2) + fp32 gradient buffer (4) + fp32 master weights (4) + Adam's
-#: two fp32 moments (4 + 4). No distributed optimizer: every rank keeps all of
-#: it for its own stages.
-BYTES_PER_PARAM = 18
-#: Of those, the fp32 gradient: it exists only from a stage's first backward
-#: of the step (the runtime frees gradients after each optimizer step).
-GRAD_BYTES_PER_PARAM = 4
-#: Bytes per parameter of each weight version beyond the first that a schedule
-#: running several steps without a flush keeps (2bw: 2 versions, so one more): a
-#: copy of the fp32 weights the runtime keeps. The newest version is the
-#: parameters themselves, and a stage runs its backwards in step order, so it holds
-#: one gradient at a time (:mod:`pipeloom.runtime.versions`).
-VERSION_BYTES_PER_PARAM = 4
-
 
 #: Bytes an AdamW step with gradient clipping moves per fp32 parameter: reads the weight,
 #: gradient and two moments (and the gradient once more for the norm), writes weight and moments.
@@ -89,27 +77,6 @@ def optimizer_ms(params: float, device: Device, profile: Profile | None = None) 
     if device.memory_bandwidth is None:
         return 0.0
     return 1e3 * params * OPTIMIZER_BYTES_PER_PARAM / device.memory_bandwidth
-
-
-def state_bytes_per_param(bytes_per_param: float, versions: int) -> tuple[float, float]:
-    """(bytes of model state per parameter held all step, bytes of its gradient, which
-    appears at the stage's first backward) with ``versions`` weight versions (0 or 1:
-    the parameters only; each more, :data:`VERSION_BYTES_PER_PARAM`)."""
-    grad = min(GRAD_BYTES_PER_PARAM, bytes_per_param)
-    return bytes_per_param - grad + max(versions - 1, 0) * VERSION_BYTES_PER_PARAM, grad
-
-
-def _stage_layers(model: ModelSpec, stages: int, layers_per_stage, seq: int = 0,
-                  mode: VocabMode = VocabMode.NONE) -> tuple[int, ...]:
-    if layers_per_stage is None:
-        return balanced_layers(model, stages, seq) if mode == VocabMode.REDIS else split_layers(model.layers, stages)
-    split = tuple(layers_per_stage)
-    if len(split) != stages or any(not isinstance(n, int) or n < 0 for n in split) or sum(split) != model.layers:
-        raise PipeloomError(
-            f"layers_per_stage {list(split)}: need {stages} non-negative integers summing to {model.layers} "
-            f"(the layers of {model.name!r})"
-        )
-    return split
 
 
 def offload_time_ratio(
@@ -267,102 +234,6 @@ def costs_from_model(
         e_comm=_collective_ms(device, 2 * bth, pp, 2),
         m_v=float(4 * b * t * shard + 2 * bth),
     )
-
-
-def stage_layers(
-    model: ModelSpec | str, stages: int, seq: int, layers_per_stage=None, vocab_parallel: str | None = None
-) -> tuple[int, ...]:
-    """Transformer layers of each of ``stages`` stages, as :func:`costs_from_model` places them."""
-    model = get_model(model)
-    _positive(stages=stages, seq=seq)
-    return _stage_layers(model, stages, layers_per_stage, seq, VocabMode.of(vocab_parallel or "none"))
-
-
-def stage_parameters(
-    model: ModelSpec | str, stages: int, seq: int, layers_per_stage=None, vocab_parallel: str | None = None
-) -> list[int]:
-    """Parameters of each of ``stages`` stages: its layers, plus the
-    embeddings on the first and the LM head and final norm on the last (with
-    a vocabulary-parallel algorithm only the position embeddings and the
-    final norm: the vocabulary shards belong to ranks, see
-    :meth:`ModelSpec.vocab_shard_params`). Sequence parallelism does not
-    change them: every rank of an SP group holds all its stage's weights."""
-    model = get_model(model)
-    params = [n * model.layer_params for n in stage_layers(model, stages, seq, layers_per_stage, vocab_parallel)]
-    if VocabMode.of(vocab_parallel or "none").splits:
-        params[0] += model.position_params(seq)
-        params[-1] += model.norm_params
-    else:
-        params[0] += model.embedding_params(seq)
-        params[-1] += model.head_params
-    return params
-
-
-def peak_memory_bytes(
-    model: ModelSpec | str,
-    result: Result,
-    seq: int,
-    *,
-    layers_per_stage=None,
-    vocab_parallel: str | None = None,
-    bytes_per_param: float = BYTES_PER_PARAM,
-    microbatch_size: int = 1,
-    sp: int = 1,
-    attention: str | None = None,
-) -> list[float]:
-    """Peak bytes per rank: model state of the rank's stages and vocabulary
-    shard (``bytes_per_param`` each, of which a stage's gradient,
-    :data:`GRAD_BYTES_PER_PARAM`, only from its first backward of the step on;
-    with weight versions, :data:`VERSION_BYTES_PER_PARAM` more per version beyond
-    the first; the shard's too)
-    plus the simulated activation memory (with the vocabulary buffers), which
-    is in bytes when ``result`` was simulated with :func:`costs_from_model`
-    costs, at the moment their sum peaks, plus, with ring
-    attention, one score block alive while a layer computes (on a rank
-    with layers), plus, with recomputation, the largest of the rank's
-    stages' activations alive again while its backward reruns its forward
-    (the costs' ``m_rerun``). ``layers_per_stage``, ``vocab_parallel`` (default: the
-    schedule's ``options["vocab_parallel"]``), ``microbatch_size``, ``sp``
-    and ``attention`` must match the ones the costs used."""
-    schedule, model = result.schedule, get_model(model)
-    mode = VocabMode.of(vocab_parallel or schedule.options.get("vocab_parallel") or "none")
-    split = stage_layers(model, schedule.stages, seq, layers_per_stage, mode)
-    params = stage_parameters(model, schedule.stages, seq, split, mode)
-    shard = model.vocab_shard_params(schedule.pp) if mode.splits else 0
-    _positive(microbatch_size=microbatch_size)
-    transient = _attention_memory(model, seq, microbatch_size, sp, _attention(attention, sp))[1]
-    rerun = result.costs.m_rerun
-    held, grad = state_bytes_per_param(bytes_per_param, schedule.weight_versions)
-    peaks = []
-    for rank in range(schedule.pp):
-        stages = schedule.stages_of(rank)
-        state = (held + grad) * shard + held * sum(params[s] for s in stages)  # a shard's gradient from the start
-        peaks.append(state + _with_gradients(result, rank, {s: grad * params[s] for s in stages})
-                     + max(rerun[s] for s in stages) + (transient if any(split[s] for s in stages) else 0))
-    return peaks
-
-
-def _with_gradients(result: Result, rank: int, grads: dict[int, float]) -> float:
-    """The peak over the step of ``rank``'s activation memory plus the gradients
-    (``grads``: bytes per stage) of the stages whose backward has begun: a
-    stage's gradient appears when its first action timed by the ``b`` or ``w``
-    cost (or a compound action holding one) starts."""
-    backward = graded()
-    first = {}
-    for action, start in zip(result.schedule.ranks[rank], result.starts[rank]):
-        for part in parts(action):
-            if part.kind in backward and part.stage in grads and part.stage not in first:
-                first[part.stage] = start
-        if len(first) == len(grads):
-            break
-    appear = sorted((first.get(s, math.inf), g) for s, g in grads.items())
-    peak, held, k = 0.0, 0.0, 0
-    for t, level in result.memory_timeline(rank):
-        while k < len(appear) and appear[k][0] <= t:
-            held += appear[k][1]
-            k += 1
-        peak = max(peak, level + held)
-    return max(peak, sum(g for t, g in appear if t < math.inf))  # after the last backward, as before the next step
 
 
 def longest_sequence(
