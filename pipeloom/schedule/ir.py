@@ -64,7 +64,9 @@ class Action(NamedTuple):
     def compound(cls, kind: str, parts: Sequence[Action]) -> Action:
         """The action of compound kind ``kind`` standing for ``parts``: their (kind, stage,
         microbatch) triples are its payload, the first one's stage and microbatch its own."""
-        payload = tuple(x for part in parts for x in (part.kind, part.stage, part.microbatch))
+        payload = ()
+        for part in parts:
+            payload += (part.kind, part.stage, part.microbatch)
         return cls(kind, parts[0].stage, parts[0].microbatch, payload)
 
     @classmethod
