@@ -59,7 +59,7 @@ def added_peak(fn) -> tuple[int, float]:
 
 def train_model(name: str):
     """The preset ``name`` with the vocabulary of ``pipeloom train``'s default data (the Python standard
-    library's sources, bytes): the model ``pipeloom train --model NAME`` builds."""
+    library's sources, bytes): the model ``pipeloom train --model NAME --vocab 256`` builds."""
     from dataclasses import replace
 
     from pipeloom.data import load_data

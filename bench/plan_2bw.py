@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
 
 from pipeloom.errors import PipeloomError  # noqa: E402
-from pipeloom.plan import Cluster, Costing, PlanRequest, schedule_of, search  # noqa: E402
+from pipeloom.plan import Cluster, Costing, PlanRequest, search  # noqa: E402
 from pipeloom.sim import simulate  # noqa: E402
 from pipeloom.sim.model import VERSION_BYTES_PER_PARAM, ModelSpec, get_model  # noqa: E402
 
@@ -79,8 +79,9 @@ def best(model: ModelSpec, gpus: int, batch: int, memory_gib: float, family: str
     c = plan.candidate
     searched = time.perf_counter() - started
     if c.schedule == "2bw":  # as pipeloom train runs it: calls of several steps, each ending in a flush
-        steps = schedule_of(c).steps
-        call = (simulate(schedule_of(c, steps), Costing(request).costs(c)).makespan / steps + plan.allreduce_ms
+        costing = Costing(request)
+        steps = costing.schedule(c).steps
+        call = (simulate(costing.schedule(c, steps), costing.costs(c)).makespan / steps + plan.allreduce_ms
                 + plan.optimizer_ms)
         as_run = {"steps_per_call": steps, "per_call_step_ms": round(call, 2),
                   "per_call_samples_per_s": round(batch / call * 1e3, 2)}

@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, ROOT, profile_train_model, train_model, write_results  # noqa: E402
 
 from pipeloom.cli import _parser  # noqa: E402
+from pipeloom.cli.flags import spec_of  # noqa: E402
 from pipeloom.plan import Cluster, Costing, PlanRequest  # noqa: E402
 from pipeloom.plan.command import candidate_of  # noqa: E402
-from pipeloom.schedule import get_family  # noqa: E402
 from pipeloom.sim.profile import load_profile  # noqa: E402
 
 _MiB = 2**20
@@ -69,7 +69,8 @@ def measured_peaks(model: str, seq: int, flags: str, steps: int, timeout: float)
     """Each pipeline rank's measured peak (bytes) over ``steps`` steps of ``pipeloom train``."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "m.jsonl"
-        argv = [sys.executable, "-m", "pipeloom", "train", "--model", model, "--seq", str(seq), *shlex.split(flags),
+        argv = [sys.executable, "-m", "pipeloom", "train", "--model", model, "--vocab", str(train_model(model).vocab),
+                "--seq", str(seq), *shlex.split(flags),
                 "--steps", str(steps), "--metrics", str(metrics)]
         done = subprocess.run(argv, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=timeout)
         if done.returncode:
@@ -80,10 +81,7 @@ def measured_peaks(model: str, seq: int, flags: str, steps: int, timeout: float)
 
 def predicted_peaks(model, seq: int, flags: str, profile) -> list[float]:
     """The planner's peak memory per pipeline rank for the layout ``pipeloom train`` runs with ``flags``."""
-    args = _parser().parse_args(["train", "--seq", str(seq), *shlex.split(flags)])
-    args.dp = args.dp or 1
-    args.chunks = args.chunks or get_family(args.schedule).default_chunks
-    c = candidate_of(args)
+    c = candidate_of(spec_of(_parser().parse_args(["train", "--seq", str(seq), *shlex.split(flags)])))
     cluster = Cluster.of("cpu", c.pp * c.dp * c.sp, gpus_per_node=c.pp * c.dp * c.sp)
     request = PlanRequest(model, seq, c.microbatch_size * c.microbatches * c.dp, cluster, profile=profile)
     return Costing(request).evaluate(c).peak_memory_bytes

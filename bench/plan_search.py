@@ -23,7 +23,7 @@ from common import write_results  # noqa: E402
 from pipeloom.cli import _parser  # noqa: E402
 from pipeloom.errors import PipeloomError  # noqa: E402
 from pipeloom.plan import search  # noqa: E402
-from pipeloom.plan_cli import request_of  # noqa: E402
+from pipeloom.cli.plan import request_of  # noqa: E402
 
 #: `pipeloom plan` arguments of each request timed: the default, then by GPUs.
 REQUESTS = (

@@ -54,7 +54,7 @@ from statistics import median
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, ROOT, profile_train_model, train_model, write_results  # noqa: E402
 
-from pipeloom.plan import Cluster, Costing, PlanRequest, command, schedule_of, search  # noqa: E402
+from pipeloom.plan import Cluster, Costing, PlanRequest, command, search  # noqa: E402
 from pipeloom.sim import simulate  # noqa: E402
 from pipeloom.sim.profile import load_profile  # noqa: E402
 
@@ -108,7 +108,7 @@ def pick(plans: list, count: int, spread: float, gap: float) -> list:
 def train(request, plan, steps: int, warmup: int, timeout: float) -> dict:
     """Run the plan's command for ``steps`` steps; the median step after the warm-up."""
     c = plan.candidate
-    per_call = schedule_of(c).steps
+    per_call = Costing(request).schedule(c).steps
     if per_call > 1:  # whole calls: the first is the warm-up
         warmup = per_call * max(1, -(-warmup // per_call))
         steps = max(warmup + per_call, per_call * -(-steps // per_call))
@@ -169,11 +169,11 @@ def per_call_ms(request, plan) -> float | None:
     """For a schedule that runs several steps a call (2bw), the planner's cost model on the call that
     train runs (its fill and drain shared by the call's steps) per step; else None."""
     c = plan.candidate
-    per_call = schedule_of(c).steps
+    costing = Costing(request)
+    per_call = costing.schedule(c).steps
     if per_call == 1:
         return None
-    costing = Costing(request)
-    result = simulate(schedule_of(c, per_call), costing.costs(c))
+    result = simulate(costing.schedule(c, per_call), costing.costs(c))
     return round(result.makespan / per_call + plan.allreduce_ms + plan.optimizer_ms, 2)
 
 

@@ -17,3 +17,15 @@ def first_line(err: BaseException) -> str:
     """The first line of ``err``'s message (its type's name if it has none): for one-line reports."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+def whole(flag: str, value) -> None:
+    """Refuse ``value`` of ``--flag`` (underscores read as dashes) unless it is a whole number >= 1."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PipeloomError(f"--{flag.replace('_', '-')} must be a whole number >= 1, got {value!r}")
+
+
+def one_of(flag: str, value, choices) -> None:
+    """Refuse ``value`` of ``--flag`` unless it is one of ``choices``."""
+    if value not in choices:
+        raise PipeloomError(f"--{flag.replace('_', '-')} {value!r}: choose one of {', '.join(choices)}")

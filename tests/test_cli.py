@@ -54,7 +54,7 @@ def test_memory_limit_is_checked(capsys):
 
 @pytest.mark.parametrize("args,message", [
     (["--schedule", "nope"], "valid schedules: " + ", ".join(FAMILIES)),
-    (["--pp", "0"], "pp=0"),
+    (["--pp", "0"], "--pp must be a whole number >= 1, got 0"),
     (["--schedule", "1f1b", "--chunks", "3"], "1f1b uses chunks=1"),
     (["--costs", "f=1,x=2"], "bad cost 'x=2'"),
     (["--costs", "f=fast"], "'fast' is not a number"),
@@ -106,7 +106,8 @@ def test_vocab_parallel_bad_input_one_clear_line(args, message):
     assert len(lines) == 1 and message in lines[0], proc.stderr
 
 
-SP_ARGS = ["--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--model", "gpt-1.3b", "--seq", "32768"]
+SP_ARGS = ["--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--model", "gpt-1.3b", "--seq", "32768",
+           "--microbatch-size", "1", "--hardware", "a100"]
 
 
 def test_sequence_parallel_json(capsys):
@@ -139,8 +140,8 @@ def test_sequence_parallel_table(capsys):
 @pytest.mark.parametrize("args,message", [
     (["--sp", "4"], "--sp sets the sequence parallelism that --model derives costs for"),
     (["--attention", "rsa"], "--attention sets the sequence-parallel attention that --model derives costs for"),
-    (["--model", "gpt-1.3b", "--seq", "1000", "--sp", "3"], "sp=3 must divide seq=1000"),
-    (["--model", "gpt-1.3b", "--sp", "0"], "sp must be a positive integer, got 0"),
+    (["--model", "gpt-1.3b", "--seq", "1000", "--sp", "3"], "--seq 1000 does not split into 2 x --sp 3"),
+    (["--model", "gpt-1.3b", "--sp", "0"], "--sp must be a whole number >= 1, got 0"),
     (["--model", "gpt-1.3b", "--sp", "2", "--attention", "flash"], "unknown attention 'flash'; choose one of ring, rsa"),
 ])
 def test_sequence_parallel_bad_input_one_clear_line(capsys, args, message):
@@ -163,7 +164,8 @@ def test_compare_writes_a_trace_and_a_csv_per_schedule_and_one_plot(capsys, tmp_
     from pipeloom.schedule import build, to_torch_csv
 
     out = [str(tmp_path / name) for name in ("t.json", "s.csv", "c.png")]
-    assert main(["simulate", "--compare", "1f1b,zb-h1", "--trace", out[0], "--torch-csv", out[1], "--plot", out[2]]) == 0
+    assert main(["simulate", "--compare", "1f1b,zb-h1", "--pp", "4", "--microbatches", "8", "--trace", out[0],
+                 "--torch-csv", out[1], "--plot", out[2]]) == 0
     for name in ("1f1b", "zb-h1"):
         assert json.loads((tmp_path / f"t-{name}.json").read_text())["otherData"]["family"] == name
         assert (tmp_path / f"s-{name}.csv").read_text() == to_torch_csv(build(name, 4, 8))
@@ -186,11 +188,11 @@ MISTAKES = {
     "bad plot suffix": (["--plot", "{tmp}/p.pdf"], 2, "--plot {tmp}/p.pdf: the file name must end in .png or .svg", []),
     "seq without model": (["--seq", "4096"], 2, "--seq sets the sequence length that --model derives costs for", []),
     "microbatch size without model": (["--microbatch-size", "2"], 2, "--microbatch-size sets the sequences", []),
-    "device without model": (["--device", "h100"], 2, "--device sets the device that --model", []),
+    "hardware without model": (["--hardware", "h100"], 2, "--hardware sets the cost preset that --model", []),
     "unknown schedule": (["--schedule", "nope"], 2, "unknown schedule 'nope'; valid schedules: gpipe", []),
-    "pp 0": (["--pp", "0"], 2, "pp=0: must be a whole number >= 1", []),
+    "pp 0": (["--pp", "0"], 2, "--pp must be a whole number >= 1, got 0", []),
     "pp not a number": (["--pp", "four"], 2, "argument --pp: invalid int value: 'four'", []),
-    "microbatches negative": (["--microbatches", "-3"], 2, "microbatches=-3", []),
+    "microbatches negative": (["--microbatches", "-3"], 2, "--microbatches must be a whole number >= 1, got -3", []),
     "cost unknown": (["--costs", "f=1,x=2"], 2, "bad cost 'x=2'", []),
     "cost not a number": (["--costs", "f=fast"], 2, "'fast' is not a number", []),
     "cost negative": (["--costs", "b=-1"], 2, "costs must be finite numbers >= 0", []),
@@ -208,19 +210,21 @@ MISTAKES = {
     "memory limit not a number": (["--memory-limit", "lots"], 2, "argument --memory-limit: invalid float", []),
     "chunks wrong": (["--schedule", "1f1b", "--chunks", "3"], 2, "1f1b uses chunks=1 stages per rank", []),
     "chunks fit none compared": (["--compare", "1f1b,zb-v", "--chunks", "3"], 2, "--chunks 3 fits none", []),
-    "chunks zero": (["--schedule", "interleaved-1f1b", "--chunks", "0"], 2, "needs chunks >= 2", []),
-    "steps without 2bw": (["--steps", "2"], 2, "--steps sets how many steps 2bw builds; 1f1b builds one step", []),
+    "chunks zero": (["--schedule", "interleaved-1f1b", "--chunks", "0"], 2, "--chunks must be a whole number >= 1", []),
+    "steps without 2bw": (["--schedule-steps", "2"], 2, "--schedule-steps sets how many steps a family without a flush "
+                          "builds per call (2bw); 1f1b builds one step", []),
     "vocab-parallel junk": (["--vocab-parallel", "vocab-9"], 2, "unknown vocab_parallel mode 'vocab-9'", []),
     "vocab-parallel empty": (["--vocab-parallel", ""], 2, "--vocab-parallel '': give at least one name", []),
     "vocab modes with trace": (["--vocab-parallel", "none,redis", "--trace", "{tmp}/t.json"], 2,
                                "--trace takes one --vocab-parallel mode", []),
     "vocab passes in torch csv": (["--vocab-parallel", "vocab-1", "--torch-csv", "{tmp}/v.csv"], 2,
                                   "has no place in torch's compute-only CSV", []),
-    "model junk": (["--model", "gpt-9"], 2, "unknown model 'gpt-9'; presets:", []),
-    "device junk": (["--model", "4b", "--device", "tpu"], 2, "unknown device 'tpu'; presets:", []),
-    "seq zero": (["--model", "4b", "--seq", "0"], 2, "seq must be a positive integer, got 0", []),
-    "sp not dividing seq": (["--model", "gpt-1.3b", "--seq", "1000", "--sp", "3"], 2, "sp=3 must divide seq=1000", []),
-    "more stages than layers": (["--model", "4b", "--pp", "64"], 2, "32 layers cannot fill 64 stages", []),
+    "model junk": (["--model", "gpt-9"], 2, "unknown --model 'gpt-9'; presets:", []),
+    "hardware junk": (["--model", "4b", "--hardware", "tpu"], 2, "unknown device 'tpu'; presets:", []),
+    "device junk": (["--model", "4b", "--device", "tpu"], 2, "argument --device: invalid choice: 'tpu'", []),
+    "seq zero": (["--model", "4b", "--seq", "0"], 2, "--seq must be a whole number >= 1, got 0", []),
+    "sp not dividing seq": (["--model", "gpt-1.3b", "--seq", "1000", "--sp", "3"], 2, "--seq 1000 does not split", []),
+    "more stages than layers": (["--model", "4b", "--pp", "64"], 2, "4b has 32 layers, too few for the 64 stages", []),
 }
 
 

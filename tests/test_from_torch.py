@@ -182,7 +182,7 @@ def test_simulate_a_torch_schedule_and_compare_it(capsys, tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--torch-schedule", "Nope"], "unknown torch schedule 'Nope'"),
     (["--torch-schedule", "ScheduleGPipe", "--compare", "1f1b"], "name it there as torch:ScheduleGPipe"),
-    (["--torch-schedule", "ScheduleDualPipeV", "--microbatches", "6"], "microbatches=8 fits"),
+    (["--torch-schedule", "ScheduleDualPipeV", "--pp", "4", "--microbatches", "6"], "microbatches=8 fits"),
     (["--schedule", "nope"], "or torch:NAME: one of torch's schedule classes, or a CSV torch wrote"),
 ])
 def test_simulate_refusals_are_one_line(args, message, capsys):

@@ -151,7 +151,7 @@ def test_paper_like_settings_refresh_within_a_few_steps_and_fill_bubbles(model, 
 
 def test_simulate_kfac_json(capsys):
     args = ["simulate", "--schedule", "gpipe", "--pp", "4", "--microbatches", "4", "--model", "gpt-125m",
-            "--seq", "512", "--microbatch-size", "4", "--device", "v100", "--kfac", "--json"]
+            "--seq", "512", "--microbatch-size", "4", "--hardware", "v100", "--optimizer", "kfac", "--json"]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     kfac = out["kfac"]
@@ -162,4 +162,4 @@ def test_simulate_kfac_json(capsys):
     assert main([*args[:-1], "--kfac-every", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kfac"]["every"] == 1
     assert main(["simulate", "--kfac-every", "2"]) == 2
-    assert "--kfac-every 2 goes with --kfac" in capsys.readouterr().err
+    assert "--kfac-every 2 goes with --optimizer kfac" in capsys.readouterr().err

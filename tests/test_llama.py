@@ -382,7 +382,7 @@ def test_pipeloom_train_trains_llama_tiny(tmp_path):
                            "--schedule", "zb-h1", "--metrics", "m.jsonl"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=200, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "llama-tiny (66k parameters), zb-h1, pp=2" in done.stderr
+    assert "llama-tiny (66k parameters, vocabulary 256), zb-h1, pp=2" in done.stderr
     losses = [json.loads(line)["loss"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert len(losses) == 30 and sum(losses[-5:]) / 5 < losses[0] - 1.0
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from pipeloom.cli import _parser
+from pipeloom.cli.flags import spec_of
 from pipeloom.plan import Cluster, Costing, PlanRequest
 from pipeloom.plan.command import candidate_of
-from pipeloom.schedule import get_family
 from pipeloom.sim.model import get_model
 from pipeloom.sim.profile import load_profile
 
@@ -39,7 +39,7 @@ LAYOUTS = (
 def measured(tmp_path, model: str, flags: str) -> list[int]:
     metrics = tmp_path / "m.jsonl"
     steps = "4" if "2bw" in flags else "2"
-    done = subprocess.run([sys.executable, "-m", "pipeloom", "train", "--model", model, "--seq", str(SEQ),
+    done = subprocess.run([sys.executable, "-m", "pipeloom", "train", "--model", model, "--vocab", "256", "--seq", str(SEQ),
                            *shlex.split(flags), "--steps", steps, "--metrics", str(metrics)],
                           cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -48,9 +48,7 @@ def measured(tmp_path, model: str, flags: str) -> list[int]:
 
 
 def predicted(profile, flags: str) -> list[float]:
-    args = _parser().parse_args(["train", "--seq", str(SEQ), *shlex.split(flags)])
-    args.dp, args.chunks = args.dp or 1, args.chunks or get_family(args.schedule).default_chunks
-    c = candidate_of(args)
+    c = candidate_of(spec_of(_parser().parse_args(["train", "--seq", str(SEQ), *shlex.split(flags)])))
     model = replace(get_model("gpt-125m"), vocab=256)  # train's default data: bytes
     request = PlanRequest(model, SEQ, c.microbatch_size * c.microbatches * c.dp, Cluster.of("cpu", c.pp * c.dp),
                           profile=profile)

@@ -252,7 +252,8 @@ def test_model_costs_and_k():
 
 def test_cli(capsys, tmp_path):
     assert main(["simulate", "--pp", "4", "--microbatches", "8", "--model", "6.2b", "--seq", "4096",
-                 "--attention", "ring", "--offload", "full", "--json"]) == 0
+                 "--microbatch-size", "1", "--hardware", "a100", "--attention", "ring", "--offload", "full",
+                 "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     offload = report["offload"]
     assert offload["policy"] == "full" and offload["k"] > 1
@@ -263,15 +264,17 @@ def test_cli(capsys, tmp_path):
     peaks = []
     for offload in ([], ["--offload", "full"]):  # k < 1 here
         assert main(["simulate", "--pp", "4", "--microbatches", "8", "--model", "6.2b", "--seq", "16384",
-                     "--attention", "ring", "--recompute", "cheap", "--json", *offload]) == 0
+                     "--microbatch-size", "1", "--hardware", "a100", "--attention", "ring", "--recompute", "cheap",
+                     "--json", *offload]) == 0
         peaks.append(json.loads(capsys.readouterr().out)["peak_memory_bytes"])
     assert all(a >= b for a, b in zip(*peaks)) and peaks[0][0] > peaks[1][0]
     plot = tmp_path / "off.png"
-    assert main(["simulate", "--offload", "selective", "--offload-ratio", "0.5", "--costs", "offload=0.2",
-                 "--plot", str(plot)]) == 0
+    assert main(["simulate", "--pp", "4", "--microbatches", "8", "--offload", "selective", "--offload-ratio", "0.5",
+                 "--costs", "offload=0.2", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     assert "offload selective 0.5:" in out and "r0 copy" in out and plot.stat().st_size > 0
-    assert main(["simulate", "--compare", "1f1b,v-half", "--costs", "offload=0.3", "--offload", "full"]) == 0
+    assert main(["simulate", "--compare", "1f1b,v-half", "--pp", "4", "--microbatches", "8", "--costs", "offload=0.3",
+                 "--offload", "full"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert "max host" in table[0] and "max exposed" in table[0]
     assert [line.split()[0] for line in table[1:]] == ["1f1b", "v-half"]

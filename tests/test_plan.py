@@ -14,9 +14,10 @@ from pipeloom.errors import PipeloomError
 from pipeloom.plan import (
     Candidate, Cluster, Costing, PlanRequest, candidate_of, candidates, command, exhaustive, search,
 )
-from pipeloom.plan.evaluate import schedule_of
+from pipeloom.builder import build_run, costs_of
+from pipeloom.cli.flags import spec_of
+from pipeloom.plan.command import run_spec
 from pipeloom.sim.model import ModelSpec
-from pipeloom.train import check
 
 GiB = 2**30
 SMALL = ModelSpec("small", 8, 512, 8, 8192)
@@ -86,12 +87,14 @@ def test_the_command_reruns_the_plan(memory):
     re-simulated, it gives the plan's step and memory exactly, and train builds that schedule."""
     want = request(8, memory, 32, model="gpt-125m", seq=512, top=3)
     for plan in search(want).plans:
-        args = _train_args(command(want, plan.candidate))
-        assert (args.model, args.seq, args.device) == ("gpt-125m", 512, "cuda")
-        again = Costing(want).evaluate(candidate_of(args))
+        spec = spec_of(_train_args(command(want, plan.candidate)))
+        assert (spec.model, spec.seq, spec.device, spec.hardware) == ("gpt-125m", 512, "cuda", "a100")
+        assert spec == run_spec(want, plan.candidate)
+        costing = Costing(want)
+        again = costing.evaluate(candidate_of(spec))
         assert (again.step_ms, again.peak_memory_bytes) == (plan.step_ms, plan.peak_memory_bytes)
-        _, schedule = check(args, want.cluster.gpus)
-        assert schedule == schedule_of(plan.candidate)
+        assert costs_of(spec) == costing.costs(plan.candidate)  # train prices the run as the plan did
+        assert build_run(spec).digest() == costing.schedule(plan.candidate).digest()
 
 
 def test_command_launches_every_node():

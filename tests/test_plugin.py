@@ -1,11 +1,18 @@
 """A technique from outside the package: one transform, its kind, one handler; no pipeloom file changes.
 
-The toy technique inserts a no-op action ``NOOP`` after every forward. Its kind,
-cost field and runtime handler are registered here; the simulator, validator,
-renderers, torch CSV export, lowering and the runtime accept it as they are.
+The toy transform here inserts a no-op action ``NOOP`` after every forward. Its kind
+and cost field are registered here; the simulator, validator, renderers, torch CSV
+export and lowering accept it as they are. The last tests plug a whole technique
+(tests/toy_technique.py: a flag, a transform and kind, a cost field, a planner
+dimension, a runtime handler) into ``pipeloom simulate``, ``plan`` and ``train``.
 """
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -129,3 +136,49 @@ def test_a_kind_without_a_handler_is_named():
     with pytest.raises(PipeloomError, match=r"action 0UNKNOWN1: no runtime handler for kind 'UNKNOWN'; "
                                             r"registered kinds: B, BW, .*, F, .*, W, Z \(add one with "):
         Executor(None, [Action(F, 0, 1), Action("UNKNOWN", 0, 1)])
+
+
+# -- a whole technique from outside the package, through every command -------------------------------------
+
+def _pipeloom(*args, timeout=200):
+    """``pipeloom ARGS`` with the toy technique (tests/toy_technique.py) plugged in."""
+    env = {**os.environ, "PIPELOOM_PLUGINS": "toy_technique", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "pipeloom", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+def test_simulate_takes_a_plugged_technique():
+    flags = ("simulate", "--model", "tiny", "--pp", "2", "--json")
+    plain, toy = (json.loads(_pipeloom(*flags, *more).stdout) for more in ((), ("--toy-ms", "0.5")))
+    assert toy["toy"] == {"no_ops": 2 * 4}  # one per forward: 2 stages x 4 microbatches
+    assert toy["makespan"] > plain["makespan"] and "toy" not in plain
+    assert "toy: 8 no-ops" in _pipeloom("simulate", "--model", "tiny", "--toy-ms", "0.5").stdout
+
+
+def test_plan_searches_a_plugged_dimension():
+    found = json.loads(_pipeloom("plan", "--model", "gpt-125m", "--seq", "256", "--gpus", "2", "--global-batch", "8",
+                                 "--schedules", "1f1b", "--recompute", "none", "--vocab-parallel", "none",
+                                 "--hardware", "cpu", "--top", "40", "--json").stdout)
+    by_toy = {}
+    for plan in found["plans"]:
+        spec = plan["spec"]
+        layout = tuple(spec[k] for k in ("pp", "dp", "microbatch_size"))
+        by_toy.setdefault(dict(map(tuple, spec["options"]))["toy_ms"], {})[layout] = plan
+    assert set(by_toy) == {0.0, 0.5}
+    assert found["plans"][0]["spec"]["options"] == [["toy_ms", 0.0]]  # a no-op only costs time
+    shared = set(by_toy[0.0]) & set(by_toy[0.5])
+    assert shared and all(by_toy[0.5][k]["step_ms"] > by_toy[0.0][k]["step_ms"] for k in shared)
+    assert any("--toy-ms 0.5" in plan["command"] for plan in found["plans"])
+
+
+@pytest.mark.timeout(240)
+def test_train_runs_a_plugged_technique(tmp_path):
+    flags = ("--seq", "32", "--toy-ms", "0.5")
+    shown = json.loads(_pipeloom("train", *flags, "--dry-run", "--json").stdout)
+    assert shown["toy"] == {"no_ops": 8}
+    done = _pipeloom("train", *flags, "--steps", "2", "--metrics", str(tmp_path / "m.jsonl"))
+    assert f"schedule sha256 {shown['schedule_digest']} (every rank's)" in done.stderr and ", toy 0.5 ms" in done.stderr
+    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2

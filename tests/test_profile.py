@@ -283,7 +283,7 @@ def test_profile_then_simulate_with_it(tmp_path, capsys, monkeypatch):
 
 def test_without_a_profile_simulate_says_formulas(capsys):
     assert main(["simulate", "--model", "tiny", "--seq", "64", "--pp", "2", "--microbatches", "4", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["costs"] == "formulas, device preset a100"
+    assert json.loads(capsys.readouterr().out)["costs"] == "formulas, device preset cpu"
 
 
 @pytest.mark.parametrize("args,message", [

@@ -104,9 +104,11 @@ def test_text_file_and_token_file(tmp_path):
     (["--trace", "a.txt/t.json"], "--trace a.txt/t.json: a.txt is a file, not a directory"),
     (["--metrics", "."], "--metrics .: is a directory"),
     (["--checkpoint-dir", "a.txt"], "--checkpoint-dir a.txt: is a file, not a directory"),
-    (["--offload", "full", "--offload-ratio", "0.5"], "an offload ratio (0.5) goes with the selective policy"),
+    (["--offload", "full", "--offload-ratio", "0.5"], "--offload-ratio 0.5 goes with --offload selective"),
     (["--offload", "selective", "--offload-ratio", "2"], "offload ratio 2.0: must be in (0, 1]"),
-    (["--kfac-every", "2"], "--kfac-every and --kfac-damping go with --optimizer kfac"),
+    (["--kfac-every", "2"], "--kfac-every 2 goes with --optimizer kfac"),
+        (["--kfac-damping", "0.1"], "--kfac-damping 0.1 goes with --optimizer kfac"),
+        (["--json"], "--json goes with --dry-run"),
     (["--optimizer", "kfac", "--report"], "--optimizer kfac cannot draw or report its measured steps yet"),
     (["--optimizer", "kfac", "--kfac-damping", "0"], "--kfac-damping must be positive"),
 ])
@@ -189,7 +191,7 @@ def test_resume_of_another_model_is_refused(tmp_path):
     done = train("--steps", "4", "--seq", "16", "--data", "t.bin", "--checkpoint-dir", "ck", "--resume",
                  cwd=tmp_path, check=False)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "vocabulary 256; this run has" in done.stderr
-    assert "vocabulary 600 (from its data and tokenizer)" in done.stderr
+    assert "vocabulary 600 (--vocab, else the preset's or its data's)" in done.stderr
 
 
 @pytest.mark.timeout(TIMEOUT)

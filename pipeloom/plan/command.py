@@ -1,37 +1,54 @@
-"""A plan as the ``torchrun ... pipeloom train ...`` line that runs it, and back."""
+"""A plan as a run spec, and as the ``torchrun ... pipeloom train ...`` line that runs it, and back."""
 
 from __future__ import annotations
 
 import shlex
 
+from ..presets import SIZES
+from ..spec import RunSpec
 from .space import Candidate, PlanRequest
 
-#: ``pipeloom train`` flags that carry a candidate's settings, by field.
-FLAGS = {
-    "schedule": "--schedule", "pp": "--pp", "dp": "--dp", "sp": "--sp", "chunks": "--chunks",
-    "microbatches": "--microbatches", "microbatch_size": "--microbatch-size", "recompute": "--recompute",
-    "vocab_parallel": "--vocab-parallel", "offload": "--offload",
-}
+#: The candidate's fields, each a run spec's field of the same name (printed in this order).
+FIELDS = ("schedule", "pp", "dp", "sp", "chunks", "microbatches", "microbatch_size", "recompute", "vocab_parallel",
+          "offload")
+
+
+def run_spec(request: PlanRequest, c: Candidate, steps: int | None = None) -> RunSpec:
+    """The run spec of ``c`` on the request's cluster: the run ``pipeloom train`` makes of the plan's
+    command, with the costs the planner priced it with (the cluster's links for its layout, the
+    profile if any); ``steps`` steps a call for 2bw (None: the family's)."""
+    model, cluster = request.model, request.cluster
+    preset = SIZES.get(model.name)
+    link = cluster.device_for(c.pp, c.dp, c.sp).link_bandwidth
+    return RunSpec(
+        model=model.name, vocab=None if preset is not None and preset.vocab == model.vocab else model.vocab,
+        seq=request.seq, **{name: getattr(c, name) for name in FIELDS}, offload_ratio=c.offload_ratio,
+        schedule_steps=steps, device="cpu" if cluster.device.name == "cpu" else "cuda",
+        hardware=cluster.device.name, link_bandwidth=None if link == cluster.device.link_bandwidth else link / 1e9,
+        profile=request.profile.source if request.profile is not None else None, options=c.options)
 
 
 def command(request: PlanRequest, c: Candidate) -> str:
     """The exact command line: torchrun with one process per GPU over the cluster's nodes, then
-    ``pipeloom train`` with the model, sequence length and every setting of ``c`` (the data is the
-    user's: add ``--data``)."""
+    ``pipeloom train`` with every setting of ``c``'s run spec (the data is the user's: add ``--data``)."""
     cluster = request.cluster
     per_node = min(cluster.gpus, cluster.gpus_per_node)
     launch = ["torchrun", "--nnodes", str(cluster.nodes), "--nproc-per-node", str(per_node)]
     if cluster.nodes > 1:
         launch += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "$MASTER_ADDR:29500"]
-    train = ["-m", "pipeloom", "train", "--model", request.model.name, "--seq", str(request.seq)]
-    for name, flag in FLAGS.items():
-        train += [flag, str(getattr(c, name))]
-    if c.offload_ratio is not None:
-        train += ["--offload-ratio", str(c.offload_ratio)]
-    train += ["--device", "cpu" if cluster.device.name == "cpu" else "cuda"]
+    spec = run_spec(request, c)
+    train = ["-m", "pipeloom", "train", "--model", spec.model, "--seq", str(spec.seq)]
+    for name in FIELDS:  # every layout setting, defaults too: the line says the whole layout
+        train += ["--" + name.replace("_", "-"), str(getattr(spec, name))]
+    shown = {"--" + name.replace("_", "-") for name in ("model", "seq", *FIELDS)}
+    flags = spec.flags()
+    for flag, value in zip(flags[::2], flags[1::2]):
+        if flag not in shown:
+            train += [flag, value]
     return " ".join(launch + [shlex.quote(word) for word in train])
 
 
-def candidate_of(args) -> Candidate:
-    """The candidate a parsed ``pipeloom train`` command line runs."""
-    return Candidate(**{name: getattr(args, name) for name in FLAGS})
+def candidate_of(spec: RunSpec) -> Candidate:
+    """The candidate a run spec (a parsed ``pipeloom train`` command line) runs."""
+    return Candidate(**{name: getattr(spec, name) for name in FIELDS if name != "chunks"}, chunks=spec.family_chunks,
+                     options=spec.options)

@@ -18,9 +18,9 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+from ..builder import build_run, model_costs
 from ..errors import PipeloomError
-from ..modes import RECOMPUTE
-from ..schedule import Schedule, build, get_family, validate
+from ..schedule import Schedule, get_family, validate
 from ..schedule.costs import Costs, StageCosts
 from ..schedule.deps import ListPeaks
 from ..schedule.ir import BW, B, F, Action, looped_placement, v_placement
@@ -29,10 +29,10 @@ from ..schedule.transforms.vocab import VOCAB_PASSES
 from ..sim import Result, simulate
 from ..sim.formulas import layer_flops
 from ..sim.memory import GRAD_BYTES_PER_PARAM, peak_memory_bytes, state_bytes_per_param
-from ..sim.model import costs_from_model
 from ..sim.model import optimizer_ms as sim_optimizer_ms
 from ..sim.stages import stage_parameters
 from .bounds import CriticalPath, critical_path
+from .command import run_spec
 from .space import OFFLOADS, RECOMPUTES, Candidate, PlanRequest
 
 
@@ -95,16 +95,13 @@ class Costing:
 
     @staticmethod
     def _costs_key(c: Candidate) -> tuple:
-        return c.pp, c.dp, c.sp, c.chunks, c.microbatch_size, c.recompute, c.vocab_parallel
+        return c.pp, c.dp, c.sp, c.chunks, c.microbatch_size, c.recompute, c.vocab_parallel, c.options
 
     def _both(self, c: Candidate) -> tuple[Costs, StageCosts]:
         key = self._costs_key(c)
         if key not in self._costs:
             r = self.request
-            profile = {"profile": r.profile} if r.profile is not None else {}
-            costs = costs_from_model(
-                r.model, c.pp, r.seq, c.microbatch_size, r.cluster.device_for(c.pp, c.dp, c.sp), chunks=c.chunks,
-                recompute=RECOMPUTE[c.recompute], sp=c.sp, vocab_parallel=_vocab(c), **profile)
+            costs = model_costs(run_spec(r, c), r.model, r.cluster.device_for(c.pp, c.dp, c.sp), r.profile)
             self._costs[key] = costs, costs.per_stage(c.pp * c.chunks, c.chunks)
         return self._costs[key]
 
@@ -113,37 +110,48 @@ class Costing:
         schedule cannot be built); its critical path then bounds every candidate of its schedule,
         offloaded or not (copies only add inputs to the compute, so they never make it faster)."""
         plan = evaluate(self.request, c, self.costs(c), self.schedule)
-        key = _shape(c)[:-1]
+        key = self._path_key(c)
         if key not in self._paths and c.schedule != "2bw" and c.offload == "none":
             self._paths[key] = critical_path(plan.result)
         return plan
 
     def has_path(self, c: Candidate) -> bool:
         """Whether a simulation has given ``c``'s schedule its critical path."""
-        return _shape(c)[:-1] in self._paths
+        return self._path_key(c) in self._paths
 
     def bound_ms(self, c: Candidate) -> float:
         """:meth:`lower_bound_ms`, raised by the critical path of ``c``'s schedule without offload
         once one candidate of that schedule has been simulated (:mod:`pipeloom.plan.bounds`)."""
         bound = self.lower_bound_ms(c)
-        path = self._paths.get(_shape(c)[:-1])
+        path = self._paths.get(self._path_key(c))
         if path is not None:
             bound = max(bound, path.length(self._both(c)[1]) + self.tail_ms(c)[path.rank])
         return bound
 
     def schedule(self, c: Candidate, steps: int | None = None) -> Schedule:
-        """:func:`schedule_of`, built once for every candidate that runs the same one (with
-        offload: the copies added to the one built without)."""
-        key = _shape(c), steps
+        """:func:`schedule_of` under ``c``'s costs, built once for every candidate that runs the same
+        one (with offload: the copies added to the one built without, placed by the costs)."""
+        key = self._schedule_key(c), steps
         if key not in self._schedules:
             try:
-                self._schedules[key] = (schedule_of(c, steps) if c.offload == "none" else
-                                        offloaded(self.schedule(replace(c, offload="none"), steps), c))
+                self._schedules[key] = (
+                    schedule_of(self.request, c, self.costs(c), steps) if c.offload == "none" else
+                    offloaded(self.schedule(replace(c, offload="none"), steps), c, self.costs(c)))
             except PipeloomError as err:
                 self._schedules[key] = err
         if isinstance(self._schedules[key], PipeloomError):
             raise self._schedules[key]
         return self._schedules[key]
+
+    def _schedule_key(self, c: Candidate) -> tuple:
+        """What fixes ``c``'s schedule: its shape, and its costs where they place the work (offload's
+        copies, zb-auto's order)."""
+        costly = c.offload != "none" or "costs" in get_family(c.schedule).options
+        return _shape(c), self._costs_key(c) if costly else None
+
+    def _path_key(self, c: Candidate) -> tuple:
+        """What fixes the critical path that bounds ``c``: its schedule without offload."""
+        return self._schedule_key(replace(c, offload="none"))
 
     def tail_ms(self, c: Candidate) -> list[float]:
         """Per rank, what follows its last action: :func:`allreduce_ms` plus :func:`optimizer_ms`,
@@ -237,7 +245,7 @@ class Costing:
         None where the schedule cannot be built. The lists are read once per schedule and ``away``."""
         bare = away == "copyable"
         listed = replace(c, offload="none") if bare else c
-        key = _shape(listed), away
+        key = self._schedule_key(listed), away
         if key not in self._peaks:
             try:
                 schedule = self.schedule(listed, 2 if c.schedule == "2bw" else None)  # as evaluated
@@ -287,7 +295,7 @@ class Costing:
 
 def _shape(c: Candidate) -> tuple:
     """What fixes ``c``'s schedule (its offload last)."""
-    return c.schedule, c.pp, c.microbatches, c.chunks, c.vocab_parallel, c.offload
+    return c.schedule, c.pp, c.microbatches, c.chunks, c.vocab_parallel, c.options, c.offload
 
 
 def _vocab(c: Candidate) -> str | None:
@@ -312,18 +320,15 @@ def _placements(v_shape: bool, pp: int, chunks: int) -> tuple[tuple[int, ...], .
     return tuple(tuple(s for s, r in enumerate(placement) if r == rank) for rank in range(pp))
 
 
-def schedule_of(c: Candidate, steps: int | None = None) -> Schedule:
-    """The schedule ``pipeloom train`` builds for ``c`` (2bw: ``steps`` consecutive steps): it does
-    not depend on the costs (offload places its copies on unit costs there too)."""
-    options = {"vocab_parallel": c.vocab_parallel} if c.vocab_parallel != "none" else {}
-    if steps is not None:
-        options["steps"] = steps
-    return offloaded(build(c.schedule, c.pp, c.microbatches, c.chunks, **options), c)
+def schedule_of(request: PlanRequest, c: Candidate, costs: Costs, steps: int | None = None) -> Schedule:
+    """The schedule ``pipeloom train`` builds for ``c``'s command (2bw: ``steps`` consecutive steps),
+    with the one builder (:func:`~pipeloom.builder.build_run`) under ``costs``."""
+    return build_run(run_spec(request, c, steps), costs)
 
 
-def offloaded(schedule: Schedule, c: Candidate) -> Schedule:
-    """``schedule`` with ``c``'s offload, checked."""
-    return schedule if c.offload == "none" else validate(Offload(c.offload, c.offload_ratio).apply(schedule))
+def offloaded(schedule: Schedule, c: Candidate, costs: Costs) -> Schedule:
+    """``schedule`` with ``c``'s offload placed by ``costs``, checked: what the builder makes of it."""
+    return schedule if c.offload == "none" else validate(Offload(c.offload, c.offload_ratio).apply(schedule, costs))
 
 
 def optimizer_ms(request: PlanRequest, c: Candidate) -> list[float]:
@@ -345,9 +350,14 @@ def allreduce_ms(request: PlanRequest, c: Candidate) -> list[float]:
             for stages in stages_of_ranks(c)]
 
 
-def evaluate(request: PlanRequest, c: Candidate, stage_costs: Costs, build_schedule=schedule_of) -> Plan:
+def evaluate(request: PlanRequest, c: Candidate, stage_costs: Costs, build_schedule=None) -> Plan:
     """Simulate ``c`` under ``stage_costs`` and cost it (raises :class:`~pipeloom.errors.PipeloomError`
-    when its schedule cannot be built); ``build_schedule(c, steps)`` gives its schedule."""
+    when its schedule cannot be built); ``build_schedule(c, steps)`` gives its schedule (by default
+    :func:`schedule_of`)."""
+    if build_schedule is None:
+        def build_schedule(c, steps=None):
+            return schedule_of(request, c, stage_costs, steps)
+
     reduce, update = allreduce_ms(request, c), optimizer_ms(request, c)
     tail = [a + o for a, o in zip(reduce, update)]
     if c.schedule == "2bw":

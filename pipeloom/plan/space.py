@@ -78,6 +78,7 @@ class Candidate:
     recompute: str
     vocab_parallel: str
     offload: str
+    options: tuple = ()  # plug-in techniques' settings, (name, value) pairs
 
     @property
     def offload_ratio(self) -> float | None:
@@ -111,6 +112,7 @@ def candidates(request: PlanRequest) -> Iterator[Candidate]:
     (:func:`~pipeloom.schedule.transforms.vocab.versioned_microbatches`, which the planner's builds of
     1 and 2 steps do not reach); offload only on an accelerator)."""
     layers = request.model.layers
+    plugged = _plugged(request)
     for pp, dp, sp in layouts(request, request.cluster.gpus):
         per_replica = request.global_batch // dp
         sizes = [b for b in divisors(per_replica) if request.microbatch_sizes is None or b in request.microbatch_sizes]
@@ -130,5 +132,19 @@ def candidates(request: PlanRequest) -> Iterator[Candidate]:
                             for offload in request.offload:
                                 if offload != "none" and request.cluster.device.name == "cpu":
                                     continue
-                                yield Candidate(pp, dp, sp, name, chunks, b, per_replica // b, recompute, mode,
-                                                offload)
+                                for options in plugged:
+                                    yield Candidate(pp, dp, sp, name, chunks, b, per_replica // b, recompute, mode,
+                                                    offload, options)
+
+
+def _plugged(request: PlanRequest) -> list[tuple]:
+    """Every combination of the plug-in techniques' dimensions, as candidates' ``options``."""
+    from ..techniques import TECHNIQUES
+
+    combos: list[tuple] = [()]
+    for technique in TECHNIQUES.values():
+        dimension = technique.plan_dimension(request)
+        if dimension is not None:
+            name, values = dimension
+            combos = [(*combo, (name, value)) for combo in combos for value in values]
+    return combos

@@ -9,6 +9,7 @@ not stored: :mod:`pipeloom.schedule.deps` derives them from the kinds
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -199,6 +200,11 @@ class Schedule:
 
     def to_json(self, indent: int | None = None) -> str:
         return json.dumps(self.to_dict(), indent=indent)
+
+    def digest(self) -> str:
+        """sha256 of the canonical JSON (keys sorted, no spaces): equal for equal schedules, options included."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
 
     @classmethod
     def from_dict(cls, data: dict) -> Schedule:

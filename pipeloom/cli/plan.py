@@ -1,18 +1,18 @@
-"""The ``pipeloom plan`` command: the ranked layouts for a model on a cluster, as a table or JSON."""
+"""``pipeloom plan``: the ranked layouts for a model on a cluster, as a table or JSON."""
 
 from __future__ import annotations
 
 import json
 
-from .errors import PipeloomError
+from ..errors import PipeloomError
 
 _GiB = 2**30
 
 
 def add_parser(sub) -> None:
-    from .plan.space import OFFLOADS, RECOMPUTES, VOCAB_MODES
-    from .schedule import FAMILIES
-    from .sim.specs import DEVICES
+    from ..plan.space import OFFLOADS, RECOMPUTES, VOCAB_MODES
+    from ..schedule import FAMILIES
+    from ..sim.specs import DEVICES
 
     p = sub.add_parser(
         "plan",
@@ -26,9 +26,9 @@ def add_parser(sub) -> None:
     p.add_argument("--global-batch", type=int, default=512, metavar="N", help="sequences per step (default 512)")
     p.add_argument("--gpus", type=int, default=8, metavar="N", help="GPUs in all (default 8)")
     p.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="GPUs per node (default 8)")
-    p.add_argument("--device", metavar="PRESET",
-                   help=f"device preset: {', '.join(DEVICES)}: FLOP rate, memory, links (default a100, or cpu with a "
-                        "CPU profile)")
+    p.add_argument("--hardware", metavar="PRESET",
+                   help=f"the GPUs' cost preset: {', '.join(DEVICES)}: FLOP rate, memory, links (default a100, or cpu "
+                        "with a CPU profile)")
     p.add_argument("--gpu-memory", type=float, metavar="GiB", help="memory per GPU (default: the device's)")
     p.add_argument("--intra-node-bandwidth", type=float, metavar="GB/s",
                    help="point-to-point bandwidth inside a node (default: the device's link)")
@@ -48,8 +48,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from .plan import search
-    from .plan.command import command
+    from ..plan import search
+    from ..plan.command import command
 
     request, costs = request_of(args)
     found = search(request)
@@ -62,15 +62,15 @@ def run(args) -> int:
 
 def request_of(args):
     """The :class:`~pipeloom.plan.PlanRequest` the arguments ask for, and where its costs come from."""
-    from .plan import Cluster, PlanRequest
-    from .presets import SIZES
-    from .plan.space import OFFLOADS, RECOMPUTES, VOCAB_MODES
-    from .schedule import FAMILIES
-    from .sim.specs import get_model
+    from ..plan import Cluster, PlanRequest
+    from ..presets import SIZES
+    from ..plan.space import OFFLOADS, RECOMPUTES, VOCAB_MODES
+    from ..schedule import FAMILIES
+    from ..sim.specs import get_model
 
     profile = None
     if args.profile is not None:
-        from .sim.profile import load_profile
+        from ..sim.profile import load_profile
 
         profile = load_profile(args.profile)
     block = SIZES[args.model].block_size if args.model in SIZES else None
@@ -78,7 +78,7 @@ def request_of(args):
     if block is not None and seq > block:
         raise PipeloomError(f"--seq {seq} is longer than the {block} positions {args.model} learns (pipeloom train "
                             f"would refuse it); use --seq {block} or less")
-    device = args.device or ("cpu" if profile and profile.machine["device"] == "cpu" else "a100")
+    device = args.hardware or ("cpu" if profile and profile.machine["device"] == "cpu" else "a100")
     for flag in ("gpu_memory", "intra_node_bandwidth", "inter_node_bandwidth"):
         value = getattr(args, flag)
         if value is not None and not value > 0:
@@ -119,6 +119,8 @@ def _number(flag: str, text: str) -> int:
 
 
 def _fields(plan, request, command) -> dict:
+    from ..plan.command import run_spec
+
     c = plan.candidate
     return {
         "pp": c.pp, "dp": c.dp, "sp": c.sp, "schedule": c.schedule, "chunks": c.chunks,
@@ -127,6 +129,7 @@ def _fields(plan, request, command) -> dict:
         "step_ms": plan.step_ms, "tokens_per_s": plan.tokens_per_s, "samples_per_s": plan.samples_per_s,
         "mfu": plan.mfu, "peak_memory_bytes": plan.peak_memory_bytes, "bubble_rate": plan.bubble_rate,
         "allreduce_ms": plan.allreduce_ms, "optimizer_ms": plan.optimizer_ms, "command": command(request, c),
+        "spec": run_spec(request, c).to_dict(),
     }
 
 

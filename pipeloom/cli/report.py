@@ -1,0 +1,127 @@
+"""The facts of a simulated run, as JSON (``--json``) and as tables."""
+
+from __future__ import annotations
+
+from ..techniques import TECHNIQUES, size_text
+
+
+def report(result, priced) -> dict:
+    """The facts of ``result``, the simulated run of ``priced`` (a :class:`~pipeloom.builder.Priced`
+    spec): what ``simulate --json`` and ``train --dry-run --json`` print."""
+    schedule, spec = result.schedule, priced.spec
+    report = {
+        "schedule": schedule.family,
+        "schedule_digest": schedule.digest(),
+        "pp": schedule.pp,
+        "microbatches": schedule.microbatches,
+        "chunks": schedule.chunks,
+        "stages": schedule.stages,
+        "steps": schedule.steps,
+        "vocab_parallel": spec.vocab_parallel,
+        "makespan": result.makespan,
+        "bubble_rate": result.bubble_rate,
+        "step_bubble_rate": result.step_bubble_rate,
+        "peak_activation": result.peak_activation,
+        "ranks": [
+            {
+                "rank": r,
+                "stages": schedule.stages_of(r),
+                "busy": stats.busy,
+                "idle": stats.idle,
+                "bubble_rate": stats.bubble_rate,
+                "step_bubble_rate": stats.step_bubble_rate,
+                "peak_activation": stats.peak_activation,
+            }
+            for r, stats in enumerate(result.ranks)
+        ],
+    }
+    if priced.model is not None:
+        from ..sim.memory import peak_memory_bytes
+
+        model, device, profile = priced.model, priced.device, priced.profile
+        full_stage_m_b = sum(result.costs.m_b) / schedule.pp  # bytes of M_B for an average full stage
+        state = {"bytes_per_param": profile.bytes_per_param} if profile else {}
+        report.update(
+            model=model.name, vocab=model.vocab, device=spec.device, hardware=device.name, seq=spec.seq,
+            microbatch_size=spec.microbatch_size, costs=priced.source, time_unit="ms",
+            peak_activation=[x / full_stage_m_b for x in result.peak_activation],
+            peak_activation_bytes=result.peak_activation,
+            peak_memory_bytes=peak_memory_bytes(model, result, spec.seq, microbatch_size=spec.microbatch_size,
+                                                sp=spec.sp, attention=spec.attention, **state),
+        )
+        for row, value in zip(report["ranks"], report["peak_activation"]):
+            row["peak_activation"] = value
+    for technique in TECHNIQUES.values():
+        report.update(technique.report(result, priced))
+    return report
+
+
+def rank_table(report: dict) -> str:
+    unit = f" ({report['time_unit']})" if "time_unit" in report else ""
+    lines = [
+        f"{report['schedule']}: pp={report['pp']} microbatches={report['microbatches']} "
+        f"stages={report['stages']}  makespan={report['makespan']:.4g}{unit}  "
+        f"span bubble={report['bubble_rate']:.1%} (worst rank)  step bubble={report['step_bubble_rate']:.1%}",
+        *([f"costs: {report['costs']}"] if "costs" in report else []),
+        "",
+    ]
+    memory = report.get("peak_memory_bytes")
+    header = (f"{'rank':>4}  {'stages':<10} {'busy':>10} {'idle':>10}  {'span bubble':>11}  {'step bubble':>11} "
+              f"{'peak act (M_B)':>15}")
+    lines.append(header + ("  peak memory (GiB)" if memory else ""))
+    for row in report["ranks"]:
+        line = (f"{row['rank']:>4}  {','.join(map(str, row['stages'])):<10} {row['busy']:>10.4g} {row['idle']:>10.4g}  "
+                f"{row['bubble_rate']:>11.1%}  {row['step_bubble_rate']:>11.1%} {row['peak_activation']:>15.4g}")
+        if memory:
+            line += f"  {memory[row['rank']] / 2**30:>17.2f}"
+        lines.append(line)
+    for technique in TECHNIQUES.values():
+        extra = technique.report_lines(report)
+        if extra:
+            lines += ["", *extra]
+    return "\n".join(lines)
+
+
+def vocab_title(report: dict) -> str:
+    title = f"{report['schedule']}: pp={report['pp']} microbatches={report['microbatches']}"
+    if "model" in report:
+        title += f", {report['model']} (V={report['vocab']}), seq {report['seq']}, {report['hardware']}"
+    return title
+
+
+def vocab_table(reports: list[dict]) -> str:
+    memory = "peak_memory_bytes" in reports[0]
+    unit = f" ({reports[0]['time_unit']})" if "time_unit" in reports[0] else ""
+    lines = [
+        vocab_title(reports[0]) + f"; times{unit}, throughput relative to {reports[0]['relative_to']}",
+        *([f"costs: {reports[0]['costs']}"] if "costs" in reports[0] else []),
+        "",
+        f"{'mode':<9} {'makespan':>10} {'throughput':>10} {'busy max':>10} {'busy min':>10} {'busy mean':>10} "
+        + ("max peak memory (GiB)" if memory else "max peak act (M_B)"),
+    ]
+    for r in reports:
+        peak = max(r["peak_memory_bytes"]) / 2**30 if memory else max(r["peak_activation"])
+        lines.append(f"{r['vocab_parallel']:<9} {r['makespan']:>10.5g} {r['relative_throughput']:>9.3f}x "
+                     f"{r['busy_max']:>10.5g} {r['busy_min']:>10.5g} {r['busy_mean']:>10.5g} {peak:>21.4g}")
+    return "\n".join(lines)
+
+
+def compare_table(reports: list[dict]) -> str:
+    offload, kfac = "offload" in reports[0], "kfac" in reports[0]
+    width = max(18, *(len(r["schedule"]) for r in reports))
+    lines = [*([f"costs: {reports[0]['costs']}"] if "costs" in reports[0] else []),
+             f"{'schedule':<{width}} {'stages':>6} {'makespan':>10}  {'span bubble':>11}  {'step bubble':>11} "
+             f"{'max peak act':>13}" + (f" {'max host':>10} {'max exposed':>11}" if offload else "")
+             + (f" {'K-FAC k':>7} {'step before':>11} {'step after':>10}" if kfac else "")]
+    for r in reports:
+        line = (f"{r['schedule']:<{width}} {r['stages']:>6} {r['makespan']:>10.4g}  {r['bubble_rate']:>11.1%}  "
+                f"{r['step_bubble_rate']:>11.1%} {max(r['peak_activation']):>13.4g}")
+        if offload:
+            rows = r["offload"]["ranks"]
+            host = max(row.get("host_bytes", row.get("host")) for row in rows)
+            exposed = max(row.get("exposed_ms", row.get("exposed")) for row in rows)
+            line += f" {size_text(host) if 'k' in r['offload'] else f'{host:.4g}':>10} {exposed:>11.4g}"
+        if kfac:
+            line += f" {r['kfac']['every']:>7} {r['kfac']['step_time_before']:>11.4g} {r['kfac']['step_time_after']:>10.4g}"
+        lines.append(line)
+    return "\n".join(lines)

@@ -1,0 +1,212 @@
+"""``pipeloom simulate``: build a run's schedule, simulate it, print its facts and draw it."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from ..errors import PipeloomError
+from .flags import add_run_flags, spec_of
+from .output import wrote
+from .report import compare_table, rank_table, report, vocab_table, vocab_title
+
+
+def add_parser(sub) -> None:
+    from ..schedule import TORCH_SCHEDULES
+
+    p = sub.add_parser(
+        "simulate",
+        help="predict time, bubbles and memory of a run's schedule and draw it",
+        description="Build a run's schedule (the one pipeloom train would run with the same flags), validate it, "
+                    "simulate it and print a table and a text picture.",
+    )
+    add_run_flags(p, model_default=None)
+    g = p.add_argument_group("simulate's own (--vocab-parallel also takes a comma list: the modes side by side)")
+    g.add_argument("--torch-schedule", metavar="CLASS|FILE.csv",
+                   help="the order of a torch.distributed.pipelining schedule: one of "
+                        f"{', '.join(TORCH_SCHEDULES)}, or a CSV its _dump_csv wrote (the same as --schedule "
+                        "torch:CLASS)")
+    g.add_argument("--compare", metavar="A,B,...",
+                   help="simulate several schedules on the same costs, side by side (torch's as torch:CLASS or "
+                        "torch:FILE.csv); --plot draws them in one picture, --trace and --torch-csv FILE write one "
+                        "file per schedule, STEM-NAME.SUFFIX")
+    g.add_argument("--costs", default="", metavar="f=1,b=1,w=1,comm=0",
+                   help="without --model: per full stage, f, b, w, comm times; m_b, m_w activation memory (defaults "
+                        "1,1,1,0,1,0); offload, the time to copy m_b to or from the host (default 0); per rank, the "
+                        "vocabulary passes: s, t, c, r, e_f, e_b, e_comm times, m_v memory (default 0); K-FAC's "
+                        "kfac_a, kfac_g, kfac_sync_a, kfac_sync_g, kfac_inv, kfac_pre")
+    g.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace (Perfetto, chrome://tracing)")
+    g.add_argument("--plot", metavar="FILE.png|.svg", help="draw the schedule and its memory with matplotlib")
+    g.add_argument("--torch-csv", metavar="FILE", help="export for torch.distributed.pipelining's runtime schedule")
+    g.add_argument("--json", action="store_true", help="print the facts as one JSON object")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    """Check the inputs and output paths, then simulate, write the files and print."""
+    from ..paths import prepare_output
+    from ..sim.plot import SUFFIXES
+
+    modes = _vocab_modes(args)
+    names = _schedules(args)
+    compare = args.compare is not None
+    specs = [spec_of(args, schedule=name, costs=args.costs, vocab_parallel=modes[0],
+                     **(_compared(name, args) if compare else {})) for name in names]
+    plot = None if args.plot is None else prepare_output("--plot", args.plot, SUFFIXES)
+    files = _output_files(args, names)
+    if len(modes) > 1:
+        return _compare_vocab(args, specs[0], modes, plot)
+    runs = [simulate_spec(spec) for spec in specs]
+    reports, results = [r for r, _ in runs], [result for _, result in runs]
+    _write(results, files, plot, compare=args.compare is not None)
+    if args.compare is not None:
+        print(json.dumps({"compare": reports}, indent=2) if args.json else compare_table(reports))
+    elif args.json:
+        print(json.dumps(reports[0], indent=2))
+    else:
+        from ..sim.grid import text_grid
+        print(rank_table(reports[0]))
+        print()
+        print(text_grid(results[0]))
+    return 0
+
+
+def _schedules(args) -> list[str]:
+    """The schedules to simulate, checked: --schedule, or the names of --compare."""
+    from ..schedule import FAMILIES, get_family
+    from ..schedule.torch_csv import TORCH_PREFIX
+
+    schedule = args.schedule
+    if args.torch_schedule is not None:
+        if args.compare is not None:
+            raise PipeloomError(f"--compare takes torch's schedules in its list: name it there as "
+                                f"{TORCH_PREFIX}{args.torch_schedule}, without --torch-schedule")
+        if schedule is not None:
+            raise PipeloomError("give either --schedule or --torch-schedule, not both")
+        schedule = TORCH_PREFIX + args.torch_schedule
+    names = [schedule or "1f1b"] if args.compare is None else _names("--compare", args.compare)
+    families = [get_family(name) for name in names]
+    if args.compare is not None and args.chunks is not None and all(_chunks(n, args.chunks) is None for n in names):
+        takes = ", ".join(f"{f.name} {'>= 2' if f.chunks is None else ' or '.join(map(str, f.chunks))}" for f in families)
+        raise PipeloomError(f"--chunks {args.chunks} fits none of the schedules compared; they take chunks {takes}")
+    steppers = [name for name, family in FAMILIES.items() if "steps" in family.options]
+    if args.compare is not None and args.schedule_steps is not None and not set(names) & set(steppers):
+        raise PipeloomError(f"--schedule-steps sets how many steps {', '.join(steppers)} builds; {', '.join(names)} "
+                            "build one step")
+    return names
+
+
+def _names(flag: str, text: str) -> list[str]:
+    """The names of a comma list: at least one, none twice."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise PipeloomError(f"{flag} {text!r}: give at least one name")
+    twice = next((name for name in names if names.count(name) > 1), None)
+    if twice:
+        raise PipeloomError(f"{flag} {text!r}: {twice} is named twice")
+    return names
+
+
+def _output_files(args, names: list[str]) -> dict:
+    """--torch-csv and --trace, checked and ready: a file per schedule, with --compare
+    STEM-NAME.SUFFIX beside the FILE given (a run of characters other than letters, digits,
+    dots and dashes in NAME becomes one dash)."""
+    from pathlib import Path
+
+    from ..paths import prepare_output
+
+    files, labels = {}, [re.sub(r"[^\w.-]+", "-", name) for name in names]  # torch:a/b.csv: torch-a-b.csv
+    for flag, given in (("--torch-csv", args.torch_csv), ("--trace", args.trace)):
+        if given is not None:
+            path = Path(given)
+            each = [given] if args.compare is None else [
+                str(path.parent / f"{path.stem}-{label}{path.suffix}") for label in labels]
+            files[flag] = [prepare_output(flag, p) for p in each]
+    return files
+
+
+def _write(results, files, plot, compare: bool) -> None:
+    """Write the files asked for, each followed by ``wrote FILE`` on stderr: the torch CSVs
+    first, since a schedule with vocabulary passes has none and stops the run."""
+    from ..schedule.torch_csv import write_torch_csv
+    from ..sim.plot import plot_schedule, plot_schedules
+    from ..sim.trace import write_chrome_trace
+
+    for result, path in zip(results, files.get("--torch-csv", ())):
+        write_torch_csv(result.schedule, path)
+        wrote(path)
+    for result, path in zip(results, files.get("--trace", ())):
+        write_chrome_trace(result, path)
+        wrote(path)
+    if plot is not None:
+        if compare:
+            plot_schedules(results, plot)
+        else:
+            plot_schedule(results[0], plot)
+        wrote(plot)
+
+
+def simulate_spec(spec):
+    """Build and simulate the run ``spec`` describes, with the one builder; (report dict, Result)."""
+    from ..builder import Priced, build_run
+    from ..sim import simulate
+
+    priced = Priced(spec)
+    result = simulate(build_run(spec, priced.costs), priced.costs)
+    return report(result, priced), result
+
+
+def _compared(name: str, args) -> dict:
+    """The flags a schedule of a comparison takes differently: --chunks where its family has
+    other fixed chunks, --schedule-steps where it builds one step, are dropped."""
+    from ..schedule import get_family
+
+    steps = args.schedule_steps if "steps" in get_family(name).options else None
+    return {"chunks": _chunks(name, args.chunks), "schedule_steps": steps}
+
+
+def _chunks(name: str, chunks: int | None) -> int | None:
+    """--chunks for schedule ``name`` in a comparison: dropped (None) where the family has other fixed chunks."""
+    from ..schedule import get_family
+
+    family = get_family(name)
+    return None if chunks is not None and family.chunks is not None and chunks not in family.chunks else chunks
+
+
+def _vocab_modes(args) -> list[str]:
+    """The --vocab-parallel modes, checked; only one with --compare, --trace or --torch-csv."""
+    from ..schedule.transforms.vocab import check_mode
+
+    if args.vocab_parallel is None:
+        return ["none"]
+    modes = [check_mode(mode) for mode in _names("--vocab-parallel", args.vocab_parallel)]
+    if len(modes) > 1:
+        for flag, value in (("--compare", args.compare), ("--trace", args.trace), ("--torch-csv", args.torch_csv)):
+            if value is not None:
+                raise PipeloomError(f"{flag} takes one --vocab-parallel mode; got {len(modes)} ({', '.join(modes)})")
+    return modes
+
+
+def _compare_vocab(args, spec, modes: list[str], plot) -> int:
+    """One schedule under each vocabulary mode: a table (or a JSON list) and, with --plot, per-rank bars."""
+    reports = [simulate_spec(spec_of(args, schedule=spec.schedule, costs=spec.costs, vocab_parallel=mode))[0]
+               for mode in modes]
+    base = next((r for r in reports if r["vocab_parallel"] == "none"), reports[0])
+    for r in reports:
+        busy = [row["busy"] for row in r["ranks"]]
+        r.update(relative_throughput=base["makespan"] / r["makespan"], relative_to=base["vocab_parallel"],
+                 busy_max=max(busy), busy_min=min(busy), busy_mean=sum(busy) / len(busy))
+    if plot is not None:
+        from ..sim.plot import plot_rank_comparison
+
+        memory = "peak_memory_bytes" in base
+        plot_rank_comparison(
+            plot, [r["vocab_parallel"] for r in reports], [[row["busy"] for row in r["ranks"]] for r in reports],
+            [[x / 2**30 for x in r["peak_memory_bytes"]] if memory else r["peak_activation"] for r in reports],
+            busy_label=f"busy ({base.get('time_unit', 'units')})",
+            memory_label="peak memory (GiB)" if memory else "peak activation (M_B)",
+            title=vocab_title(base),
+        )
+        wrote(plot)
+    print(json.dumps(reports, indent=2) if args.json else vocab_table(reports))
+    return 0

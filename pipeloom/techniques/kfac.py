@@ -1,0 +1,86 @@
+"""PipeFisher: K-FAC's curvature, inversion and preconditioning placed in the pipeline's bubbles."""
+
+from __future__ import annotations
+
+from ..errors import PipeloomError, whole
+from . import Flag, Technique, register
+
+
+class Kfac(Technique):
+    name = "kfac"
+    summary = "K-FAC's work in the bubbles; AdamW on the preconditioned gradients"
+    order = 100  # its pieces fill the bubbles of the schedule the others made
+    flags = (Flag("optimizer", "adamw, or kfac: PipeFisher, K-FAC's curvature and inversion work in the schedule's "
+                  "bubbles and AdamW on the preconditioned gradients (default adamw)", choices=("adamw", "kfac")),
+             Flag("kfac_every", "with --optimizer kfac: refresh the curvature every K steps (default: as the bubbles "
+                  "allow; what does not fit runs at the end of the K steps)", type=int, metavar="K"),
+             Flag("kfac_damping", "with --optimizer kfac: damping (default 1e-3)", type=float))
+
+    def active(self, spec) -> bool:
+        return spec.optimizer == "kfac"
+
+    def check(self, spec) -> None:
+        if spec.kfac_every is not None:
+            whole("kfac_every", spec.kfac_every)
+        for name in ("kfac_every", "kfac_damping"):
+            value = getattr(spec, name)
+            if value != type(spec).__dataclass_fields__[name].default and not self.active(spec):
+                raise PipeloomError(f"--{name.replace('_', '-')} {value:g} goes with --optimizer kfac")
+        if not spec.kfac_damping > 0:
+            raise PipeloomError(f"--kfac-damping must be positive, got {spec.kfac_damping:g}")
+
+    def check_runnable(self, spec) -> None:
+        if not self.active(spec):
+            return
+        refused = [what for what, on in (
+            ("PipeDream-2BW's weight versions", spec.uses("weight_versions")),
+            ("sequence parallelism (--sp)", spec.uses("sequence_parallel")),
+            ("recomputation (--recompute)", spec.uses("recompute")),
+            ("offload (--offload)", spec.uses("offload")),
+            ("vocabulary parallelism (--vocab-parallel)", spec.vocab_mode is not None)) if on]
+        if refused:
+            raise PipeloomError(f"--optimizer kfac does not run with {refused[0]} yet (pipeloom simulate places "
+                                "K-FAC work there); use a plain synchronous schedule")
+
+    def cost_options(self, spec) -> dict:
+        return {"kfac": self.active(spec)}
+
+    def transforms(self, spec, priced, stages: int) -> list:
+        if not self.active(spec):
+            return []
+        from ..schedule import Kfac as Transform
+
+        return [Transform(priced.kfac_units(stages), spec.kfac_every)]
+
+    def report(self, result, priced) -> dict:
+        if not self.active(priced.spec):
+            return {}
+        from ..sim import kfac_report, simulate
+
+        base = simulate(priced.schedule(without=(self.name,)), result.costs)
+        return {"kfac": kfac_report(base, result)}
+
+    def pipeline_options(self, spec, costs) -> dict:
+        if not self.active(spec):
+            return {}
+        return {"optimizer": "kfac", "kfac": {"damping": spec.kfac_damping, "every": spec.kfac_every}, "costs": costs}
+
+    def describe(self, spec, pipe) -> str:
+        return f", K-FAC refreshed every {pipe.schedule.options['kfac']['every']} steps" if self.active(spec) else ""
+
+    def report_lines(self, report: dict) -> list[str]:
+        if "kfac" not in report:
+            return []
+        kfac = report["kfac"]
+        forced = "forced" if kfac["forced"] else "the steps its pieces need"
+        lines = [f"K-FAC: refresh every {kfac['every']} steps ({forced}); step {kfac['step_time_before']:.4g} -> "
+                 f"{kfac['step_time_after']:.4g} ({kfac['makespan_change']:+.1%}); {kfac['overflow_pieces']} pieces "
+                 "fitted no bubble",
+                 f"{'rank':>4} {'busy before':>12} {'busy after':>11} {'bubble filled':>14} {'K-FAC time':>11}"]
+        for row in kfac["ranks"]:
+            lines.append(f"{row['rank']:>4} {row['utilisation_before']:>12.1%} {row['utilisation_after']:>11.1%} "
+                         f"{row['bubble_filled']:>14.1%} {row['kfac_time']:>11.4g}")
+        return lines
+
+
+register(Kfac())

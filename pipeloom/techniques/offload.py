@@ -1,0 +1,90 @@
+"""PipeOffload: activations copied to host after their forward and back before their backward, fully or selectively."""
+
+from __future__ import annotations
+
+from ..errors import PipeloomError
+from . import Flag, Technique, register, size_text
+
+CHOICES = ("none", "full", "selective")
+
+
+class Offload(Technique):
+    name = "offload"
+    summary = "activations copied to host memory between their forward and backward, on a copy stream"
+    flags = (Flag("offload", "PipeOffload: copy activations to host memory after F and back before the backward, on "
+                  "one copy stream per rank: every pair whose gap holds both copies (full) or the longest-lived until "
+                  "each rank's peak falls by --offload-ratio (selective); default none", choices=CHOICES),
+             Flag("offload_ratio", "with --offload selective: the share of each rank's activation peak to move, in "
+                  "(0, 1]", type=float, metavar="R"))
+
+    def active(self, spec) -> bool:
+        return spec.offload != "none"
+
+    def check(self, spec) -> None:
+        if spec.offload != "selective" and spec.offload_ratio is not None:
+            raise PipeloomError(f"--offload-ratio {spec.offload_ratio:g} goes with --offload selective")
+        if spec.offload == "selective":
+            from ..schedule.transforms.offload import check_policy
+
+            check_policy(spec.offload, spec.offload_ratio)
+
+    def transforms(self, spec, priced, stages: int) -> list:
+        from ..schedule import Offload as Transform
+
+        return [Transform(spec.offload, spec.offload_ratio)] if self.active(spec) else []
+
+    def describe(self, spec, pipe) -> str:
+        if not self.active(spec):
+            return ""
+        return f", offload {spec.offload}" + (f" {spec.offload_ratio:g}" if spec.offload_ratio is not None else "")
+
+    def report(self, result, priced) -> dict:
+        """Policy and, per rank, peak host memory, what is offloaded per step and the copy time not
+        hidden (bytes and ms with --model, else in the units of --costs), and with --model PipeOffload's k."""
+        from ..modes import RECOMPUTE
+        from ..schedule.transforms.offload import OFFLOAD
+
+        schedule, costs, spec = result.schedule, result.costs, priced.spec
+        if not self.active(spec):
+            return {}
+        offloaded = [sum(costs.m_b[a.stage] for a in actions if a.kind == OFFLOAD) for actions in schedule.ranks]
+        report = {"policy": spec.offload, "ratio": spec.offload_ratio}
+        if priced.model is None:
+            report["ranks"] = [{"rank": r, "host": h, "offloaded": o, "exposed": e}
+                               for r, (h, o, e) in enumerate(zip(result.peak_host, offloaded, result.exposed))]
+            return {"offload": report}
+        from ..sim.model import costs_from_model, offload_time_ratio
+
+        model, device, recompute = priced.model, priced.device, RECOMPUTE[spec.recompute]
+        if priced.profile is None:
+            report["k"] = offload_time_ratio(model, spec.seq, spec.microbatch_size, device, sp=spec.sp,
+                                             attention=spec.attention, recompute=recompute)
+        else:  # as offload_time_ratio: a one-layer middle stage, its costs from the profile
+            one = costs_from_model(model, 3, spec.seq, spec.microbatch_size, device,
+                                   layers_per_stage=[0, 1, model.layers - 1], recompute=recompute, sp=spec.sp,
+                                   attention=spec.attention, profile=priced.profile)
+            report["k"] = 2 * one.extra["offload"][1] / (one.f[1] + one.b[1] + one.w[1])
+        report["ranks"] = [{"rank": r, "host_bytes": h, "offloaded_bytes": o, "exposed_ms": e}
+                           for r, (h, o, e) in enumerate(zip(result.peak_host, offloaded, result.exposed))]
+        return {"offload": report}
+
+    def report_lines(self, report: dict) -> list[str]:
+        if "offload" not in report:
+            return []
+        offload = report["offload"]
+        policy = offload["policy"] + (f" {offload['ratio']:g}" if offload["ratio"] is not None else "")
+        bytes_ = "k" in offload
+        lines = [f"offload {policy}:" + (f" k = T_offload / T_compute per layer = {offload['k']:.3g} "
+                                         f"({'the copy stream keeps up' if offload['k'] <= 1 else 'copies outlast compute'})"
+                                         if bytes_ else ""),
+                 f"{'rank':>4} {'offloaded/step':>15} {'peak host':>12} {'exposed':>10}"]
+        for row in offload["ranks"]:
+            if bytes_:
+                lines.append(f"{row['rank']:>4} {size_text(row['offloaded_bytes']):>15} {size_text(row['host_bytes']):>12} "
+                             f"{row['exposed_ms']:>7.4g} ms")
+            else:
+                lines.append(f"{row['rank']:>4} {row['offloaded']:>11.4g} M_B {row['host']:>8.4g} M_B {row['exposed']:>10.4g}")
+        return lines
+
+
+register(Offload())

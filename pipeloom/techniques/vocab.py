@@ -1,0 +1,37 @@
+"""Vocabulary parallelism: the embedding and the LM head split by vocabulary over every pipeline rank."""
+
+from __future__ import annotations
+
+from ..modes import VocabMode
+from . import Flag, Technique, register
+
+CHOICES = tuple(mode.value for mode in VocabMode)
+
+
+class VocabParallel(Technique):
+    name = "vocab_parallel"
+    summary = "embedding and LM head split by vocabulary over the pipeline ranks, in extra passes"
+    flags = (Flag("vocab_parallel", "where the vocabulary layers go: none (first and last stage), redis (layers "
+                  "moved to balance them), naive, vocab-1, vocab-2 (split over every pipeline rank, in extra passes); "
+                  "default none", metavar="MODE"),)
+
+    def active(self, spec) -> bool:
+        return spec.vocab_parallel != "none"
+
+    def check(self, spec) -> None:
+        VocabMode.of(spec.vocab_parallel)
+
+    def cost_options(self, spec) -> dict:
+        return {"vocab_parallel": spec.vocab_mode}
+
+    def build_options(self, spec) -> dict:
+        return {"vocab_parallel": spec.vocab_mode}
+
+    def pipeline_options(self, spec, costs) -> dict:
+        return {}  # the schedule carries its passes; redis's layers are the trainer's (its model's balance)
+
+    def describe(self, spec, pipe) -> str:
+        return f", vocab-parallel {spec.vocab_parallel}" if self.active(spec) else ""
+
+
+register(VocabParallel())

@@ -1,0 +1,80 @@
+"""What ``pipeloom train`` shows of a run: the dry run before it, the measured step beside the simulated after."""
+
+from __future__ import annotations
+
+import json
+from statistics import median
+
+from ..errors import PipeloomError
+from ..paths import prepare_output
+from ..schedule import FAMILIES, build
+from ..sim.plot import SUFFIXES
+from ..spec import RunSpec
+
+
+def dry_run(config, spec: RunSpec) -> int:
+    """What the run will do, without starting a worker: the facts ``simulate`` prints for ``spec``
+    (as JSON with ``--json``: the same object), the schedule's grid, and ``--plot``'s picture."""
+    from ..cli.report import rank_table
+    from ..cli.simulate import simulate_spec
+    from ..sim.grid import text_grid
+
+    facts, result = simulate_spec(spec)
+    if config.plot:
+        from ..sim import plot_schedule
+
+        plot_schedule(result, prepare_output("--plot", config.plot, SUFFIXES))
+    if config.json:
+        print(json.dumps(facts, indent=2))
+    else:
+        print(f"dry run: {spec.world} process{'es' if spec.world > 1 else ''}, schedule sha256 "
+              f"{facts['schedule_digest']}")
+        print(rank_table(facts))
+        print()
+        print(text_grid(result))
+    return 0
+
+
+def report(schedule, timelines, step_times) -> str:
+    """The measured step beside the simulator's prediction from the measured costs,
+    and what the simulator predicts for the other families with those costs."""
+    from ..runtime.timeline import full_stage_costs, measured_costs, measured_result, median_costs
+    from ..sim import simulate
+
+    costs = median_costs([measured_costs(events, schedule) for events in timelines])
+    seen = [measured_result(events, schedule) for events in timelines]
+    own = simulate(schedule, costs)
+    step_ms, span = 1e3 * median(step_times), median(r.makespan for r in seen)
+    lines = [
+        f"report: {schedule.family}, pp={schedule.pp}, {schedule.microbatches} microbatches "
+        f"(timelines of the last {len(timelines)} steps)",
+        f"  measured step   {step_ms:9.2f} ms   (with the optimizer step; the schedule's actions span "
+        f"{span:.2f} ms, bubble seen {median(r.bubble_rate for r in seen):.1%})",
+        f"  simulated       {own.makespan:9.2f} ms   (the actions, from the measured costs; bubble "
+        f"{own.bubble_rate:.1%}; simulated / measured span {own.makespan / span:.3f})",
+        "  measured costs per stage (ms): " + ", ".join(
+            f"{k} {' '.join(f'{v:.2f}' for v in getattr(costs, k))}" for k in ("f", "b", "w", "comm")),
+        *(["  vocabulary passes per rank (ms): " + ", ".join(
+            f"{k} {' '.join(f'{v:.2f}' for v in getattr(costs, k))}" for k in ("s", "t", "c", "e_f", "e_b"))]
+          if schedule.vocab_parallel else []),
+        "  the simulator's prediction for other schedules with these costs:",
+    ]
+    full = full_stage_costs(costs, schedule)
+    for name in FAMILIES:
+        if name == schedule.family:
+            continue
+        options = {"costs": full} if name == "zb-auto" else {}
+        if schedule.vocab_parallel:
+            options["vocab_parallel"] = schedule.vocab_parallel
+        try:
+            other = build(name, schedule.pp, schedule.microbatches, **options)
+        except PipeloomError as err:
+            lines.append(f"    {name:<18} cannot run here: {err}")
+            continue
+        if full.w == 0 and any(a.kind == "W" for actions in other.ranks for a in actions):
+            lines.append(f"    {name:<18} needs T_W: train with a split-backward schedule (zb-h1) to measure it")
+            continue
+        result = simulate(other, full)
+        lines.append(f"    {name:<18} {result.makespan / other.steps:9.2f} ms   bubble {result.bubble_rate:.1%}"
+                     + (f"   (a step of {other.steps} without a flush)" if other.steps > 1 else ""))
+    return "\n".join(lines)
