@@ -77,16 +77,6 @@ class Priced:
         """The spec's schedule under its costs (:func:`build_run`), ``without`` those techniques."""
         return build_run(self.spec, self.costs, without=without)
 
-    def kfac_units(self, stages: int) -> int | list[int]:
-        """K-FAC's pieces per stage: one per linear layer of the model's layers (1 per stage without a model)."""
-        if self.model is None:
-            return 1
-        from .sim.formulas import KFAC_UNITS_PER_LAYER
-        from .sim.stages import stage_layers
-
-        return [KFAC_UNITS_PER_LAYER * n for n in stage_layers(self.model, stages, self.spec.seq,
-                                                               vocab_parallel=self.spec.vocab_mode)]
-
 
 def model_costs(spec: RunSpec, model, device, profile=None) -> Costs:
     """The costs of ``spec`` from ``model`` (a :class:`~pipeloom.sim.model.ModelSpec`) on ``device``

@@ -50,7 +50,7 @@ class Kfac(Technique):
             return []
         from ..schedule import Kfac as Transform
 
-        return [Transform(priced.kfac_units(stages), spec.kfac_every)]
+        return [Transform(_units(priced, stages), spec.kfac_every)]
 
     def report(self, result, priced) -> dict:
         if not self.active(priced.spec):
@@ -81,6 +81,17 @@ class Kfac(Technique):
             lines.append(f"{row['rank']:>4} {row['utilisation_before']:>12.1%} {row['utilisation_after']:>11.1%} "
                          f"{row['bubble_filled']:>14.1%} {row['kfac_time']:>11.4g}")
         return lines
+
+
+def _units(priced, stages: int) -> int | list[int]:
+    """K-FAC's pieces per stage: one per linear layer of the model's layers (1 per stage without a model)."""
+    if priced.model is None:
+        return 1
+    from ..sim.formulas import KFAC_UNITS_PER_LAYER
+    from ..sim.stages import stage_layers
+
+    return [KFAC_UNITS_PER_LAYER * n for n in stage_layers(priced.model, stages, priced.spec.seq,
+                                                           vocab_parallel=priced.spec.vocab_mode)]
 
 
 register(Kfac())
