@@ -29,3 +29,14 @@ def one_of(flag: str, value, choices) -> None:
     """Refuse ``value`` of ``--flag`` unless it is one of ``choices``."""
     if value not in choices:
         raise PipeloomError(f"--{flag.replace('_', '-')} {value!r}: choose one of {', '.join(choices)}")
+
+
+def comma_list(flag: str, text: str) -> list[str]:
+    """The names of the comma list ``text`` given to ``flag``: at least one, none twice."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise PipeloomError(f"{flag} {text!r}: give at least one name")
+    twice = next((name for name in names if names.count(name) > 1), None)
+    if twice:
+        raise PipeloomError(f"{flag} {text!r}: {twice} is named twice")
+    return names

@@ -93,11 +93,26 @@ def test_vocab_parallel_comparison(capsys, tmp_path):
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_any_compared_technique_flag_sets_its_values_side_by_side(capsys):
+    """A technique's comma list (here recomputation) runs each value as its own run would."""
+    args = ["--model", "gpt-1.3b", "--pp", "4", "--microbatches", "8"]
+    out = run_json(capsys, *args, "--recompute", "full,none")
+    assert [r["setting"] for r in out] == ["full", "none"] and all(r["relative_to"] == "none" for r in out)
+    for r, value in zip(out, ["full", "none"]):
+        alone = run_json(capsys, *args, "--recompute", value)
+        assert (r["makespan"], r["schedule_digest"]) == (alone["makespan"], alone["schedule_digest"])
+    assert out[0]["relative_throughput"] < 1 and max(out[0]["peak_memory_bytes"]) < max(out[1]["peak_memory_bytes"])
+    assert main(["simulate", *args, "--offload", "none,full"]) == 0
+    assert "--offload" in capsys.readouterr().out.splitlines()[3]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--vocab-parallel", "vocab-3"], "unknown vocab_parallel mode 'vocab-3'; choose one of none, redis, naive, vocab-1"),
     (["--schedule", "gpipe", "--vocab-parallel", "vocab-1"], "gpipe cannot take vocabulary passes (vocab-1)"),
     (["--vocab", "1000"], "--vocab sets the vocabulary that --model derives costs for"),
-    (["--vocab-parallel", "none,vocab-2", "--compare", "1f1b,zb-h1"], "--compare takes one --vocab-parallel mode"),
+    (["--vocab-parallel", "none,vocab-2", "--compare", "1f1b,zb-h1"], "--compare takes one --vocab-parallel value"),
+    (["--recompute", "none,full", "--offload", "none,full"], "compare one setting at a time"),
+    (["--recompute", "full,most"], "--recompute 'most': choose from none, cheap, full"),
 ])
 def test_vocab_parallel_bad_input_one_clear_line(args, message):
     proc = subprocess.run([sys.executable, "-m", "pipeloom", "simulate", *args], capture_output=True, text=True, timeout=60)
@@ -216,7 +231,7 @@ MISTAKES = {
     "vocab-parallel junk": (["--vocab-parallel", "vocab-9"], 2, "unknown vocab_parallel mode 'vocab-9'", []),
     "vocab-parallel empty": (["--vocab-parallel", ""], 2, "--vocab-parallel '': give at least one name", []),
     "vocab modes with trace": (["--vocab-parallel", "none,redis", "--trace", "{tmp}/t.json"], 2,
-                               "--trace takes one --vocab-parallel mode", []),
+                               "--trace takes one --vocab-parallel value", []),
     "vocab passes in torch csv": (["--vocab-parallel", "vocab-1", "--torch-csv", "{tmp}/v.csv"], 2,
                                   "has no place in torch's compute-only CSV", []),
     "model junk": (["--model", "gpt-9"], 2, "unknown --model 'gpt-9'; presets:", []),

@@ -15,10 +15,10 @@ from ..spec import DEVICES, PRECISIONS, RunSpec
 from ..techniques import flags as technique_flags
 
 
-def add_run_flags(p, *, model_default: str | None) -> None:
+def add_run_flags(p, *, model_default: str | None, lists: bool = False) -> None:
     """Add the run's flags to parser ``p``. ``model_default``: the model without ``--model``
-    (None: no model, costs given). Each flag's default is :class:`~pipeloom.spec.RunSpec`'s
-    (argparse's None: not given)."""
+    (None: no model, costs given); ``lists``: the compared technique flags read comma lists
+    (``simulate``). Each flag's default is :class:`~pipeloom.spec.RunSpec`'s (argparse's None: not given)."""
     from ..presets import SIZES
     from ..schedule import FAMILIES
     from ..sim.specs import DEVICES as HARDWARE
@@ -56,7 +56,7 @@ def add_run_flags(p, *, model_default: str | None) -> None:
                         "profile (pipeloom profile) instead of the formulas; --seq defaults to the profile's")
     g = p.add_argument_group("techniques (each from pipeloom.techniques; plug-ins add theirs here)")
     for flag in technique_flags():
-        flag.add(g)
+        flag.add(g, lists=lists)
 
 
 def spec_of(args, **changes) -> RunSpec:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..techniques import TECHNIQUES, size_text
+from ..techniques import TECHNIQUES, ordered
 
 
 def report(result, priced) -> dict:
@@ -17,7 +17,6 @@ def report(result, priced) -> dict:
         "chunks": schedule.chunks,
         "stages": schedule.stages,
         "steps": schedule.steps,
-        "vocab_parallel": spec.vocab_parallel,
         "makespan": result.makespan,
         "bubble_rate": result.bubble_rate,
         "step_bubble_rate": result.step_bubble_rate,
@@ -82,46 +81,44 @@ def rank_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def vocab_title(report: dict) -> str:
+def title(report: dict) -> str:
+    """The schedule, its shape and, with a model, the model and where it runs."""
     title = f"{report['schedule']}: pp={report['pp']} microbatches={report['microbatches']}"
     if "model" in report:
         title += f", {report['model']} (V={report['vocab']}), seq {report['seq']}, {report['hardware']}"
     return title
 
 
-def vocab_table(reports: list[dict]) -> str:
+def setting_table(flag: str, reports: list[dict]) -> str:
+    """One run under each value of ``flag`` (each report's ``setting``), side by side."""
     memory = "peak_memory_bytes" in reports[0]
     unit = f" ({reports[0]['time_unit']})" if "time_unit" in reports[0] else ""
+    width = max(9, len(flag), *(len(str(r["setting"])) for r in reports))
     lines = [
-        vocab_title(reports[0]) + f"; times{unit}, throughput relative to {reports[0]['relative_to']}",
+        title(reports[0]) + f"; times{unit}, throughput relative to {flag} {reports[0]['relative_to']}",
         *([f"costs: {reports[0]['costs']}"] if "costs" in reports[0] else []),
         "",
-        f"{'mode':<9} {'makespan':>10} {'throughput':>10} {'busy max':>10} {'busy min':>10} {'busy mean':>10} "
+        f"{flag:<{width}} {'makespan':>10} {'throughput':>10} {'busy max':>10} {'busy min':>10} {'busy mean':>10} "
         + ("max peak memory (GiB)" if memory else "max peak act (M_B)"),
     ]
     for r in reports:
         peak = max(r["peak_memory_bytes"]) / 2**30 if memory else max(r["peak_activation"])
-        lines.append(f"{r['vocab_parallel']:<9} {r['makespan']:>10.5g} {r['relative_throughput']:>9.3f}x "
+        lines.append(f"{str(r['setting']):<{width}} {r['makespan']:>10.5g} {r['relative_throughput']:>9.3f}x "
                      f"{r['busy_max']:>10.5g} {r['busy_min']:>10.5g} {r['busy_mean']:>10.5g} {peak:>21.4g}")
     return "\n".join(lines)
 
 
 def compare_table(reports: list[dict]) -> str:
-    offload, kfac = "offload" in reports[0], "kfac" in reports[0]
+    """Several schedules on the same costs, side by side, with the techniques' columns."""
     width = max(18, *(len(r["schedule"]) for r in reports))
+    columns = [technique for technique in ordered() if technique.compare_cells(reports[0])]
+    headers = [header for technique in columns for header, _ in technique.compare_cells(reports[0])]
     lines = [*([f"costs: {reports[0]['costs']}"] if "costs" in reports[0] else []),
-             f"{'schedule':<{width}} {'stages':>6} {'makespan':>10}  {'span bubble':>11}  {'step bubble':>11} "
-             f"{'max peak act':>13}" + (f" {'max host':>10} {'max exposed':>11}" if offload else "")
-             + (f" {'K-FAC k':>7} {'step before':>11} {'step after':>10}" if kfac else "")]
+             " ".join([f"{'schedule':<{width}} {'stages':>6} {'makespan':>10}  {'span bubble':>11}  {'step bubble':>11} "
+                       f"{'max peak act':>13}", *headers])]
     for r in reports:
-        line = (f"{r['schedule']:<{width}} {r['stages']:>6} {r['makespan']:>10.4g}  {r['bubble_rate']:>11.1%}  "
-                f"{r['step_bubble_rate']:>11.1%} {max(r['peak_activation']):>13.4g}")
-        if offload:
-            rows = r["offload"]["ranks"]
-            host = max(row.get("host_bytes", row.get("host")) for row in rows)
-            exposed = max(row.get("exposed_ms", row.get("exposed")) for row in rows)
-            line += f" {size_text(host) if 'k' in r['offload'] else f'{host:.4g}':>10} {exposed:>11.4g}"
-        if kfac:
-            line += f" {r['kfac']['every']:>7} {r['kfac']['step_time_before']:>11.4g} {r['kfac']['step_time_after']:>10.4g}"
-        lines.append(line)
+        cells = [cell for technique in columns for _, cell in technique.compare_cells(r)]
+        lines.append(" ".join([f"{r['schedule']:<{width}} {r['stages']:>6} {r['makespan']:>10.4g}  "
+                               f"{r['bubble_rate']:>11.1%}  {r['step_bubble_rate']:>11.1%} "
+                               f"{max(r['peak_activation']):>13.4g}", *cells]))
     return "\n".join(lines)

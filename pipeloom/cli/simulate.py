@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import re
 
-from ..errors import PipeloomError
+from ..errors import PipeloomError, comma_list
 from .flags import add_run_flags, spec_of
 from .output import wrote
-from .report import compare_table, rank_table, report, vocab_table, vocab_title
+from .report import compare_table, rank_table, report, setting_table, title
 
 
 def add_parser(sub) -> None:
@@ -20,8 +20,8 @@ def add_parser(sub) -> None:
         description="Build a run's schedule (the one pipeloom train would run with the same flags), validate it, "
                     "simulate it and print a table and a text picture.",
     )
-    add_run_flags(p, model_default=None)
-    g = p.add_argument_group("simulate's own (--vocab-parallel also takes a comma list: the modes side by side)")
+    add_run_flags(p, model_default=None, lists=True)
+    g = p.add_argument_group("simulate's own")
     g.add_argument("--torch-schedule", metavar="CLASS|FILE.csv",
                    help="the order of a torch.distributed.pipelining schedule: one of "
                         f"{', '.join(TORCH_SCHEDULES)}, or a CSV its _dump_csv wrote (the same as --schedule "
@@ -47,15 +47,15 @@ def run(args) -> int:
     from ..paths import prepare_output
     from ..sim.plot import SUFFIXES
 
-    modes = _vocab_modes(args)
+    flag, values = _setting(args)  # a comma list: its first value until the comparison
     names = _schedules(args)
     compare = args.compare is not None
-    specs = [spec_of(args, schedule=name, costs=args.costs, vocab_parallel=modes[0],
-                     **(_compared(name, args) if compare else {})) for name in names]
+    specs = [spec_of(args, schedule=name, costs=args.costs, **(_compared(name, args) if compare else {}))
+             for name in names]
     plot = None if args.plot is None else prepare_output("--plot", args.plot, SUFFIXES)
     files = _output_files(args, names)
-    if len(modes) > 1:
-        return _compare_vocab(args, specs[0], modes, plot)
+    if len(values) > 1:
+        return _compare_setting(args, specs[0], flag, values, plot)
     runs = [simulate_spec(spec) for spec in specs]
     reports, results = [r for r, _ in runs], [result for _, result in runs]
     _write(results, files, plot, compare=args.compare is not None)
@@ -84,7 +84,7 @@ def _schedules(args) -> list[str]:
         if schedule is not None:
             raise PipeloomError("give either --schedule or --torch-schedule, not both")
         schedule = TORCH_PREFIX + args.torch_schedule
-    names = [schedule or "1f1b"] if args.compare is None else _names("--compare", args.compare)
+    names = [schedule or "1f1b"] if args.compare is None else comma_list("--compare", args.compare)
     families = [get_family(name) for name in names]
     if args.compare is not None and args.chunks is not None and all(_chunks(n, args.chunks) is None for n in names):
         takes = ", ".join(f"{f.name} {'>= 2' if f.chunks is None else ' or '.join(map(str, f.chunks))}" for f in families)
@@ -93,17 +93,6 @@ def _schedules(args) -> list[str]:
     if args.compare is not None and args.schedule_steps is not None and not set(names) & set(steppers):
         raise PipeloomError(f"--schedule-steps sets how many steps {', '.join(steppers)} builds; {', '.join(names)} "
                             "build one step")
-    return names
-
-
-def _names(flag: str, text: str) -> list[str]:
-    """The names of a comma list: at least one, none twice."""
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    if not names:
-        raise PipeloomError(f"{flag} {text!r}: give at least one name")
-    twice = next((name for name in names if names.count(name) > 1), None)
-    if twice:
-        raise PipeloomError(f"{flag} {text!r}: {twice} is named twice")
     return names
 
 
@@ -173,40 +162,53 @@ def _chunks(name: str, chunks: int | None) -> int | None:
     return None if chunks is not None and family.chunks is not None and chunks not in family.chunks else chunks
 
 
-def _vocab_modes(args) -> list[str]:
-    """The --vocab-parallel modes, checked; only one with --compare, --trace or --torch-csv."""
-    from ..schedule.transforms.vocab import check_mode
+def _setting(args):
+    """The technique flags that take a comma list (:attr:`~pipeloom.techniques.Flag.compared`), each
+    parsed: (the flag given several values, its values), else (None, [None]); at most one such flag,
+    and only without --compare, --trace or --torch-csv."""
+    from ..techniques import flags
 
-    if args.vocab_parallel is None:
-        return ["none"]
-    modes = [check_mode(mode) for mode in _names("--vocab-parallel", args.vocab_parallel)]
-    if len(modes) > 1:
-        for flag, value in (("--compare", args.compare), ("--trace", args.trace), ("--torch-csv", args.torch_csv)):
-            if value is not None:
-                raise PipeloomError(f"{flag} takes one --vocab-parallel mode; got {len(modes)} ({', '.join(modes)})")
-    return modes
+    given = [(flag, flag.values(getattr(args, flag.name))) for flag in flags()
+             if flag.compared and getattr(args, flag.name) is not None]
+    for flag, values in given:
+        setattr(args, flag.name, values[0])
+    listed = [(flag, values) for flag, values in given if len(values) > 1]
+    if len(listed) > 1:
+        raise PipeloomError(f"compare one setting at a time: {listed[0][0].flag} and {listed[1][0].flag} both list "
+                            "several values")
+    if not listed:
+        return None, [None]
+    flag, values = listed[0]
+    for other, value in (("--compare", args.compare), ("--trace", args.trace), ("--torch-csv", args.torch_csv)):
+        if value is not None:
+            raise PipeloomError(f"{other} takes one {flag.flag} value; got {len(values)} ({', '.join(map(str, values))})")
+    return flag, values
 
 
-def _compare_vocab(args, spec, modes: list[str], plot) -> int:
-    """One schedule under each vocabulary mode: a table (or a JSON list) and, with --plot, per-rank bars."""
-    reports = [simulate_spec(spec_of(args, schedule=spec.schedule, costs=spec.costs, vocab_parallel=mode))[0]
-               for mode in modes]
-    base = next((r for r in reports if r["vocab_parallel"] == "none"), reports[0])
-    for r in reports:
+def _compare_setting(args, spec, flag, values: list, plot) -> int:
+    """One schedule under each value of a technique's ``flag``: a table (or a JSON list) and, with
+    --plot, per-rank bars; throughput relative to the value "none" where listed, else the first."""
+    reports = []
+    for value in values:
+        setattr(args, flag.name, value)
+        reports.append(simulate_spec(spec_of(args, schedule=spec.schedule, costs=spec.costs))[0])
+    first = values.index("none") if "none" in values else 0
+    base = reports[first]
+    for value, r in zip(values, reports):
         busy = [row["busy"] for row in r["ranks"]]
-        r.update(relative_throughput=base["makespan"] / r["makespan"], relative_to=base["vocab_parallel"],
+        r.update(setting=value, relative_throughput=base["makespan"] / r["makespan"], relative_to=values[first],
                  busy_max=max(busy), busy_min=min(busy), busy_mean=sum(busy) / len(busy))
     if plot is not None:
         from ..sim.plot import plot_rank_comparison
 
         memory = "peak_memory_bytes" in base
         plot_rank_comparison(
-            plot, [r["vocab_parallel"] for r in reports], [[row["busy"] for row in r["ranks"]] for r in reports],
+            plot, [str(value) for value in values], [[row["busy"] for row in r["ranks"]] for r in reports],
             [[x / 2**30 for x in r["peak_memory_bytes"]] if memory else r["peak_activation"] for r in reports],
             busy_label=f"busy ({base.get('time_unit', 'units')})",
             memory_label="peak memory (GiB)" if memory else "peak activation (M_B)",
-            title=vocab_title(base),
+            title=f"{title(base)}, by {flag.flag}",
         )
         wrote(plot)
-    print(json.dumps(reports, indent=2) if args.json else vocab_table(reports))
+    print(json.dumps(reports, indent=2) if args.json else setting_table(flag.flag, reports))
     return 0

@@ -25,13 +25,14 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import PipeloomError
+from ..errors import PipeloomError, comma_list
 
 
 @dataclass(frozen=True)
 class Flag:
     """One flag, ``--name`` with dashes: it sets the run spec's field ``name`` (a built-in's) or the
-    technique option ``name`` (a plug-in's, whose ``default`` is its value when not given)."""
+    technique option ``name`` (a plug-in's, whose ``default`` is its value when not given).
+    ``compared``: ``simulate`` also takes a comma list of its values and sets them side by side."""
 
     name: str
     help: str
@@ -39,14 +40,31 @@ class Flag:
     choices: tuple | None = None
     metavar: str | None = None
     default: Any = None
+    compared: bool = False
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
 
-    def add(self, group) -> None:
-        """Add the flag to an argparse group; not given, it reads None (the spec holds the default)."""
-        group.add_argument(self.flag, type=self.type, choices=self.choices, metavar=self.metavar, help=self.help)
+    def add(self, group, *, lists: bool = False) -> None:
+        """Add the flag to an argparse group; not given, it reads None (the spec holds the default).
+        ``lists``: a compared flag reads its text, a comma list that :meth:`values` parses."""
+        if lists and self.compared:
+            group.add_argument(self.flag, metavar=(self.metavar or "|".join(self.choices or ("X",))) + "[,...]",
+                               help=self.help + "; a comma list compares them side by side")
+        else:
+            group.add_argument(self.flag, type=self.type, choices=self.choices, metavar=self.metavar, help=self.help)
+
+    def values(self, text: str) -> list:
+        """The values of a comma list given to the flag: at least one, none twice, each of its type and choices."""
+        words = comma_list(self.flag, text)
+        bad = next((word for word in words if self.choices and word not in self.choices), None)
+        if bad:
+            raise PipeloomError(f"{self.flag} {bad!r}: choose from {', '.join(self.choices)}")
+        try:
+            return [self.type(word) for word in words]
+        except ValueError as err:
+            raise PipeloomError(f"{self.flag} {text!r}: {err}") from None
 
 
 class Technique:
@@ -67,6 +85,10 @@ class Technique:
 
     def check_runnable(self, spec) -> None:
         """Refuse what the runtime cannot run yet (``pipeloom train`` only)."""
+
+    def check_training(self, spec, config) -> None:
+        """Refuse what ``pipeloom train`` cannot do yet with the technique given its
+        :class:`~pipeloom.train.config.TrainConfig` (checkpoints, measured reports)."""
 
     def cost_options(self, spec) -> dict:
         """Keywords of :func:`~pipeloom.sim.model.costs_from_model` the technique sets."""
@@ -90,6 +112,11 @@ class Technique:
 
     def report_lines(self, report: dict) -> list[str]:
         """Its lines of the ``simulate`` table, from the report."""
+        return []
+
+    def compare_cells(self, report: dict) -> list[tuple[str, str]]:
+        """Its columns of ``simulate --compare``'s table for one report: (header, cell) pairs, the
+        same headers for every report of a comparison (the first one's decide which appear)."""
         return []
 
     def pipeline_options(self, spec, costs) -> dict:

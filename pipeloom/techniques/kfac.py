@@ -42,6 +42,15 @@ class Kfac(Technique):
             raise PipeloomError(f"--optimizer kfac does not run with {refused[0]} yet (pipeloom simulate places "
                                 "K-FAC work there); use a plain synchronous schedule")
 
+    def check_training(self, spec, config) -> None:
+        if config.checkpoint_dir or config.resume:
+            raise PipeloomError("--optimizer kfac does not save its curvature in checkpoints yet: train without "
+                                "--checkpoint-dir and --resume")
+        if config.report or config.trace or (config.plot and not config.dry_run):
+            raise PipeloomError("--optimizer kfac cannot draw or report its measured steps yet (each step of its "
+                                "refresh runs other pieces): drop --report, --trace and --plot, and see them "
+                                "simulated with --dry-run --plot")
+
     def cost_options(self, spec) -> dict:
         return {"kfac": self.active(spec)}
 
@@ -81,6 +90,13 @@ class Kfac(Technique):
             lines.append(f"{row['rank']:>4} {row['utilisation_before']:>12.1%} {row['utilisation_after']:>11.1%} "
                          f"{row['bubble_filled']:>14.1%} {row['kfac_time']:>11.4g}")
         return lines
+
+    def compare_cells(self, report: dict) -> list[tuple[str, str]]:
+        if "kfac" not in report:
+            return []
+        kfac = report["kfac"]
+        return [(f"{'K-FAC k':>7}", f"{kfac['every']:>7}"), (f"{'step before':>11}", f"{kfac['step_time_before']:>11.4g}"),
+                (f"{'step after':>10}", f"{kfac['step_time_after']:>10.4g}")]
 
 
 def _units(priced, stages: int) -> int | list[int]:

@@ -13,7 +13,7 @@ class Offload(Technique):
     summary = "activations copied to host memory between their forward and backward, on a copy stream"
     flags = (Flag("offload", "PipeOffload: copy activations to host memory after F and back before the backward, on "
                   "one copy stream per rank: every pair whose gap holds both copies (full) or the longest-lived until "
-                  "each rank's peak falls by --offload-ratio (selective); default none", choices=CHOICES),
+                  "each rank's peak falls by --offload-ratio (selective); default none", choices=CHOICES, compared=True),
              Flag("offload_ratio", "with --offload selective: the share of each rank's activation peak to move, in "
                   "(0, 1]", type=float, metavar="R"))
 
@@ -85,6 +85,15 @@ class Offload(Technique):
             else:
                 lines.append(f"{row['rank']:>4} {row['offloaded']:>11.4g} M_B {row['host']:>8.4g} M_B {row['exposed']:>10.4g}")
         return lines
+
+    def compare_cells(self, report: dict) -> list[tuple[str, str]]:
+        if "offload" not in report:
+            return []
+        rows, in_bytes = report["offload"]["ranks"], "k" in report["offload"]
+        host = max(row["host_bytes" if in_bytes else "host"] for row in rows)
+        exposed = max(row["exposed_ms" if in_bytes else "exposed"] for row in rows)
+        return [(f"{'max host':>10}", f"{size_text(host) if in_bytes else f'{host:.4g}':>10}"),
+                (f"{'max exposed':>11}", f"{exposed:>11.4g}")]
 
 
 register(Offload())

@@ -12,7 +12,7 @@ class Recompute(Technique):
     name = "recompute"
     summary = "activations recomputed in the backward instead of kept"
     flags = (Flag("recompute", "rerun in the backward whole stages (full) or only the norms and activation functions, "
-                  "whose outputs are then not kept (cheap); default none", choices=CHOICES),)
+                  "whose outputs are then not kept (cheap); default none", choices=CHOICES, compared=True),)
 
     def active(self, spec) -> bool:
         return spec.recompute != "none"

@@ -13,7 +13,7 @@ class VocabParallel(Technique):
     summary = "embedding and LM head split by vocabulary over the pipeline ranks, in extra passes"
     flags = (Flag("vocab_parallel", "where the vocabulary layers go: none (first and last stage), redis (layers "
                   "moved to balance them), naive, vocab-1, vocab-2 (split over every pipeline rank, in extra passes); "
-                  "default none", metavar="MODE"),)
+                  "default none", metavar="MODE", compared=True),)
 
     def active(self, spec) -> bool:
         return spec.vocab_parallel != "none"
@@ -26,6 +26,9 @@ class VocabParallel(Technique):
 
     def build_options(self, spec) -> dict:
         return {"vocab_parallel": spec.vocab_mode}
+
+    def report(self, result, priced) -> dict:
+        return {"vocab_parallel": priced.spec.vocab_parallel}
 
     def pipeline_options(self, spec, costs) -> dict:
         return {}  # the schedule carries its passes; redis's layers are the trainer's (its model's balance)

@@ -13,6 +13,7 @@ from ..paths import prepare_output, prepare_output_dir
 from ..presets import SIZES
 from ..sim.plot import SUFFIXES
 from ..spec import RunSpec
+from ..techniques import TECHNIQUES
 
 
 @dataclass(frozen=True)
@@ -75,14 +76,9 @@ def check(config: TrainConfig, spec: RunSpec) -> None:
     for flag in ("lr", "timeout"):
         if not getattr(config, flag) > 0:
             raise PipeloomError(f"--{flag} must be positive, got {getattr(config, flag)}")
-    kfac = spec.uses("kfac")
-    if kfac and (config.checkpoint_dir or config.resume):
-        raise PipeloomError("--optimizer kfac does not save its curvature in checkpoints yet: train without "
-                            "--checkpoint-dir and --resume")
-    if kfac and (config.report or config.trace or (config.plot and not config.dry_run)):
-        raise PipeloomError("--optimizer kfac cannot draw or report its measured steps yet (each step of its refresh "
-                            "runs other pieces): drop --report, --trace and --plot, and see them simulated with "
-                            "--dry-run --plot")
+    for technique in TECHNIQUES.values():
+        if technique.active(spec):
+            technique.check_training(spec, config)
     if config.json and not config.dry_run:
         raise PipeloomError("--json goes with --dry-run (a run's metrics go to --metrics)")
     if config.eval_every is not None and config.eval_every < 1:
