@@ -59,6 +59,8 @@ def test_memory_limit_is_checked(capsys):
     (["--costs", "f=1,x=2"], "bad cost 'x=2'"),
     (["--costs", "f=fast"], "'fast' is not a number"),
     (["--schedule", "2bw", "--pp", "4", "--microbatches", "2"], "2bw needs microbatches >= pp"),
+    (["--pp", "1000000", "--microbatches", "1000000"], "has about 3e+12 actions; pipeloom builds at most 2,000,000"),
+    (["--schedule", "interleaved-1f1b", "--chunks", "1000", "--pp", "64", "--microbatches", "64"], "about 1.23e+07 actions"),
 ])
 def test_bad_input_one_clear_line(args, message):
     proc = subprocess.run([sys.executable, "-m", "pipeloom", "simulate", *args], capture_output=True, text=True, timeout=60)

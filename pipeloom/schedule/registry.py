@@ -68,6 +68,21 @@ def get_family(name: str) -> Family:
     return FAMILIES[name]
 
 
+#: The most actions (F, B and W of every stage and microbatch) a schedule may have: about 1 GiB
+#: and half a minute of simulation; a run of the same pp / microbatches ratio shows the same bubble.
+MAX_ACTIONS = 2_000_000
+
+
+def _check_size(name: str, pp: int, microbatches: int, chunks: int, steps: int) -> None:
+    """Refuse, before building, a schedule of more than :data:`MAX_ACTIONS` actions."""
+    actions = 3 * pp * chunks * microbatches * steps
+    if actions > MAX_ACTIONS:
+        raise PipeloomError(f"{name} with pp={pp}, chunks={chunks}, microbatches={microbatches}"
+                            + (f", steps={steps}" if steps > 1 else "") + f" has about {actions:.3g} actions; "
+                            f"pipeloom builds at most {MAX_ACTIONS:,} (about 1 GiB and 30 s to simulate): use fewer "
+                            "ranks or microbatches (the same pp / microbatches ratio has the same bubble)")
+
+
 def build(
     name: str,
     pp: int,
@@ -110,6 +125,7 @@ def build(
     elif chunks not in family.chunks:
         allowed = " or ".join(map(str, family.chunks))
         raise PipeloomError(f"{name} uses chunks={allowed} stages per rank; got chunks={chunks!r}")
+    _check_size(name, pp, microbatches, chunks, options.get("steps") or 1)
     unknown = sorted(set(options) - set(family.options))
     if unknown:
         takes = ", ".join(family.options) or "no options"

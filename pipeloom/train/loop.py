@@ -376,10 +376,9 @@ def _agreed_digest(schedule, built) -> str:
 
     digest = schedule.digest()
     if digest != built.digest():
+        differ = [k for k in sorted({*schedule.options, *built.options}) if schedule.options.get(k) != built.options.get(k)]
         raise PipeloomError(f"the pipeline runs another schedule (sha256 {digest[:12]}) than the run spec's "
-                            f"({built.digest()[:12]}); K-FAC's units per stage: the model's "
-                            f"{schedule.options.get('kfac', {}).get('units')}, the cost model's "
-                            f"{built.options.get('kfac', {}).get('units')}")
+                            f"({built.digest()[:12]}); options that differ: {', '.join(differ) or 'none'}")
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, digest)
     if len(set(every)) > 1:
