@@ -66,14 +66,18 @@ class TokenData:
         return (replace(self, tokens=self.tokens[:cut]),
                 replace(self, tokens=self.tokens[cut:], source=f"the last {fraction:g} of {self.source}"))
 
-    def batch(self, step: int, size: int, seq: int, seed: int = 0) -> np.ndarray:
-        """``size`` windows of ``seq + 1`` consecutive tokens (int64 [size, seq + 1]),
-        the same for the same (seed, step) on every rank and every run."""
+    def check_length(self, seq: int) -> None:
+        """Refuse a stream shorter than one sequence of ``seq`` tokens and its target."""
         if len(self.tokens) < seq + 1:
             raise PipeloomError(
                 f"{self.source} has {len(self.tokens)} tokens, fewer than one sequence of --seq {seq} "
                 f"plus its target; use --seq {max(1, len(self.tokens) - 1)} or less, or more data"
             )
+
+    def batch(self, step: int, size: int, seq: int, seed: int = 0) -> np.ndarray:
+        """``size`` windows of ``seq + 1`` consecutive tokens (int64 [size, seq + 1]),
+        the same for the same (seed, step) on every rank and every run."""
+        self.check_length(seq)
         starts = np.random.default_rng([seed, step]).integers(0, len(self.tokens) - seq, size=size)
         return np.stack([self.tokens[s:s + seq + 1] for s in starts]).astype(np.int64)
 
@@ -195,6 +199,10 @@ def _text_files(root: Path) -> list[Path]:
     return files
 
 
+#: The largest vocabulary a token file may imply (the largest of published models are about 256k).
+MAX_VOCAB = 2**20
+
+
 def _token_file(path: Path, dtype: str, vocab_size: int | None) -> TokenData:
     if dtype not in TOKEN_DTYPES:
         raise PipeloomError(f"--token-dtype {dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
@@ -204,6 +212,10 @@ def _token_file(path: Path, dtype: str, vocab_size: int | None) -> TokenData:
         raise PipeloomError(f"--data {path}: {size} bytes is not a whole number of {dtype} tokens")
     tokens = np.memmap(path, dtype=dtype, mode="r")
     largest = int(tokens.max())
+    if largest >= MAX_VOCAB:
+        raise PipeloomError(f"--data {path} read as {dtype} tokens has ids up to {largest:,}, a vocabulary no model "
+                            f"has (pipeloom takes up to {MAX_VOCAB:,} tokens): is it text (leave out --token-dtype) "
+                            "or tokens of another --token-dtype?")
     if vocab_size is None:
         vocab_size = largest + 1
     elif vocab_size <= largest:

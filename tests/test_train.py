@@ -107,8 +107,10 @@ def test_text_file_and_token_file(tmp_path):
     (["--offload", "full", "--offload-ratio", "0.5"], "--offload-ratio 0.5 goes with --offload selective"),
     (["--offload", "selective", "--offload-ratio", "2"], "offload ratio 2.0: must be in (0, 1]"),
     (["--kfac-every", "2"], "--kfac-every 2 goes with --optimizer kfac"),
-        (["--kfac-damping", "0.1"], "--kfac-damping 0.1 goes with --optimizer kfac"),
-        (["--json"], "--json goes with --dry-run"),
+    (["--kfac-damping", "0.1"], "--kfac-damping 0.1 goes with --optimizer kfac"),
+    (["--json"], "--json goes with --dry-run"),
+    (["--data", "a.txt", "--token-dtype", "uint32"], "read as uint32 tokens has ids up to 2,019,914,784, a vocabulary"),
+    (["--data", "short.txt"], "short.txt has 9 tokens, fewer than one sequence of --seq 128 plus its target"),
     (["--optimizer", "kfac", "--report"], "--optimizer kfac cannot draw or report its measured steps yet"),
     (["--optimizer", "kfac", "--kfac-damping", "0"], "--kfac-damping must be positive"),
 ])
@@ -116,6 +118,7 @@ def test_text_file_and_token_file(tmp_path):
 def test_bad_arguments_stop_before_any_worker_starts(tmp_path, args, message):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "a.txt").write_text("some text\n" * 100)
+    (tmp_path / "short.txt").write_text("some text")
     mark = uuid.uuid4().hex
     done = train(*args, cwd=tmp_path, check=False, env={"PIPELOOM_TEST_MARK": mark})
     assert done.returncode == 2

@@ -83,12 +83,11 @@ def clip_norm(text: str) -> float:
 
 
 def run(args) -> int:
-    try:
-        if not args.dry_run:  # a dry run is pure Python
-            import torch  # noqa: F401
-    except ImportError:
+    from importlib.util import find_spec
+
+    if not args.dry_run and find_spec("torch") is None:  # found, not imported: the checks come first
         raise PipeloomError("pipeloom train needs PyTorch, which is not installed: "
-                            "pip install 'pipeloom[torch]' (or pip install torch)") from None
+                            "pip install 'pipeloom[torch]' (or pip install torch)")
     from ..train import run
 
     return run(args)

@@ -163,8 +163,10 @@ def positions(spec: RunSpec) -> dict:
 
 def split_data(data, config: TrainConfig, seq: int):
     """(training data, validation data): the last --val-fraction of the stream held out, refused in
-    one line when --eval-every needs more of it than one sequence of ``seq`` tokens holds."""
+    one line when the training part, or with --eval-every the held-out one, holds less than one
+    sequence of ``seq`` tokens."""
     train, val = data.split(config.val_fraction)
+    train.check_length(seq)
     if config.eval_every and len(val) < seq + 1:
         raise PipeloomError(f"--val-fraction {config.val_fraction:g} holds out {len(val)} tokens of {data.source}, "
                             f"fewer than one sequence of --seq {seq} plus its target; hold out at least "
