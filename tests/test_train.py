@@ -442,3 +442,36 @@ def test_a_worker_the_launcher_stopped_does_not_set_the_exit_code(capsys):
     assert exit_code({0: failure(0, 1), 1: failure(1, -signal.SIGKILL)}) == 128 + signal.SIGKILL
     assert "rank 1 died of SIGKILL" in capsys.readouterr().err
     assert exit_code({0: failure(0, -signal.SIGTERM), 1: failure(1, -signal.SIGTERM)}) == 128 + signal.SIGTERM
+
+
+def test_memory_check_names_the_prediction_and_a_run_that_fits():
+    """The check adds the simulator's peaks per rank (as --dry-run shows them) and suggests the nearest run under the limit."""
+    from pipeloom.errors import PipeloomError
+    from pipeloom.spec import RunSpec
+    from pipeloom.train.fits import PROCESS_BYTES, check_fits
+
+    check_fits(RunSpec(model="tiny"), 2 * PROCESS_BYTES + 2**24)  # a few MiB beside the two processes: fits
+    spec = RunSpec(model="gpt-350m", seq=1024, microbatch_size=32).check()
+    with pytest.raises(PipeloomError) as err:
+        check_fits(spec, 21 * 2**30)
+    message = str(err.value)
+    assert "--recompute full --microbatch-size 8 would need" in message and "--no-memory-check" in message
+    suggested = simulate_json("--model", "gpt-350m", "--seq", "1024", "--microbatch-size", "8", "--recompute", "full")
+    assert sum(suggested["peak_memory_bytes"]) + 2 * PROCESS_BYTES <= 21 * 2**30
+    bigger = simulate_json("--model", "gpt-350m", "--seq", "1024", "--microbatch-size", "16", "--recompute", "full")
+    assert sum(bigger["peak_memory_bytes"]) + 2 * PROCESS_BYTES > 21 * 2**30
+
+
+@pytest.mark.timeout(60)
+def test_a_run_too_big_for_the_machine_stops_before_launch(tmp_path):
+    mark = uuid.uuid4().hex
+    done = train("--model", "llama-70b", "--seq", "128", cwd=tmp_path, check=False, env={"PIPELOOM_TEST_MARK": mark})
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "the run needs about" in done.stderr and "--no-memory-check starts it anyway" in done.stderr
+    assert not _workers(mark)
+
+
+def simulate_json(*args) -> dict:
+    done = subprocess.run([sys.executable, "-m", "pipeloom", "simulate", *args, "--json"], capture_output=True,
+                          text=True, timeout=60, check=True)
+    return json.loads(done.stdout)

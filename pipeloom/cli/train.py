@@ -26,6 +26,9 @@ def add_parser(sub) -> None:
                         "predicted step time, peak memory per rank and the schedule's digest (with --plot, drawn)")
     g.add_argument("--json", action="store_true",
                    help="with --dry-run: the same JSON object as pipeloom simulate --json with these flags")
+    g.add_argument("--no-memory-check", dest="memory_check", action="store_false",
+                   help="start the run even when its predicted peak memory (as --dry-run shows it) exceeds the "
+                        "memory available: the host's, shared by the ranks on cpu; each GPU's free memory on cuda")
     g = p.add_argument_group("model and optimisation")
     g.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of AdamW (default 3e-3)")

@@ -51,3 +51,20 @@ def pipeline_device(device: str | torch.device | None, backend: str) -> torch.de
         check_gpus(max(local_ranks, device.index + 1))
         torch.cuda.set_device(device)
     return device
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on ``device``: a GPU's free memory, or the host's available memory; None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -50,6 +50,7 @@ from ..nn.gpt import GPT, Block, GPTConfig
 from ..nn.linear import WeightGradStore, defer_weight_grads
 from ..nn.recompute import cheap_recompute, recipe
 from ..sim.profile import FORMAT
+from .device import free_memory
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 #: Transfer sizes timed besides the activations' (at most the largest of these): small ones pin the
@@ -430,27 +431,11 @@ def _check_fits(config: GPTConfig, seq: int, b: int, device: torch.device, name:
     h, v = config.n_embd, config.vocab_size
     params = 12 * h * h + 13 * h + 2 * (v + seq) * h
     need = 8 * params + 4 * b * seq * (40 * h + 3 * v) * 2
-    free = _free_memory(device)
+    free = free_memory(device)
     if free is not None and need > 0.9 * free:
         raise PipeloomError(f"profiling {name} (hidden {h}, vocab {v}) at seq {seq}, microbatch size {b} needs about "
                             f"{need / _GiB:.1f} GiB; {device.type} has {free / _GiB:.1f} GiB free: use smaller "
                             f"microbatch sizes or a shorter sequence")
-
-
-def _free_memory(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as info:
-            for line in info:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def _machine_name(device: torch.device) -> str:

@@ -56,13 +56,17 @@ def run(args) -> int:
         return dry_run(config, spec)
     schedule = build_run(spec)
     check_steps(config, schedule)
+    split_data(data, config, spec.seq)
+    if config.resume:
+        check_resume(config, spec)
     if spec.device == "cuda":
         from ..runtime.device import check_gpus
 
         check_gpus(spec.world)  # the launcher starts every rank on this machine
-    split_data(data, config, spec.seq)
-    if config.resume:
-        check_resume(config, spec)
+    if config.memory_check:
+        from .fits import available_memory, check_fits
+
+        check_fits(spec, available_memory(spec.device, spec.world))
     from ..launch import launch
 
     return launch(list(config.argv), spec.world)

@@ -21,7 +21,7 @@ class TrainConfig:
     """What ``pipeloom train`` takes besides the run spec, read once from its flags: the
     optimisation (``steps``, ``lr``, ``warmup``, ``weight_decay``, ``clip``, ``seed``), the
     peers' ``timeout``, the data and validation, checkpoints and outputs, ``dry_run``/``json``,
-    ``dp`` as given (None: what the world leaves) and the command's own ``argv`` (each worker
+    ``memory_check`` (refuse a run predicted not to fit, before launch), ``dp`` as given (None: what the world leaves) and the command's own ``argv`` (each worker
     gets it)."""
 
     steps: int = 200
@@ -49,6 +49,7 @@ class TrainConfig:
     report: bool = False
     dry_run: bool = False
     json: bool = False
+    memory_check: bool = True
     dp: int | None = None
     argv: tuple[str, ...] = ()
 
