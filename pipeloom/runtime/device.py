@@ -16,6 +16,7 @@ import os
 import torch
 
 from ..errors import PipeloomError
+from ..host import available_memory
 
 #: The device type each backend sends tensors of.
 BACKEND_DEVICE = {"nccl": "cuda", "gloo": "cpu"}
@@ -57,14 +58,4 @@ def free_memory(device: torch.device) -> int | None:
     """Bytes free on ``device``: a GPU's free memory, or the host's available memory; None if unknown."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as info:
-            for line in info:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    return available_memory()

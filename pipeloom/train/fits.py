@@ -62,12 +62,14 @@ def _alternatives(spec: RunSpec):
 
 
 def available_memory(device: str, ranks: int) -> int | None:
-    """The memory the check compares with: the host's available memory (``cpu``), or the least
-    free memory of the first ``ranks`` GPUs (``cuda``); None where it cannot be read."""
+    """The memory the check compares with: the host's available memory (``cpu``, read without
+    torch), or the least free memory of the first ``ranks`` GPUs (``cuda``); None if unknown."""
+    from .. import host
+
+    if device == "cpu":
+        return host.available_memory()
     import torch
 
     from ..runtime.device import free_memory
 
-    if device == "cpu":
-        return free_memory(torch.device("cpu"))
     return min(free_memory(torch.device("cuda", i)) for i in range(min(ranks, torch.cuda.device_count())))

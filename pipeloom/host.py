@@ -1,0 +1,21 @@
+"""What this machine has, read without torch."""
+
+from __future__ import annotations
+
+import os
+
+
+def available_memory() -> int | None:
+    """Bytes of host memory available to new processes (Linux's MemAvailable, else the free
+    pages); None where neither can be read."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
