@@ -4,10 +4,10 @@ Each worker runs ``python -m pipeloom train`` with the same arguments under
 torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...), so a
 self-launched run and one started by hand with torchrun take the same path.
 Workers share this terminal. If one fails, the launcher stops the others and
-this returns the failing worker's exit code (a worker the launcher stopped is
-not counted as failing), after the workers' own messages
-(each worker says why it stopped; the launcher speaks only for one that died
-of a signal). SIGINT, SIGTERM and SIGHUP reach the launcher, which passes
+this returns the failing worker's exit code (128 + the signal that killed it; a
+worker the launcher stopped is not counted as failing), after the workers' own
+messages (each worker says why it stopped; the launcher speaks only for one
+that died of a signal). SIGINT, SIGTERM and SIGHUP reach the launcher, which passes
 them on: the workers stop after the same step
 (:mod:`pipeloom.runtime.interrupt`) within :data:`SHUTDOWN_TIMEOUT` seconds,
 and this returns 128 + the signal.
@@ -60,9 +60,10 @@ def launch(argv: list[str], nproc: int) -> int:
 def exit_code(failures: dict) -> int:
     """The run's exit code from the failed workers (rank -> torchelastic's ``ProcessFailure``), after
     a line for those that did not say why they stopped. A worker that died of SIGTERM while another
-    exited on its own was the launcher stopping the rest: neither counted nor reported."""
+    failed otherwise (exited with an error, died of another signal) was the launcher stopping the
+    rest: neither counted nor reported; one killed first gives 128 + its signal (SIGKILL: 137)."""
     failed = sorted(failures.items())
-    if any(f.exitcode > 0 for _, f in failed):
+    if any(f.exitcode != -signal.SIGTERM for _, f in failed):
         failed = [(rank, f) for rank, f in failed if f.exitcode != -signal.SIGTERM]
     unsaid = [(rank, f) for rank, f in failed if f.exitcode not in SAID]
     if unsaid:

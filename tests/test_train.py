@@ -248,7 +248,7 @@ def test_a_killed_rank_stops_the_others_naming_what_they_waited_for(tmp_path):
     # start or end), or the action whose transfer to or from rank 1 it started
     assert re.search(r"rank 0: (action \S+|the [\w ]+) (waited for|sent|posted) .*rank 1",
                      err.split("stopped:")[0]), err[-2000:]
-    assert "rank 1 died of SIGKILL" in err
+    assert "stopped: rank 1 died of SIGKILL\n" in err and proc.returncode == 128 + signal.SIGKILL
 
 
 @pytest.mark.timeout(TIMEOUT)
@@ -441,6 +441,9 @@ def test_a_worker_the_launcher_stopped_does_not_set_the_exit_code(capsys):
     assert capsys.readouterr().err == ""
     assert exit_code({0: failure(0, 1), 1: failure(1, -signal.SIGKILL)}) == 128 + signal.SIGKILL
     assert "rank 1 died of SIGKILL" in capsys.readouterr().err
+    # one worker killed from outside, the other stopped by the launcher: only the killed one, and not 143
+    assert exit_code({0: failure(0, -signal.SIGTERM), 1: failure(1, -signal.SIGKILL)}) == 128 + signal.SIGKILL
+    assert capsys.readouterr().err.strip() == "pipeloom train: stopped: rank 1 died of SIGKILL"
     assert exit_code({0: failure(0, -signal.SIGTERM), 1: failure(1, -signal.SIGTERM)}) == 128 + signal.SIGTERM
 
 
