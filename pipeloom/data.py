@@ -140,7 +140,7 @@ def _bpe_data(files: list[Path], source: str, tokenizer: str, vocab_size: int) -
     except ImportError:
         raise PipeloomError("--tokenizer needs the tokenizers package: pip install 'pipeloom[bpe]'") from None
     if tokenizer != "bpe" and not Path(tokenizer).is_file():
-        raise PipeloomError(f"--tokenizer {tokenizer!r}: use bytes, bpe, or the path of a tokenizer.json")
+        raise PipeloomError(f"--tokenizer {tokenizer}: no such file; use bytes, bpe, or the path of a tokenizer.json")
     if tokenizer == "bpe" and vocab_size < BYTE_VOCAB:
         raise PipeloomError(f"--vocab-size {vocab_size}: a byte-level BPE vocabulary needs at least {BYTE_VOCAB}")
     key = hashlib.sha1(json.dumps([

@@ -112,7 +112,7 @@ def test_bpe_is_trained_on_the_text_cached_and_decodes_back(tmp_path, monkeypatc
 def test_bad_tokenizer_choices_are_clear_errors(tmp_path):
     (tmp_path / "a.txt").write_text("hello")
     np.array([1, 2], dtype=np.uint16).tofile(tmp_path / "t.bin")
-    with pytest.raises(PipeloomError, match="use bytes, bpe, or the path of a tokenizer.json"):
+    with pytest.raises(PipeloomError, match="no such file; use bytes, bpe, or the path of a tokenizer.json"):
         load_data(tmp_path / "a.txt", tokenizer="wordpiece")
     with pytest.raises(PipeloomError, match="already tokenized"):
         load_data(tmp_path / "t.bin", tokenizer="bpe")

@@ -64,11 +64,14 @@ class SequenceParallel(Technique):
             return []
         layer, scores = report["sp_layer"], report["score_bytes"]
         ring = report["attention"] == "ring"
-        return [
+        transfers = [
             f"sp={report['sp']}, {report['attention']} attention: per layer and microbatch {layer['steps']} forward "
             f"steps of {size_text(layer['step_bytes'])} ({'K and V' if ring else 'K, then V'}), {layer['step_ms']:.4g} ms each",
             f"  ring transfers of a microbatch's F and B: up to {max(report['sp_comm_ms']):.4g} ms per stage, "
             f"{max(report['sp_exposed_ms']):.4g} ms of it not hidden by compute",
+        ] if report["sp"] > 1 else [f"sp=1, {report['attention']} attention: one rank per stage, no ring transfers"]
+        return [
+            *transfers,
             f"  attention scores per layer and microbatch: rsa keeps {size_text(scores['rsa']['kept'])}; ring keeps "
             f"{size_text(scores['ring']['kept'])} (log-sum-exp) and computes in one {size_text(scores['ring']['transient'])} block",
         ]
