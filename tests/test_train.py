@@ -178,8 +178,10 @@ def test_resume_gives_the_uninterrupted_losses_also_with_another_pp(tmp_path):
     assert [r["loss"] for r in same] == full[10:]  # the same pp: the same arithmetic, bit for bit
     done = train("--steps", "20", "--pp", "4", "--schedule", "zb-h1", "--checkpoint-dir", "ck",
                  "--resume", "--metrics", "pp4.jsonl", cwd=tmp_path, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]  # the latest is step 20: nothing left to train
-    assert "resumed from" in done.stderr and not (tmp_path / "pp4.jsonl").read_text()
+    assert done.returncode == 0, done.stderr[-2000:]  # the latest is step 20: nothing left to train, said before launch
+    assert done.stderr.strip() == ("pipeloom train: nothing to do: ck/step_0000020 holds step 20 and --steps is 20; "
+                                   "give --steps above 20 to train on")
+    assert not (tmp_path / "pp4.jsonl").exists()
     train("--steps", "20", "--pp", "4", "--schedule", "zb-h1", "--checkpoint-dir", "ck4",
           "--resume", "ck/step_0000010", "--metrics", "pp4.jsonl", cwd=tmp_path)
     other = [r["loss"] for r in metrics(tmp_path / "pp4.jsonl")]

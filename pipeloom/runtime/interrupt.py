@@ -61,7 +61,8 @@ class StopRequest:
 
     @staticmethod
     def describe(code: int) -> str:
-        return "the launcher died" if code == ORPHAN else signal.Signals(code).name
+        """Why the run stopped, to follow "stopped": "by SIGINT", "because the launcher died"."""
+        return "because the launcher died" if code == ORPHAN else f"by {signal.Signals(code).name}"
 
     @staticmethod
     def exit_code(code: int) -> int:

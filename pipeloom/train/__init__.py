@@ -24,6 +24,7 @@ scalars.
 from __future__ import annotations
 
 import os
+import sys
 
 from ..builder import build_run
 from ..cli.flags import spec_of
@@ -58,7 +59,11 @@ def run(args) -> int:
     check_steps(config, schedule)
     split_data(data, config, spec.seq)
     if config.resume:
-        check_resume(config, spec)
+        directory, step = check_resume(config, spec)
+        if step >= config.steps:
+            print(f"pipeloom train: nothing to do: {directory} holds step {step} and --steps is {config.steps}; "
+                  f"give --steps above {step} to train on", file=sys.stderr)
+            return 0
     if spec.device == "cuda":
         from ..runtime.device import check_gpus
 

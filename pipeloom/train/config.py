@@ -175,9 +175,9 @@ def split_data(data, config: TrainConfig, seq: int):
     return train, val
 
 
-def check_resume(config: TrainConfig, spec: RunSpec) -> Path:
+def check_resume(config: TrainConfig, spec: RunSpec) -> tuple[Path, int]:
     """The checkpoint --resume names, checked to fit this run (metadata, weight shapes,
-    tensor files)."""
+    tensor files), and the step it holds."""
     import torch
 
     from ..nn import preset_config
@@ -195,7 +195,7 @@ def check_resume(config: TrainConfig, spec: RunSpec) -> Path:
     with torch.device("meta"):
         model = preset_config(spec.model, vocab_size=vocab, **positions(spec)).build()
     checkpoint.check_fits(directory, model, hint)
-    return directory
+    return directory, saved.get("step", 0)
 
 
 def learning_rate(step: int, config) -> float:

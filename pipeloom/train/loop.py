@@ -232,9 +232,14 @@ class Trainer:
             self._save(done)
         last = self.last_saved or (checkpoint.latest(config.checkpoint_dir) if config.checkpoint_dir else None)
         if self.rank == 0:
-            resume = (f"resume from {last} (--resume {last})" if last
-                      else "no checkpoint to resume from (--checkpoint-dir saves them)")
-            _say(f"stopped by {StopRequest.describe(code)} after step {done} of {config.steps}; {resume}")
+            if last:
+                resume = f"resume from {last} (--resume {last})"
+            elif config.checkpoint_dir:
+                resume = (f"no checkpoint saved under {config.checkpoint_dir} yet (SIGTERM saves one; "
+                          "--checkpoint-every N saves every N steps)")
+            else:
+                resume = "no checkpoint to resume from (--checkpoint-dir saves them)"
+            _say(f"stopped {StopRequest.describe(code)} after step {done} of {config.steps}; {resume}")
         return StopRequest.exit_code(code)
 
     def _call(self, first: int) -> list[dict]:
@@ -340,7 +345,7 @@ class Trainer:
     def _resume(self) -> int:
         from ..runtime import checkpoint
 
-        directory = check_resume(self.config, self.spec)  # again: under torchrun no launcher did
+        directory, _ = check_resume(self.config, self.spec)  # again: under torchrun no launcher did
         meta = checkpoint.load(self.pipe, self.optimizer, directory)
         self.last_saved = directory
         if self.rank == 0:
