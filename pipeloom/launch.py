@@ -19,8 +19,10 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import uuid
 
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -43,17 +45,18 @@ def launch(argv: list[str], nproc: int) -> int:
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT))  # torch < 2.10: 30 s, fixed
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
         logging.getLogger(name).setLevel(logging.CRITICAL)  # each has a level of its own: set them all
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"pipeloom-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-        monitor_interval=MONITOR_INTERVAL, start_method="spawn",
-    )
-    try:
-        elastic_launch(config, sys.executable)("-m", "pipeloom", "train", *argv)
-    except SignalException as err:  # the workers got the signal too, and said where they stopped
-        return 128 + int(err.sigval)
-    except ChildFailedError as err:
-        return exit_code(err.failures)
+    with tempfile.TemporaryDirectory(prefix="pipeloom-launch-") as logs:  # torchelastic's, removed after
+        config = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"pipeloom-{uuid.uuid4().hex[:8]}",
+            rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
+            monitor_interval=MONITOR_INTERVAL, start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=logs),
+        )
+        try:
+            elastic_launch(config, sys.executable)("-m", "pipeloom", "train", *argv)
+        except SignalException as err:  # the workers got the signal too, and said where they stopped
+            return 128 + int(err.sigval)
+        except ChildFailedError as err:
+            return exit_code(err.failures)
     return 0
 
 

@@ -129,8 +129,11 @@ def test_bad_arguments_stop_before_any_worker_starts(tmp_path, args, message):
 
 @pytest.mark.timeout(TIMEOUT)
 def test_outputs_into_missing_directories_are_created_before_training(tmp_path):
+    (tmp_path / "tmp").mkdir()
     done = train("--steps", "2", "--metrics", "a/m.jsonl", "--trace", "b/c/t.json", "--plot", "d/p.png",
-                 "--checkpoint-dir", "e/ck", cwd=tmp_path)
+                 "--checkpoint-dir", "e/ck", cwd=tmp_path, env={"TMPDIR": str(tmp_path / "tmp")})
+    left = [p.name for p in (tmp_path / "tmp").iterdir() if not p.name.startswith("torchinductor_")]  # torch's cache
+    assert not left  # the launcher's logs (torchelastic's) are gone
     assert len(metrics(tmp_path / "a" / "m.jsonl")) == 2
     assert (tmp_path / "b" / "c" / "t.json").stat().st_size and (tmp_path / "d" / "p.png").stat().st_size
     assert (tmp_path / "e" / "ck" / "step_0000002" / "pipeloom.json").is_file()
