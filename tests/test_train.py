@@ -483,3 +483,25 @@ def simulate_json(*args) -> dict:
     done = subprocess.run([sys.executable, "-m", "pipeloom", "simulate", *args, "--json"], capture_output=True,
                           text=True, timeout=60, check=True)
     return json.loads(done.stdout)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_checkpoint_that_cannot_be_written_is_one_line(tmp_path):
+    """Files capped at 200 KiB (RLIMIT_FSIZE, as a full disk fails a write): one line naming the
+    checkpoint, the cause and the space; --resume then finds no complete checkpoint."""
+    import resource
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200 * 1024, 200 * 1024))
+
+    done = subprocess.run([sys.executable, "-m", "pipeloom", "train", "--steps", "2", "--checkpoint-dir", "ck"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT, preexec_fn=cap,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 1
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower() or line.startswith("[rank")]
+    assert len(errors) == 1, done.stderr[-3000:]
+    assert re.search(r"error: checkpoint ck/step_0000002: rank \d could not write it \(OSError: \[Errno 27\] File too "
+                     r"large\); rank \d's share needs [\d.]+ MiB and the disk has [\d.]+ [MG]iB free; --resume ignores "
+                     r"the incomplete step_0000002", errors[0]), errors[0]
+    again = train("--steps", "4", "--checkpoint-dir", "ck", "--resume", cwd=tmp_path, check=False)
+    assert again.returncode == 2 and "--resume: no complete checkpoint under ck" in again.stderr

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import PipeloomError, first_line
+from ..techniques import size_text
 from .handlers.vocab import SHARDS
 
 META = "pipeloom.json"
@@ -40,7 +42,11 @@ def save(pipe, optimizer: torch.optim.Optimizer, directory: str | Path, meta: di
     directory = Path(directory)
     if dist.get_rank() == 0:
         (directory / META).unlink(missing_ok=True)  # an overwritten checkpoint is incomplete until the end
-    dcp.save(_state(pipe, optimizer)[0], storage_writer=dcp.FileSystemWriter(directory, overwrite=True))
+    state = _state(pipe, optimizer)[0]
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(directory, overwrite=True))
+    except CheckpointException as err:  # each rank's failure, gathered by DCP (a BaseException)
+        raise PipeloomError(_unwritten(directory, err, state)) from None
     dist.barrier()
     if dist.get_rank() == 0:
         for name, contents in (files or {}).items():
@@ -49,6 +55,17 @@ def save(pipe, optimizer: torch.optim.Optimizer, directory: str | Path, meta: di
         partial.write_text(json.dumps(meta, indent=1))
         os.replace(partial, directory / META)
     dist.barrier()
+
+
+def _unwritten(directory: Path, err: CheckpointException, state: dict) -> str:
+    """One line for a checkpoint DCP could not write: the cause (an OSError, such as a full disk,
+    before what followed from it), the space this rank's share needs and what the disk has."""
+    rank, (cause, _) = min(err.failures.items(), key=lambda item: (not isinstance(item[1][0], OSError), item[0]))
+    need = sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
+    free = shutil.disk_usage(directory if directory.exists() else directory.parent).free
+    return (f"checkpoint {directory}: rank {rank} could not write it ({type(cause).__name__}: {first_line(cause)}); "
+            f"rank {dist.get_rank()}'s share needs {size_text(need)} and the disk has {size_text(free)} free; "
+            f"--resume ignores the incomplete {directory.name}")
 
 
 def load(pipe, optimizer: torch.optim.Optimizer, directory: str | Path) -> dict:
