@@ -44,15 +44,23 @@ def run(args) -> int:
     if max(prompt) >= vocab:
         raise PipeloomError(f"--prompt encodes to token {max(prompt)}, outside this model's vocabulary of {vocab}: "
                             f"the tokenizer ({codec.name}) is not the run's")
-    new = sample(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
-    text = codec.decode(new)
+    tokens = sample(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
     if args.json:
+        new = list(tokens)
         print(json.dumps({"model": meta["model"], "source": source, "step": meta.get("step"), "prompt": args.prompt,
-                          "prompt_tokens": prompt, "tokens": new, "text": text}))
-    else:
-        print(f"pipeloom generate: {meta['model']} from {source} (step {meta.get('step')}), {len(new)} new tokens "
-              f"at temperature {args.temperature:g}, top-k {args.top_k or 'all'}", file=sys.stderr, flush=True)
-        print(args.prompt + text)
+                          "prompt_tokens": prompt, "tokens": new, "text": codec.decode(new)}))
+        return 0
+    print(f"pipeloom generate: {meta['model']} from {source} (step {meta.get('step')}), {args.max_new_tokens} new "
+          f"tokens at temperature {args.temperature:g}, top-k {args.top_k or 'all'}", file=sys.stderr, flush=True)
+    print(args.prompt, end="", flush=True)
+    new, shown = [], ""
+    for token in tokens:  # each token as it is drawn; a character split over tokens once it is whole
+        new.append(token)
+        text = codec.decode(new)
+        if not text.endswith("\ufffd"):
+            print(text[len(shown):], end="", flush=True)
+            shown = text
+    print(codec.decode(new)[len(shown):])
     return 0
 
 
@@ -164,17 +172,17 @@ def load_tensors(model, tensors: dict, where: str) -> None:
             p.copy_(value)
 
 
-def sample(model, prompt: list[int], count: int, temperature: float, top_k: int | None, seed: int) -> list[int]:
+def sample(model, prompt: list[int], count: int, temperature: float, top_k: int | None, seed: int):
     """``count`` tokens after ``prompt`` from ``model`` (``model(ids)`` gives logits [1, T, V];
-    ``model.config.block_size`` the longest context), each drawn from the softmax of the
-    last logits over ``temperature`` among the ``top_k`` largest (temperature 0: the largest)."""
+    ``model.config.block_size`` the longest context: a longer text is seen through its last
+    ``block_size`` tokens), each drawn from the softmax of the last logits over ``temperature``
+    among the ``top_k`` largest (temperature 0: the largest); yielded as each is drawn."""
     import torch
 
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     ids = torch.tensor([prompt], device=device)
     block = model.config.block_size
-    new = []
     with torch.no_grad():
         for _ in range(count):
             logits = model(ids[:, -block:])[0, -1].float()
@@ -186,6 +194,5 @@ def sample(model, prompt: list[int], count: int, temperature: float, top_k: int 
                     floor = torch.topk(logits, top_k).values[-1]
                     logits = logits.masked_fill(logits < floor, float("-inf"))
                 token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
-            new.append(token)
+            yield token
             ids = torch.cat([ids, torch.tensor([[token]], device=device)], 1)
-    return new

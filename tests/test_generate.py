@@ -71,6 +71,16 @@ def test_validation_save_tensorboard_and_generate(tmp_path):
     text = generate("--weights", "out/w.safetensors", "--prompt", "def main(", "--max-new-tokens", "24",
                     cwd=tmp_path)
     assert text.stdout == "def main(" + out["text"] + "\n" and "24 new tokens" in text.stderr
+    # the tokens stream: the first come while the rest are still drawn
+    proc = subprocess.Popen([sys.executable, "-m", "pipeloom", "generate", "--weights", "out/w.safetensors",
+                             "--prompt", "def main(", "--max-new-tokens", "100000"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        first = proc.stdout.read(len("def main(") + 8)
+        assert first.startswith(b"def main(") and proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
     # a checkpoint of another vocabulary, and none at all: one line each
     shutil.copytree(tmp_path / "ck" / "step_0000006", tmp_path / "other")
     meta = json.loads((tmp_path / "other" / "pipeloom.json").read_text())

@@ -16,7 +16,8 @@ def add_parser(sub) -> None:
                         help="a checkpoint (a step_* directory), or a --checkpoint-dir: its latest checkpoint")
     source.add_argument("--weights", metavar="FILE.safetensors", help="the weights pipeloom train --save wrote")
     p.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help="tokens to sample (default 200)")
+    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help="tokens to sample, printed as they are drawn (default 200); beyond the model's "
+                        "context each is drawn from the last context-length tokens")
     p.add_argument("--temperature", type=float, default=0.8,
                    help="divides the logits; 0 takes the most likely token (default 0.8)")
     p.add_argument("--top-k", type=int, default=50, metavar="K",
