@@ -268,8 +268,13 @@ def test_profile_then_simulate_with_it(tmp_path, capsys, monkeypatch):
     path = tmp_path / "tiny.json"
     assert main(["profile", "--model", "tiny", "--seq", "64", "--microbatch-sizes", "1,2", "--repeats", "2",
                  "--out", str(path)]) == 0
-    table = capsys.readouterr().out
+    printed = capsys.readouterr()
+    table = printed.out
     assert "one layer: times (ms), achieved GFLOP/s (cpu preset: 130)" in table and "stage-to-stage transfer" in table
+    assert [line.split(":")[1].strip() for line in printed.err.splitlines() if line.startswith("pipeloom profile:")] == [
+        "measuring microbatch size 1 (1 of 2)", "measuring microbatch size 2 (2 of 2)",
+        "measuring the optimizer step and the state's bytes per parameter",
+        "measuring the stage-to-stage transfer between two processes"]  # progress, as it goes
     profile = load_profile(path)
     assert profile.link_bandwidth > 0 and profile.link_latency_ms >= 0  # gloo between two processes
     assert main(["simulate", "--model", "tiny", "--profile", str(path), "--pp", "2", "--microbatches", "4",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 from ..errors import PipeloomError
 from .output import wrote
@@ -39,6 +40,10 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
+def _progress(text: str) -> None:
+    print(f"pipeloom profile: measuring {text}", file=sys.stderr, flush=True)
+
+
 def run(args) -> int:
     """Check the inputs and --out, measure, write the profile and print it."""
     from ..paths import prepare_output
@@ -72,7 +77,7 @@ def run(args) -> int:
     config = GPTConfig(n_layer=spec.layers, n_embd=spec.hidden, n_head=spec.heads, vocab_size=spec.vocab,
                        block_size=max(seq, size.block_size or 1), tie_embeddings=spec.tied_embeddings)
     data = measure(config, seq, batches, device=args.device, precision=args.precision, repeats=args.repeats,
-                   warmup=args.warmup, threads=args.threads, name=name)
+                   warmup=args.warmup, threads=args.threads, name=name, progress=_progress)
     profile = Profile.from_dict(data, str(out or ""))
     if out is not None:
         out.write_text(json.dumps(data, indent=2) + "\n")

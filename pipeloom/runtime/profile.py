@@ -61,11 +61,13 @@ _GiB = 2**30
 
 def measure(config: GPTConfig, seq: int, microbatch_sizes=(1,), *, device: str = "cpu",
             precision: str | None = None, repeats: int = 10, warmup: int = 2, threads: int = 1,
-            transfer: bool = True, name: str = "custom") -> dict:
+            transfer: bool = True, name: str = "custom", progress=None) -> dict:
     """Profile ``config``'s layer, embedding and output layer at sequences of ``seq`` tokens and each
     of ``microbatch_sizes`` on ``device`` ("cpu", or "cuda": the current GPU) in ``precision``
     ("fp32", or "bf16" autocast; default fp32 on a CPU, bf16 on a GPU); ``transfer`` False skips the
-    stage-to-stage transfer (then null). Returns the profile's JSON object (:mod:`pipeloom.sim.profile`)."""
+    stage-to-stage transfer (then null); ``progress(text)``, if given, hears what is measured next.
+    Returns the profile's JSON object (:mod:`pipeloom.sim.profile`)."""
+    say = progress or (lambda text: None)
     where = _device(device)
     precision = precision or ("bf16" if where.type == "cuda" else "fp32")
     if precision not in PRECISIONS:
@@ -83,7 +85,11 @@ def measure(config: GPTConfig, seq: int, microbatch_sizes=(1,), *, device: str =
         torch.manual_seed(0)
         stages = GPT(config, device="meta").build_stages(3, range(3), [0, 1, 0], device=where)
         run = _Runner(stages, where, PRECISIONS[precision], repeats, warmup, config.vocab_size)
-        samples = {str(b): run.sample(b, seq) for b in sizes}
+        samples = {}
+        for k, b in enumerate(sizes):
+            say(f"microbatch size {b} ({k + 1} of {len(sizes)}): F, B and W of the embedding, a layer and the head")
+            samples[str(b)] = run.sample(b, seq)
+        say("the optimizer step and the state's bytes per parameter")
         state = bytes_per_param(where, PRECISIONS[precision])
         optimizer = optimizer_ns_per_param(run.layer, run.timer, repeats, warmup)
     finally:
@@ -94,6 +100,8 @@ def measure(config: GPTConfig, seq: int, microbatch_sizes=(1,), *, device: str =
                 "reason": "one GPU: NCCL cannot pair two ranks on one device; the device preset's link is used"}
         host = host_bandwidth(where, max(messages))
     else:
+        if transfer:
+            say("the stage-to-stage transfer between two processes")
         link = measure_link(messages, repeats) if transfer else {
             "bandwidth": None, "latency_ms": None, "reason": "not measured (transfer=False)"}
         host = None
