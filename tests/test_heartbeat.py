@@ -174,3 +174,20 @@ def test_diagnosis_follows_what_peers_wait_for(monkeypatch, beats, verdict):
     finally:
         beat.stop()
         peers.stop.set()
+
+
+def test_stop_waits_for_a_beat_inside_a_slow_store_operation(monkeypatch):
+    """A beat thread still inside a store operation when Python finalizes aborts the process
+    ("terminate called without an active exception"): stop() returns only once the threads ended."""
+    entered = threading.Event()
+
+    class SlowStore:
+        def set(self, key, value):
+            entered.set()
+            time.sleep(2.5 * heartbeat.INTERVAL)  # longer than one beat's interval
+
+    monkeypatch.setattr(heartbeat.dist, "is_initialized", lambda: True)  # beats run while a group exists
+    beat = heartbeat.Heartbeat(SlowStore(), 0, lambda group: None)
+    assert entered.wait(5)
+    beat.stop()
+    assert not any(thread.is_alive() for thread in beat.threads)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 INTERVAL = 1.0  # seconds between beats
 SILENT = 3 * INTERVAL  # a rank whose count does not advance for this long died or hangs
 PREFIX = "pipeloom/heartbeat/"
+STORE_TIMEOUT = 10.0  # seconds a store operation of the beat or the watch may take before it fails
 
 
 @dataclass
@@ -60,10 +61,13 @@ class Heartbeat:
         atexit.register(self.stop)
 
     def stop(self) -> None:
-        """End the threads (at exit: one caught in the store's code as Python shuts down aborts the process)."""
+        """End the threads and wait until they have: one still in the store's C++ code (which runs
+        without the GIL) when Python finalizes is ended by pthread_exit, whose unwinding through
+        that code aborts the process ("terminate called without an active exception"). A store
+        operation ends within :data:`STORE_TIMEOUT`."""
         self.stopped.set()
         for thread in self.threads:
-            thread.join(INTERVAL)
+            thread.join(STORE_TIMEOUT + INTERVAL)
 
     def running(self, action) -> None:
         self.now = ("busy", action, time.monotonic(), None, None)
@@ -199,12 +203,18 @@ def start(rank: int, close) -> Heartbeat:
             _current.stop()
         try:
             own = store.clone()  # a connection of its own: the group's blocking waits never delay a beat
-            own.set_timeout(timedelta(seconds=10))  # a stopped store server makes a read fail, not hang
+            own.set_timeout(timedelta(seconds=STORE_TIMEOUT))  # a stopped store server makes a read fail, not hang
         except (RuntimeError, NotImplementedError):
             own = None  # a store that cannot be shared with a thread: waits time out as plain timeouts
         _current, _current_store = Heartbeat(own, rank, close), store
     _current.now = ("busy", "setting up the pipeline", time.monotonic(), None, None)
     return _current
+
+
+def stop() -> None:
+    """Stop this process's heartbeat, if it has one (the run is over)."""
+    if _current is not None:
+        _current.stop()
 
 
 FAILED = "pipeloom/failed"  # the store key naming the first rank that failed, and why

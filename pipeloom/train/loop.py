@@ -37,7 +37,7 @@ def worker(make_spec, config) -> int:
     import torch.distributed as dist
 
     from ..runtime.device import pipeline_device
-    from ..runtime.heartbeat import record_failure
+    from ..runtime import heartbeat
     from ..runtime.p2p import PeerTimeout
 
     from ..runtime.mesh import Layout
@@ -71,10 +71,11 @@ def worker(make_spec, config) -> int:
         _say(_after_failure(rank) or f"rank {rank}: a collective failed (is every rank alive?): {first_line(err)}")
     except Exception as err:  # noqa: BLE001 -- one line here, the traceback in a file
         cause = f"{type(err).__name__}: {first_line(err)}"
-        record_failure(rank, cause)
+        heartbeat.record_failure(rank, cause)
         _say(f"rank {rank} failed: {cause} (traceback in {_keep_traceback(rank)})")
     finally:
         stop.close()
+        heartbeat.stop()  # its threads end here, not in the store's code while Python shuts down
         if code != 1:  # every rank finished or stopped at the same step: the group can be torn down
             dist.destroy_process_group()
     return code
