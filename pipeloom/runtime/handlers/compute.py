@@ -11,7 +11,8 @@ with the model's loss function, unless a technique set the context's
 :class:`~pipeloom.runtime.context.Ends`. In a forward-only call (``step.training``
 False: evaluation, under ``torch.no_grad``) F runs with the newest weights
 (2bw's stage parameters, not a step's version), recomputes nothing and keeps
-nothing once it has handed its output on.
+nothing once it has handed its output on. Which stages recompute is the
+pipeline's ``recompute`` (:class:`RecomputePart`).
 """
 
 from __future__ import annotations
