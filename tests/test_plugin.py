@@ -4,7 +4,8 @@ The toy transform here inserts a no-op action ``NOOP`` after every forward. Its 
 and cost field are registered here; the simulator, validator, renderers, torch CSV
 export and lowering accept it as they are. The last tests plug a whole technique
 (tests/toy_technique.py: a flag, a transform and kind, a cost field, a planner
-dimension, a runtime handler) into ``pipeloom simulate``, ``plan`` and ``train``.
+dimension, a runtime handler) into ``pipeloom simulate``, ``plan`` and ``train``; another
+takes a keyword of ``Pipeline`` through its runtime part.
 """
 
 import json
@@ -126,6 +127,63 @@ def test_the_runtime_runs_it_by_its_handler():
     for loss_err, grad_err, calls, forwards in spawn(2, _noop_worker, timeout=90):
         assert loss_err < 1e-5 and grad_err < 1e-4, (loss_err, grad_err)
         assert calls == forwards == [0, 1, 2, 3]
+
+
+def _part_worker(rank):
+    import torch
+
+    from parity import make_batch
+    from pipeloom import Pipeline
+    from pipeloom.errors import PipeloomError
+    from pipeloom.nn import GPT, GPTConfig
+    from pipeloom.runtime.parts import Part
+    from pipeloom.techniques import TECHNIQUES, Technique, register
+
+    class Noting(Part):
+        """Takes ``note``, notes the hooks it sees and gives them as ``pipe.notes``."""
+
+        keywords = {"note": None}
+        exposes = ("notes",)
+
+        def check(self):
+            if self.given["note"] == "bad":
+                raise PipeloomError("note='bad'")
+            self.notes = [self.given["note"]]
+
+        def setup(self, pipe, model):
+            self.notes.append("setup")
+
+        def batch(self, tokens, targets):
+            self.notes.append("batch")
+            return tokens, targets
+
+    class Note(Technique):
+        name = "note"
+
+        def runtime_part(self):
+            return Noting
+
+    config = GPTConfig.preset("tiny")
+    torch.manual_seed(0)
+    with pytest.raises(PipeloomError, match="note"):  # not a keyword of the schedule's build yet
+        Pipeline(GPT(config), "1f1b", pp=1, microbatches=2, note="hello")
+    register(Note())
+    try:
+        with pytest.raises(PipeloomError, match="note='bad'"):
+            Pipeline(GPT(config), "1f1b", pp=1, microbatches=2, note="bad")
+        pipe = Pipeline(GPT(config), "1f1b", pp=1, microbatches=2, note="hello")
+        pipe.step(*make_batch(config, 4, 8))
+        return pipe.notes
+    finally:
+        del TECHNIQUES["note"]
+
+
+@pytest.mark.timeout(120)
+def test_a_plugged_technique_adds_its_part_to_the_pipeline():
+    pytest.importorskip("torch")
+    from pipeloom.runtime.local import spawn
+
+    assert spawn(1, _part_worker, timeout=90) == [["hello", "setup", "batch"]]
 
 
 def test_a_kind_without_a_handler_is_named():

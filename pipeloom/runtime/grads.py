@@ -23,7 +23,7 @@ from ..schedule import BW, B, W
 from ..schedule.ir import parts
 from ..schedule.lower import SEND_B
 from .context import Context
-from .handlers.vocab import GRADIENT_PASSES, SHARDS
+from .handlers.vocab import GRADIENT_PASSES, NAME, SHARDS
 
 _AVERAGE = "averaging gradients over the data-parallel replicas"
 _TIED = "summing the tied embedding's gradients"
@@ -46,13 +46,13 @@ def finals(actions, microbatches: int) -> dict[int, list[tuple]]:
 
 
 class Gradients:
-    """The gradients of one rank's stages and vocabulary shards (``vocab``, or None)."""
+    """The gradients of one rank's stages and vocabulary shards (the context's vocabulary passes, if any)."""
 
-    def __init__(self, context: Context, vocab=None):
+    def __init__(self, context: Context):
         self.mesh, self.channel, self.device = context.mesh, context.channel, context.device
-        self.stages, self.vocab = context.stages, vocab
+        self.stages, self.vocab = context.stages, context.extras.get(NAME)
         named = [(stage, n, p) for stage in self.stages.values() for n, p in stage.named_parameters()]
-        self.params = [p for _, _, p in named] + (vocab.parameters() if vocab else [])
+        self.params = [p for _, _, p in named] + (self.vocab.parameters() if self.vocab else [])
         #: the unsplit model's name of each stage parameter, by id
         self.names = {id(p): stage.param_names[n] for stage, n, p in named}
         self.tied = [p for stage, n, p in named if n in stage.tied]

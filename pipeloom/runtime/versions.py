@@ -21,11 +21,15 @@ stages (the vocabulary shards) are versioned the same way, as one more module
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
 from torch import nn
 from torch.func import functional_call
+
+from ..errors import PipeloomError
+from .parts import Part
 
 
 class WeightVersions:
@@ -91,3 +95,33 @@ class WeightVersions:
         for p in everything:
             p.grad = None
         self.weights[s, t + self.count] = buffer
+
+
+class VersionsPart(Part):
+    """Weight versions in a pipeline: a schedule of several steps per call, or of several versions,
+    runs with :attr:`versions` (:class:`WeightVersions`), by
+    :meth:`~pipeloom.runtime.Pipeline.run_steps`, each stage updating as it finishes a step's gradient."""
+
+    exposes = ("versions",)
+    #: the rank's :class:`WeightVersions`, where the schedule runs several, else None
+    versions = None
+
+    def context_options(self, pipe) -> dict:
+        schedule = pipe.schedule
+        if schedule.steps > 1 or schedule.weight_versions > 1:
+            self.versions = WeightVersions(pipe.stages, schedule.weight_versions)
+        return {"versions": self.versions}
+
+    def updates(self, pipe, finals: dict, optimizer) -> dict | None:
+        schedule = pipe.schedule
+        if optimizer is None:
+            if self.versions:
+                raise PipeloomError(f"{schedule.family} runs {schedule.steps} steps per call with "
+                                    f"{schedule.weight_versions} weight versions: use run_steps(tokens, targets, "
+                                    "optimizer)")
+            return None
+        if not self.versions:
+            raise PipeloomError(f"{schedule.family} is synchronous: use step() and optimizer_step()")
+        done = pipe.steps_done
+        return {k: [partial(self.versions.update, s, done + t, optimizer, partial(pipe.grads.reduce_version, s))
+                    for s, t in pairs] for k, pairs in finals.items()}

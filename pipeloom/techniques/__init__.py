@@ -123,6 +123,12 @@ class Technique:
         """Keywords of :class:`~pipeloom.runtime.Pipeline` the technique sets in ``train``."""
         return {}
 
+    def runtime_part(self):
+        """The class of its side of :class:`~pipeloom.runtime.Pipeline` (a
+        :class:`~pipeloom.runtime.parts.Part`: the keywords it takes, its state and hooks), imported
+        inside this method (torch), or None."""
+        return None
+
     def plan_dimension(self, request) -> tuple[str, tuple] | None:
         """A plug-in's dimension of the planner's search: (its option's name, the values to try),
         or None. (The built-in techniques' dimensions are the planner's own candidate fields.)"""

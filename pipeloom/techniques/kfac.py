@@ -74,6 +74,11 @@ class Kfac(Technique):
             return {}
         return {"optimizer": "kfac", "kfac": {"damping": spec.kfac_damping, "every": spec.kfac_every}, "costs": costs}
 
+    def runtime_part(self):
+        from ..runtime.handlers.kfac import KfacPart
+
+        return KfacPart
+
     def describe(self, spec, pipe) -> str:
         return f", K-FAC refreshed every {pipe.schedule.options['kfac']['every']} steps" if self.active(spec) else ""
 

@@ -33,6 +33,11 @@ class Offload(Technique):
 
         return [Transform(spec.offload, spec.offload_ratio)] if self.active(spec) else []
 
+    def runtime_part(self):
+        from ..runtime.handlers.offload import OffloadPart
+
+        return OffloadPart
+
     def describe(self, spec, pipe) -> str:
         if not self.active(spec):
             return ""

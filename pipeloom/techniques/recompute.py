@@ -23,6 +23,11 @@ class Recompute(Technique):
     def pipeline_options(self, spec, costs) -> dict:
         return {"recompute": RECOMPUTE[spec.recompute]}
 
+    def runtime_part(self):
+        from ..runtime.handlers.compute import RecomputePart
+
+        return RecomputePart
+
     def describe(self, spec, pipe) -> str:
         return f", recompute {spec.recompute}" if self.active(spec) else ""
 

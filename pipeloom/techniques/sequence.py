@@ -29,6 +29,11 @@ class SequenceParallel(Technique):
     def pipeline_options(self, spec, costs) -> dict:
         return {"sp": spec.sp, "attention": spec.attention}
 
+    def runtime_part(self):
+        from ..runtime.batches import SequencePart
+
+        return SequencePart
+
     def describe(self, spec, pipe) -> str:
         return f", sp={spec.sp} ({pipe.attention})" if self.active(spec) else ""
 

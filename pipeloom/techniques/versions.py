@@ -27,5 +27,10 @@ class WeightVersions(Technique):
     def build_options(self, spec) -> dict:
         return {"steps": spec.schedule_steps} if spec.schedule_steps is not None else {}
 
+    def runtime_part(self):
+        from ..runtime.versions import VersionsPart
+
+        return VersionsPart
+
 
 register(WeightVersions())

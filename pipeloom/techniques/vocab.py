@@ -33,6 +33,11 @@ class VocabParallel(Technique):
     def pipeline_options(self, spec, costs) -> dict:
         return {}  # the schedule carries its passes; redis's layers are the trainer's (its model's balance)
 
+    def runtime_part(self):
+        from ..runtime.handlers.vocab import VocabPart
+
+        return VocabPart
+
     def describe(self, spec, pipe) -> str:
         return f", vocab-parallel {spec.vocab_parallel}" if self.active(spec) else ""
 

@@ -11,7 +11,8 @@ with the model's loss function, unless a technique set the context's
 :class:`~pipeloom.runtime.context.Ends`. In a forward-only call (``step.training``
 False: evaluation, under ``torch.no_grad``) F runs with the newest weights
 (2bw's stage parameters, not a step's version), recomputes nothing and keeps
-nothing once it has handed its output on.
+nothing once it has handed its output on. Which stages recompute is the
+pipeline's ``recompute`` (:class:`RecomputePart`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from ...errors import PipeloomError
 from ...nn.linear import WeightGradStore, defer_weight_grads
 from ...schedule import BW, B, F, W
 from ..context import ACTIVATION, GRADIENT
+from ..parts import Part
 from . import register
+from .offload import offloader_of
 
 #: ``context.extras`` key: stage -> the module types whose weight gradients its B computes (not deferred to W)
 WEIGHTS_IN_B = "weights in B"
@@ -125,6 +128,23 @@ def recomputed(recompute, stages) -> frozenset[int]:
             raise PipeloomError(f"recompute={recompute!r}: give True, the stages, or 'cheap'")
         return frozenset()
     return frozenset(stages if recompute is True else recompute or ())
+
+
+class RecomputePart(Part):
+    """Recomputation in a pipeline: ``recompute`` (True, the stages, or "cheap") sets the stages
+    whose forward reruns in backward (:attr:`~..context.Context.recompute`); "cheap" keeps the
+    recipes of what the model marks instead, through the offloader's hooks (:mod:`.offload`)."""
+
+    keywords = {"recompute": False}
+    not_for_stages = (("recompute", lambda v: v == "cheap", "it rebuilds the norms and GELU that pipeloom's GPT "
+                       "marks; yours mark nothing: use recompute=True"),)
+
+    def context_options(self, pipe) -> dict:
+        return {"recompute": recomputed(self.given["recompute"], pipe.stages)}
+
+    def setup(self, pipe, model) -> None:
+        if self.given["recompute"] == "cheap":
+            offloader_of(pipe.context).cheap = True
 
 
 register(F, _forward, prepare=_forward_input)

@@ -24,6 +24,7 @@ from ...optim.kfac import KFAC
 from ...schedule import BW, B, F, Kfac, lower, validate
 from ...schedule.kinds import get
 from ...schedule.transforms.kfac import KFAC_A, KFAC_G, KFAC_INV, KFAC_PRE, KFAC_SYNC_A, KFAC_SYNC_G, PIECES
+from ..parts import Part
 from . import around, register
 
 NAME = "kfac"
@@ -162,6 +163,39 @@ def preconditioned(actions) -> dict[int, list[tuple[int, int]]]:
         if action.kind == KFAC_PRE:
             plan.setdefault(k, []).append((action.stage, action.microbatch))
     return plan
+
+
+class KfacPart(Part):
+    """PipeFisher in a pipeline: ``optimizer="kfac"`` (``kfac``: its options; ``costs``, a build
+    option too, places the pieces) makes the rank's K-FAC cycle (:func:`kfac_cycle`), whose
+    gradients are final once preconditioned; :attr:`kfac` is its state."""
+
+    keywords = {"optimizer": None, "kfac": None}
+    exposes = ("kfac",)
+    not_for_stages = (("optimizer", lambda v: v is not None, "K-FAC captures each linear layer's input in its "
+                       "forward, and torch's attention uses its projections without one (nn.MultiheadAttention); "
+                       "step your own optimizer"),)
+    #: the K-FAC state of PipeFisher (``optimizer="kfac"``), else None
+    kfac = None
+
+    def __init__(self, options: dict):
+        super().__init__(options)
+        self.costs = options.get("costs")
+
+    def check_schedule(self, schedule) -> None:
+        if schedule.options.get("kfac"):
+            raise PipeloomError("the schedule holds K-FAC pieces: give it without them and optimizer='kfac', which "
+                                "places them for the model's stages")
+
+    def calls(self, pipe, calls: list) -> tuple:
+        if self.given["optimizer"] is None:
+            return pipe.schedule, calls
+        work, schedule, calls = kfac_cycle(pipe.context, self.given["optimizer"], self.given["kfac"], self.costs)
+        self.kfac = work.kfac
+        return schedule, calls
+
+    def finals(self, actions) -> dict | None:
+        return preconditioned(actions) if self.kfac is not None else None
 
 
 def _around(action, context):

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
@@ -51,6 +51,8 @@ from torch import nn
 from ...errors import PipeloomError
 from ...nn.recompute import cheap_recompute, recipe
 from ...schedule import OFFLOAD, RELOAD, F
+from ...schedule import Offload as Transform
+from ..parts import Part
 from . import around, register
 
 #: Saved tensors of at most this many elements stay on the device.
@@ -320,6 +322,52 @@ class Offloader:
 
     def _on_copy_stream(self):
         return torch.cuda.stream(self.stream) if self.cuda else nullcontext()
+
+
+def offloader_of(context) -> Offloader:
+    """The rank's offloader, made on first use: offload and cheap recomputation share its hooks and stats."""
+    return context.extras.get(NAME) or Offloader(context)
+
+
+class OffloadPart(Part):
+    """Offload in a pipeline: ``offload`` ("none", "full" or "selective", with ``offload_ratio``)
+    builds a family with :class:`~pipeloom.schedule.Offload`; the rank's offloader runs where
+    the schedule offloads, and counts where ``offload`` is given (:meth:`offload_stats`)."""
+
+    keywords = {"offload": None, "offload_ratio": None}
+    exposes = ("offloader", "offload_stats")
+    context = None
+
+    def check(self) -> None:
+        if self.given["offload"] is None and self.given["offload_ratio"] is not None:
+            raise PipeloomError(f"offload_ratio={self.given['offload_ratio']!r} goes with offload='selective'")
+
+    def check_schedule(self, schedule) -> None:
+        if self.given["offload"] is not None:
+            raise PipeloomError(f"offload={self.given['offload']!r} goes with a family name: build a given Schedule "
+                                "with transforms=[Offload(...)] instead")
+
+    def build(self, options: dict) -> None:
+        if self.given["offload"] is not None:
+            options["transforms"] = [*options.get("transforms", ()), Transform(self.given["offload"],
+                                                                               self.given["offload_ratio"])]
+
+    def setup(self, pipe, model) -> None:
+        self.context = pipe.context
+        if self.given["offload"] or pipe.schedule.options.get("offload"):
+            offloader_of(pipe.context)
+
+    @property
+    def offloader(self) -> Offloader | None:
+        """The rank's offloader, if it has one."""
+        return self.context.extras.get(NAME) if self.context else None
+
+    def offload_stats(self) -> dict[str, int]:
+        """This rank's activation bytes on the device and the host, now and at their peaks since
+        the step began (:class:`OffloadStats`)."""
+        if self.offloader is None:
+            raise PipeloomError("offload_stats() counts with Pipeline(..., offload='none'|'full'|'selective')")
+        return asdict(self.offloader.stats)
 
 
 def _unpack(saved):

@@ -53,9 +53,10 @@ from torch import nn
 
 from ...errors import PipeloomError
 from ...nn.vocab import VocabParallelEmbedding, VocabParallelLMHead
-from ...schedule.ir import BW, B, F, Action
+from ...schedule.ir import BW, B, F, Action, Schedule
 from ...schedule.transforms.vocab import IB, IF, VOCAB_KINDS, C, S, T, Z
 from ..context import Context, Ends
+from ..parts import Part
 from . import register
 
 #: The collectives, each on a group of its own over the replica's pipeline ranks
@@ -65,6 +66,8 @@ GROUPS = ("sum-embeddings", "share-output", "gather-stats", "sum-exp", "sum-grad
           "share-input-grad")
 #: The key of the vocabulary shards among the weight versions and the gradients' finals.
 SHARDS = "vocab"
+#: The vocabulary passes' key in ``Context.extras``.
+NAME = "vocab"
 #: The passes that add to the shards' gradient.
 GRADIENT_PASSES = (T, IB)
 
@@ -87,7 +90,7 @@ class _Shards(nn.Module):
 
 class VocabPasses:
     """One rank's shards of a model's ``wte`` and ``lm_head`` and its vocabulary passes;
-    kept in ``context.extras["vocab"]``, they set ``context.ends``."""
+    kept in ``context.extras[NAME]``, they set ``context.ends``."""
 
     def __init__(self, context: Context, model: nn.Module, algorithm: str):
         self.context = context
@@ -119,7 +122,7 @@ class VocabPasses:
         self._check_order()
         context.ends = Ends(input=self.stage_input, output=self.share_output, output_grad=self.grad_input,
                             input_grad=self.share_input_grad)
-        context.extras["vocab"] = self
+        context.extras[NAME] = self
 
     def _check_order(self) -> None:
         """Every collective must meet its microbatches in one order on every rank: the
@@ -295,9 +298,49 @@ class VocabPasses:
                 for name, p in self.named_shards()}
 
 
+class VocabPart(Part):
+    """Vocabulary parallelism in a pipeline: ``vocab_parallel`` builds a family with its passes;
+    where the schedule has them, the model's stages are built without the vocabulary layers and
+    :attr:`vocab` holds the rank's shards and passes, which compute the loss."""
+
+    keywords = {"vocab_parallel": None}
+    exposes = ("vocab",)
+    not_for_stages = (("vocab_parallel", lambda v: v not in (None, "none"), "the vocabulary passes shard "
+                       "pipeloom's GPT embedding and LM head; your stages hold their own"),)
+    #: the rank's :class:`VocabPasses`, where the schedule has vocabulary passes, else None
+    vocab = None
+
+    @classmethod
+    def refuse_for_stages(cls, schedule, options: dict) -> None:
+        given = {**options, "vocab_parallel": schedule.vocab_parallel} if isinstance(schedule, Schedule) else options
+        super().refuse_for_stages(schedule, given)
+
+    def build(self, options: dict) -> None:
+        if self.given["vocab_parallel"] is not None:
+            options["vocab_parallel"] = self.given["vocab_parallel"]
+
+    def computes_loss(self, schedule) -> bool:
+        return schedule.vocab_parallel is not None  # None also for "redis" and "none": plain stages
+
+    def groups(self, schedule) -> tuple[str, ...]:
+        return GROUPS if self.computes_loss(schedule) else ()
+
+    def stage_options(self, schedule) -> dict:
+        return {"vocab_parallel": self.computes_loss(schedule)}
+
+    def setup(self, pipe, model) -> None:
+        if self.computes_loss(pipe.schedule):
+            self.vocab = VocabPasses(pipe.context, model, pipe.schedule.vocab_parallel)
+
+    def weights(self) -> dict:
+        if self.vocab is None:
+            return {}
+        return {name: self.vocab.full(shard.detach()).cpu().clone() for name, shard in self.vocab.named_shards()}
+
+
 def _pass(action: Action, context: Context) -> None:
     """Run vocabulary pass ``action`` for its microbatch (with the weights of its step, under versions)."""
-    run = getattr(context.extras["vocab"], "_" + action.kind.lower())
+    run = getattr(context.extras[NAME], "_" + action.kind.lower())
     versioned = context.versioned(SHARDS, action.microbatch)
     if versioned:
         versioned(run, action)
