@@ -75,6 +75,9 @@ class Technique:
     summary = ""
     flags: tuple[Flag, ...] = ()
     order = 50
+    #: The runtime places the technique's work itself, from its :meth:`pipeline_options` (K-FAC's
+    #: pieces, for the model's own layers): the schedule ``train`` gives the pipeline is built without it.
+    placed_by_runtime = False
 
     def active(self, spec) -> bool:
         """Whether ``spec`` uses the technique."""

@@ -10,6 +10,7 @@ class Kfac(Technique):
     name = "kfac"
     summary = "K-FAC's work in the bubbles; AdamW on the preconditioned gradients"
     order = 100  # its pieces fill the bubbles of the schedule the others made
+    placed_by_runtime = True  # for the model's layers, by the pipeline (the same units: train checks the digest)
     flags = (Flag("optimizer", "adamw, or kfac: PipeFisher, K-FAC's curvature and inversion work in the schedule's "
                   "bubbles and AdamW on the preconditioned gradients (default adamw)", choices=("adamw", "kfac")),
              Flag("kfac_every", "with --optimizer kfac: refresh the curvature every K steps (default: as the bubbles "

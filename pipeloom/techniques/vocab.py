@@ -31,7 +31,13 @@ class VocabParallel(Technique):
         return {"vocab_parallel": priced.spec.vocab_parallel}
 
     def pipeline_options(self, spec, costs) -> dict:
-        return {}  # the schedule carries its passes; redis's layers are the trainer's (its model's balance)
+        """The schedule carries its passes; redis balances the layers, the vocabulary layers on the ends."""
+        if spec.vocab_parallel != "redis":
+            return {}
+        from ..builder import Priced
+        from ..partition import balanced_layers
+
+        return {"layers_per_stage": balanced_layers(Priced(spec).model, spec.pp * spec.family_chunks, spec.seq)}
 
     def runtime_part(self):
         from ..runtime.handlers.vocab import VocabPart

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -123,7 +122,8 @@ class Trainer:
         self.data = load_data(config.data, config.token_dtype, config.vocab_size, config.tokenizer)
         self.spec = spec = with_vocab(spec, self.data.vocab_size)
         costs = costs_of(spec)
-        schedule = build_run(spec, costs, without=("kfac",))  # K-FAC's pieces: the pipeline places them as the builder
+        runtime = tuple(t.name for t in TECHNIQUES.values() if t.placed_by_runtime)  # the pipeline places their work
+        schedule = build_run(spec, costs, without=runtime)
         check_steps(config, schedule)
         self.memory = PeakMemory(device)  # from here: what the model and its training add
         self.model_config = preset_config(spec.model, vocab_size=model_vocab(spec), **positions(spec))
@@ -134,8 +134,6 @@ class Trainer:
         model = self.model_config.build(device="meta")  # each rank materialises only its own stages
         self.n_params = sum(p.numel() for p in model.parameters())
         options = {k: v for t in TECHNIQUES.values() for k, v in t.pipeline_options(spec, costs).items()}
-        if spec.vocab_parallel == "redis":
-            options["layers_per_stage"] = _redistributed(self.model_config, spec, schedule)
         self.pipe = Pipeline(model, schedule, dp=dp, timeout=config.timeout, autocast=autocast, device=device, **options)
         self.digest = _agreed_digest(self.pipe.schedule, build_run(spec, costs))
         params = self.pipe.parameters()
@@ -363,16 +361,6 @@ def _output(flag: str, path: str, lead: bool):
     except Exception as err:  # noqa: BLE001 -- matplotlib's and the filesystem's errors alike
         if lead:
             _say(f"could not write {flag} {path}: {type(err).__name__}: {first_line(err)}")
-
-
-def _redistributed(model_config, spec: RunSpec, schedule) -> tuple[int, ...]:
-    """The ``redis`` baseline's layers per stage: the simulator's balance of compute
-    with the embedding on the first stage and the LM head on the last."""
-    from ..partition import balanced_layers
-    from ..sim.specs import MODELS
-
-    model = dataclasses.replace(MODELS[spec.model], vocab=model_config.vocab_size)
-    return balanced_layers(model, schedule.stages, spec.seq)
 
 
 def _agreed_digest(schedule, built) -> str:
