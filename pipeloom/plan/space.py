@@ -149,8 +149,7 @@ def candidates(request: PlanRequest) -> Iterator[Candidate]:
     each technique's :meth:`~pipeloom.techniques.Technique.plan_allows`)."""
     layers = request.model.layers
     plugged = _plugged(request)
-    names = [axis.name for _, axis in axes()]
-    settings = [dict(zip(names, values)) for values in product(*(getattr(request, name) for name in names))]
+    settings = list(product(*(getattr(request, axis.name) for _, axis in axes())))  # in the candidate's order
     allows = hooked("plan_allows")
     for pp, dp, sp in layouts(request, request.cluster.gpus):
         per_replica = request.global_batch // dp
@@ -164,8 +163,11 @@ def candidates(request: PlanRequest) -> Iterator[Candidate]:
                 for b in sizes:
                     for setting in settings:
                         for options in plugged:
-                            c = Candidate(pp, dp, sp, name, chunks, b, per_replica // b, **setting, options=options)
-                            if all(t.plan_allows(request, c) for t in allows):
+                            c = Candidate(pp, dp, sp, name, chunks, b, per_replica // b, *setting, options)
+                            for technique in allows:
+                                if not technique.plan_allows(request, c):
+                                    break
+                            else:
                                 yield c
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from ..modes import VocabMode
 from . import Flag, PlanAxis, Technique, register
 
@@ -44,11 +46,12 @@ class VocabParallel(Technique):
         which the planner's builds of 1 and 2 steps do not reach)."""
         if c.vocab_parallel == "none":
             return True
-        from ..schedule import get_family
+        if c.pp == 1:
+            return False
         from ..schedule.transforms.vocab import ALGORITHMS, versioned_microbatches
 
-        return c.pp > 1 and not ("steps" in get_family(c.schedule).options and c.vocab_parallel in ALGORITHMS
-                                 and c.microbatches < versioned_microbatches(c.pp, c.vocab_parallel))
+        return not (c.vocab_parallel in ALGORITHMS and _builds_steps(c.schedule)
+                    and c.microbatches < versioned_microbatches(c.pp, c.vocab_parallel))
 
     def plan_passes(self, c) -> tuple:
         from ..schedule.transforms.vocab import VOCAB_PASSES
@@ -62,6 +65,14 @@ class VocabParallel(Technique):
 
     def plan_model_options(self, c) -> dict:
         return {"vocab_parallel": None if c.vocab_parallel == "none" else c.vocab_parallel}
+
+
+@lru_cache(maxsize=None)
+def _builds_steps(schedule: str) -> bool:
+    """Whether the family builds several steps a call (2bw)."""
+    from ..schedule import get_family
+
+    return "steps" in get_family(schedule).options
 
 
 register(VocabParallel())
