@@ -110,8 +110,7 @@ class Costing:
         self._shape = attrgetter("schedule", "pp", "microbatches", "chunks", *shaped, "options", *added)
         self._bare = {axis.name: axis.values[0] for _, axis in named if axis.added}
         self._adders = [t for t, axis in named if axis.added]
-        self._passers, self._sharders, self._modellers, self._listers = (
-            hooked(hook) for hook in ("plan_passes", "plan_shard_params", "plan_model_options", "plan_memory_lists"))
+        self._passers, self._listers = hooked("plan_passes"), hooked("plan_memory_lists")
 
     def family(self, c: Candidate) -> tuple:
         """Facts of ``c``'s family the bounds read, once per family: (V-shaped, fused, ``costs`` among
