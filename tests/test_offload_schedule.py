@@ -282,3 +282,30 @@ def test_cli(capsys, tmp_path):
     assert "--offload-ratio 0.5 goes with --offload selective" in capsys.readouterr().err
     assert main(["simulate", "--offload", "selective"]) == 2
     assert "needs a ratio" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zb-h1", "v-half", "gpipe"])
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_the_placement_times_copies_as_the_compiled_program_does(name, policy):
+    """The placement times each attempt with a program derived from the bare schedule's (not
+    compiled again): the same starts, ends and copy waits as compiling it, on any costs."""
+    from pipeloom.schedule import deps
+    from pipeloom.schedule.transforms.offload import _derive
+
+    rng = random.Random(7)
+    costs = Costs(f=1, b=1.5, w=0.5, comm=0.3, m_b=1, m_w=0.5, extra={"offload": 0.9})
+    bare = build(name, 4, 8)
+    schedule = Offload(policy, 0.5 if policy == "selective" else None).apply(bare, costs)
+    assert offloaded(schedule)
+    derived, compiled = _derive(schedule, bare), deps._Program(schedule)
+    assert derived is not None
+    per_stage = costs.per_stage(schedule.stages, schedule.chunks)
+    times: dict = {}
+
+    def drawn(tag):
+        return lambda a: times.setdefault((tag, a.kind, a.stage, a.payload), rng.random())
+
+    for duration, transfer in ((per_stage.duration, per_stage.transfer), (drawn("d"), drawn("t"))):
+        waits = [[0.0] * schedule.pp for _ in range(2)]
+        assert derived.run(duration, transfer, waits[0]) == compiled.run(duration, transfer, waits[1])
+        assert waits[0] == waits[1]

@@ -10,7 +10,7 @@ _GiB = 2**30
 
 
 def add_parser(sub) -> None:
-    from ..plan.space import OFFLOADS, RECOMPUTES, VOCAB_MODES
+    from ..plan.space import axes
     from ..schedule import FAMILIES
     from ..sim.specs import DEVICES
 
@@ -37,10 +37,8 @@ def add_parser(sub) -> None:
     p.add_argument("--profile", metavar="FILE.json",
                    help="measured costs (pipeloom profile) instead of the FLOP formulas and the device's efficiency")
     p.add_argument("--schedules", metavar="A,B,...", help=f"families to search (default all: {', '.join(FAMILIES)})")
-    p.add_argument("--recompute", metavar="A,B,...", help=f"recomputation to search (default {','.join(RECOMPUTES)})")
-    p.add_argument("--vocab-parallel", metavar="A,B,...",
-                   help=f"vocabulary placements to search (default {','.join(VOCAB_MODES)})")
-    p.add_argument("--offload", metavar="A,B,...", help=f"offload policies to search (default {','.join(OFFLOADS)})")
+    for _, axis in axes():  # each technique's values, narrowed
+        p.add_argument(axis.flag, metavar="A,B,...", help=axis.help.format(default=",".join(axis.values)))
     p.add_argument("--microbatch-sizes", metavar="1,2,...", help="microbatch sizes to search (default: every divisor)")
     p.add_argument("--top", type=int, default=10, help="plans to print (default 10)")
     p.add_argument("--json", action="store_true", help="print the facts as one JSON object")
@@ -64,7 +62,7 @@ def request_of(args):
     """The :class:`~pipeloom.plan.PlanRequest` the arguments ask for, and where its costs come from."""
     from ..plan import Cluster, PlanRequest
     from ..presets import SIZES
-    from ..plan.space import OFFLOADS, RECOMPUTES, VOCAB_MODES
+    from ..plan.space import axes
     from ..schedule import FAMILIES
     from ..sim.specs import get_model
 
@@ -93,9 +91,7 @@ def request_of(args):
     request = PlanRequest(
         model, seq, args.global_batch, cluster, profile=profile,
         schedules=_listed("--schedules", args.schedules, tuple(FAMILIES)),
-        recompute=_listed("--recompute", args.recompute, RECOMPUTES),
-        vocab_parallel=_listed("--vocab-parallel", args.vocab_parallel, VOCAB_MODES),
-        offload=_listed("--offload", args.offload, OFFLOADS),
+        **{axis.name: _listed(axis.flag, getattr(args, axis.name), axis.values) for _, axis in axes()},
         microbatch_sizes=None if args.microbatch_sizes is None else tuple(
             _number("--microbatch-sizes", x) for x in _listed("--microbatch-sizes", args.microbatch_sizes, ())),
         top=args.top)
@@ -120,12 +116,15 @@ def _number(flag: str, text: str) -> int:
 
 def _fields(plan, request, command) -> dict:
     from ..plan.command import run_spec
+    from ..plan.space import axes
 
     c = plan.candidate
+    settings = {}
+    for technique, axis in axes():  # each axis's value, then the fields the technique derives from it
+        settings.update({axis.name: getattr(c, axis.name), **technique.plan_fields(c)})
     return {
         "pp": c.pp, "dp": c.dp, "sp": c.sp, "schedule": c.schedule, "chunks": c.chunks,
-        "microbatch_size": c.microbatch_size, "microbatches": c.microbatches, "recompute": c.recompute,
-        "vocab_parallel": c.vocab_parallel, "offload": c.offload, "offload_ratio": c.offload_ratio,
+        "microbatch_size": c.microbatch_size, "microbatches": c.microbatches, **settings,
         "step_ms": plan.step_ms, "tokens_per_s": plan.tokens_per_s, "samples_per_s": plan.samples_per_s,
         "mfu": plan.mfu, "peak_memory_bytes": plan.peak_memory_bytes, "bubble_rate": plan.bubble_rate,
         "allreduce_ms": plan.allreduce_ms, "optimizer_ms": plan.optimizer_ms, "command": command(request, c),
@@ -147,15 +146,19 @@ def _report(request, costs, found, command) -> dict:
 
 
 def _table(request, costs, found, command) -> str:
+    from ..plan.space import axes
+
     cluster = request.cluster
+    columns = [axis for _, axis in axes()]
     lines = [
         f"{request.model.name}, seq {request.seq}, global batch {request.global_batch} on {cluster.gpus} x "
         f"{cluster.device.name} ({cluster.gpu_memory / _GiB:.0f} GiB, {cluster.gpus_per_node} per node); "
         f"costs: {costs}",
         f"searched {found.candidates} layouts, simulated {found.simulated}, in {found.seconds:.1f} s",
         "",
-        f"{'#':>2} {'pp':>3} {'dp':>4} {'sp':>3} {'schedule':<20} {'b':>3} {'m':>4} {'recompute':<9} "
-        f"{'vocab':<7} {'offload':<9} {'step ms':>9} {'tokens/s':>11} {'samples/s':>9} {'MFU':>5} {'peak GiB':>8} "
+        f"{'#':>2} {'pp':>3} {'dp':>4} {'sp':>3} {'schedule':<20} {'b':>3} {'m':>4} "
+        + "".join(f"{axis.column:<{axis.width}} " for axis in columns)
+        + f"{'step ms':>9} {'tokens/s':>11} {'samples/s':>9} {'MFU':>5} {'peak GiB':>8} "
         f"{'bubble':>6}",
     ]
     for n, plan in enumerate(found.plans, 1):
@@ -163,7 +166,8 @@ def _table(request, costs, found, command) -> str:
         name = c.schedule if c.chunks == 1 else f"{c.schedule} x{c.chunks}"
         lines.append(
             f"{n:>2} {c.pp:>3} {c.dp:>4} {c.sp:>3} {name:<20} {c.microbatch_size:>3} {c.microbatches:>4} "
-            f"{c.recompute:<9} {c.vocab_parallel:<7} {c.offload:<9} {plan.step_ms:>9.1f} {plan.tokens_per_s:>11,.0f} "
+            + "".join(f"{getattr(c, axis.name):<{axis.width}} " for axis in columns)
+            + f"{plan.step_ms:>9.1f} {plan.tokens_per_s:>11,.0f} "
             f"{plan.samples_per_s:>9.2f} {plan.mfu:>5.1%} {max(plan.peak_memory_bytes) / _GiB:>8.1f} "
             f"{plan.bubble_rate:>6.1%}")
     lines += ["", "run the first with:", "  " + command(request, found.plans[0].candidate)]

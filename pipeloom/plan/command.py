@@ -6,23 +6,24 @@ import shlex
 
 from ..presets import SIZES
 from ..spec import RunSpec
-from .space import Candidate, PlanRequest
+from .space import SETTINGS, Candidate, PlanRequest, hooked
 
-#: The candidate's fields, each a run spec's field of the same name (printed in this order).
-FIELDS = ("schedule", "pp", "dp", "sp", "chunks", "microbatches", "microbatch_size", "recompute", "vocab_parallel",
-          "offload")
+#: The candidate's fields, each a run spec's field of the same name (printed in this order): its
+#: layout, then the techniques' axes.
+FIELDS = ("schedule", "pp", "dp", "sp", "chunks", "microbatches", "microbatch_size", *SETTINGS)
 
 
 def run_spec(request: PlanRequest, c: Candidate, steps: int | None = None) -> RunSpec:
     """The run spec of ``c`` on the request's cluster: the run ``pipeloom train`` makes of the plan's
     command, with the costs the planner priced it with (the cluster's links for its layout, the
-    profile if any); ``steps`` steps a call for 2bw (None: the family's)."""
+    profile if any); ``steps`` steps a call for a family without a flush (None: the family's)."""
     model, cluster = request.model, request.cluster
     preset = SIZES.get(model.name)
     link = cluster.device_for(c.pp, c.dp, c.sp).link_bandwidth
+    derived = {name: value for t in hooked("plan_fields") for name, value in t.plan_fields(c).items()}
     return RunSpec(
         model=model.name, vocab=None if preset is not None and preset.vocab == model.vocab else model.vocab,
-        seq=request.seq, **{name: getattr(c, name) for name in FIELDS}, offload_ratio=c.offload_ratio,
+        seq=request.seq, **{name: getattr(c, name) for name in FIELDS}, **derived,
         schedule_steps=steps, device="cpu" if cluster.device.name == "cpu" else "cuda",
         hardware=cluster.device.name, link_bandwidth=None if link == cluster.device.link_bandwidth else link / 1e9,
         profile=request.profile.source if request.profile is not None else None, options=c.options)

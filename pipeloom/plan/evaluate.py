@@ -4,12 +4,17 @@ The step of a synchronous schedule is the simulated step, each rank then
 all-reducing its stages' fp32 gradients over its ``dp x sp`` replicas (a
 ring, at the slower tier the group spans) from the end of its last action,
 then taking its optimizer step (:func:`~pipeloom.sim.model.optimizer_ms`):
-``step = max over ranks (end + all-reduce + optimizer)``. 2bw never flushes:
-its step is the steady-state one, the simulated time of 2 steps less that of
-1 (and no less than any rank's work in a step), plus the longest all-reduce
-and optimizer step. Memory per rank is :func:`~pipeloom.sim.memory.peak_memory_bytes`
-(model state with 2bw's weight versions, gradients from a stage's first
-backward, simulated activations, the transients of attention and recomputation).
+``step = max over ranks (end + all-reduce + optimizer)``. A family that never
+flushes (:meth:`~pipeloom.techniques.Technique.plan_steady`) steps at its
+steady state: the simulated time of 2 steps less that of 1 (and no less than
+any rank's work in a step), plus the longest all-reduce and optimizer step.
+Memory per rank is :func:`~pipeloom.sim.memory.peak_memory_bytes` (model
+state with its weight versions, gradients from a stage's first backward,
+simulated activations, the transients of attention and recomputation).
+
+What the techniques change here comes through the planner's hooks of
+:class:`~pipeloom.techniques.Technique` (``plan_*``) and their axes'
+declarations (:class:`~pipeloom.techniques.PlanAxis`); nothing here names one.
 """
 
 from __future__ import annotations
@@ -17,15 +22,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from operator import attrgetter
 
 from ..builder import build_run, model_costs
 from ..errors import PipeloomError
-from ..schedule import Schedule, get_family, validate
+from ..schedule import Schedule, get_family
 from ..schedule.costs import Costs, StageCosts
 from ..schedule.deps import ListPeaks
 from ..schedule.ir import BW, B, F, Action, looped_placement, v_placement
-from ..schedule.transforms.offload import RELOAD, Offload, copyable, tightest
-from ..schedule.transforms.vocab import VOCAB_PASSES
 from ..sim import Result, simulate
 from ..sim.formulas import layer_flops
 from ..sim.memory import GRAD_BYTES_PER_PARAM, peak_memory_bytes, state_bytes_per_param
@@ -33,14 +37,16 @@ from ..sim.model import optimizer_ms as sim_optimizer_ms
 from ..sim.stages import stage_parameters
 from .bounds import CriticalPath, critical_path
 from .command import run_spec
-from .space import OFFLOADS, RECOMPUTES, Candidate, PlanRequest
+from .space import Candidate, PlanRequest, axes, hooked, saver_ranks, savers
 
+#: The steps a family without a flush is simulated for: its steady step is the difference.
+STEADY_STEPS = (1, 2)
 
 
 @dataclass(frozen=True)
 class Plan:
     """A candidate costed: step time (ms), throughput, MFU, peak memory per rank (bytes) and the
-    bubble rate of its simulated schedule (2bw: of its steady step); ``fits`` when every rank's peak is within the GPU memory."""
+    bubble rate of its simulated schedule (a family without a flush: of its steady step); ``fits`` when every rank's peak is within the GPU memory."""
 
     candidate: Candidate
     step_ms: float
@@ -56,11 +62,11 @@ class Plan:
 
     @property
     def key(self) -> tuple:
-        """The order of plans: fastest first; at equal speed the one with less recomputation and
-        offload (each costs more than the cost model counts), then the least memory."""
+        """The order of plans: fastest first; at equal speed the one with the least memory savers
+        (each costs more than the cost model counts: :func:`~pipeloom.plan.space.saver_ranks`), then
+        the least memory."""
         c = self.candidate
-        return _tied(self.step_ms), RECOMPUTES.index(c.recompute), OFFLOADS.index(c.offload), \
-            max(self.peak_memory_bytes), c
+        return _tied(self.step_ms), *saver_ranks(c, _savers()), max(self.peak_memory_bytes), c
 
     def beats(self, bound_ms: float) -> bool:
         """Whether no candidate whose step is at least ``bound_ms`` can come before this plan."""
@@ -69,6 +75,11 @@ class Plan:
 
 #: Relative difference under which two steps count as equal (sums of the same costs in another order).
 _NOISE = 1e-9
+
+
+@lru_cache(maxsize=1)
+def _savers() -> list:
+    return savers()
 
 
 def _tied(ms: float) -> float:
@@ -88,14 +99,44 @@ class Costing:
         self._bounds: dict[tuple, float] = {}
         self._states: dict[tuple, float] = {}
         self._peaks: dict[tuple, ListPeaks | None] = {}
+        self._families: dict[str, tuple] = {}
+        # what fixes each cache's entry: the layout, and the axes whose values change what it holds
+        named = axes()
+        priced, placed, shaped, added = ([axis.name for _, axis in named if getattr(axis, what)]
+                                         for what in ("priced", "placed", "shaped", "added"))
+        self._costs_key = attrgetter("pp", "dp", "sp", "chunks", "microbatch_size", *priced, "options")
+        self._placed = attrgetter("pp", "chunks", *placed)
+        self._tail_key = attrgetter("pp", "dp", "sp", "chunks", *placed)
+        self._shape = attrgetter("schedule", "pp", "microbatches", "chunks", *shaped, "options", *added)
+        self._bare = {axis.name: axis.values[0] for _, axis in named if axis.added}
+        self._adders = [t for t, axis in named if axis.added]
+        self._passers, self._listers = hooked("plan_passes"), hooked("plan_memory_lists")
+
+    def family(self, c: Candidate) -> tuple:
+        """Facts of ``c``'s family the bounds read, once per family: (V-shaped, fused, ``costs`` among
+        its options, steady (:meth:`~pipeloom.techniques.Technique.plan_steady`), weight versions)."""
+        facts = self._families.get(c.schedule)
+        if facts is None:
+            family, name = get_family(c.schedule), c.schedule
+            facts = self._families[name] = (
+                family.chunks == (2,), family.fused, "costs" in family.options,
+                any(t.plan_steady(name) for t in hooked("plan_steady")),
+                max([1, *(t.plan_weight_versions(name) for t in hooked("plan_weight_versions"))]))
+        return facts
+
+    def steady(self, c: Candidate) -> bool:
+        """Whether ``c``'s family never flushes (its step the steady one, no critical path kept)."""
+        return self.family(c)[3]
+
+    def bare(self, c: Candidate) -> Candidate:
+        """``c`` without the axes whose work is added to its schedule (:attr:`PlanAxis.added`)."""
+        if all(getattr(c, name) == value for name, value in self._bare.items()):
+            return c
+        return replace(c, **self._bare)
 
     def costs(self, c: Candidate) -> Costs:
         """The per-stage costs of ``c`` on the request's cluster (profile or formulas)."""
         return self._both(c)[0]
-
-    @staticmethod
-    def _costs_key(c: Candidate) -> tuple:
-        return c.pp, c.dp, c.sp, c.chunks, c.microbatch_size, c.recompute, c.vocab_parallel, c.options
 
     def _both(self, c: Candidate) -> tuple[Costs, StageCosts]:
         key = self._costs_key(c)
@@ -108,10 +149,10 @@ class Costing:
     def evaluate(self, c: Candidate) -> Plan:
         """Simulate ``c`` and cost it (raises :class:`~pipeloom.errors.PipeloomError` when its
         schedule cannot be built); its critical path then bounds every candidate of its schedule,
-        offloaded or not (copies only add inputs to the compute, so they never make it faster)."""
-        plan = evaluate(self.request, c, self.costs(c), self.schedule)
+        with its added axes or not (their work only adds inputs to the compute, so never makes it faster)."""
+        plan = evaluate(self.request, c, self.costs(c), self.schedule, self.steady(c))
         key = self._path_key(c)
-        if key not in self._paths and c.schedule != "2bw" and c.offload == "none":
+        if key not in self._paths and not self.steady(c) and self.bare(c) is c:
             self._paths[key] = critical_path(plan.result)
         return plan
 
@@ -120,7 +161,7 @@ class Costing:
         return self._path_key(c) in self._paths
 
     def bound_ms(self, c: Candidate) -> float:
-        """:meth:`lower_bound_ms`, raised by the critical path of ``c``'s schedule without offload
+        """:meth:`lower_bound_ms`, raised by the critical path of ``c``'s schedule without its added axes
         once one candidate of that schedule has been simulated (:mod:`pipeloom.plan.bounds`)."""
         bound = self.lower_bound_ms(c)
         path = self._paths.get(self._path_key(c))
@@ -130,13 +171,18 @@ class Costing:
 
     def schedule(self, c: Candidate, steps: int | None = None) -> Schedule:
         """:func:`schedule_of` under ``c``'s costs, built once for every candidate that runs the same
-        one (with offload: the copies added to the one built without, placed by the costs)."""
+        one (with added axes: their work added to the one built without, placed by the costs)."""
         key = self._schedule_key(c), steps
         if key not in self._schedules:
             try:
-                self._schedules[key] = (
-                    schedule_of(self.request, c, self.costs(c), steps) if c.offload == "none" else
-                    offloaded(self.schedule(replace(c, offload="none"), steps), c, self.costs(c)))
+                bare = self.bare(c)
+                if bare is c:
+                    self._schedules[key] = schedule_of(self.request, c, self.costs(c), steps)
+                else:
+                    schedule = self.schedule(bare, steps)
+                    for technique in self._adders:
+                        schedule = technique.plan_add(c, schedule, self.costs(c))
+                    self._schedules[key] = schedule
             except PipeloomError as err:
                 self._schedules[key] = err
         if isinstance(self._schedules[key], PipeloomError):
@@ -144,19 +190,19 @@ class Costing:
         return self._schedules[key]
 
     def _schedule_key(self, c: Candidate) -> tuple:
-        """What fixes ``c``'s schedule: its shape, and its costs where they place the work (offload's
-        copies, zb-auto's order)."""
-        costly = c.offload != "none" or "costs" in get_family(c.schedule).options
-        return _shape(c), self._costs_key(c) if costly else None
+        """What fixes ``c``'s schedule: its shape (its added axes last), and its costs where they
+        place the work (the added axes' work, zb-auto's order)."""
+        costly = self.bare(c) is not c or self.family(c)[2]
+        return self._shape(c), self._costs_key(c) if costly else None
 
     def _path_key(self, c: Candidate) -> tuple:
-        """What fixes the critical path that bounds ``c``: its schedule without offload."""
-        return self._schedule_key(replace(c, offload="none"))
+        """What fixes the critical path that bounds ``c``: its schedule without its added axes."""
+        return self._schedule_key(self.bare(c))
 
     def tail_ms(self, c: Candidate) -> list[float]:
         """Per rank, what follows its last action: :func:`allreduce_ms` plus :func:`optimizer_ms`,
         once per layout."""
-        key = c.pp, c.dp, c.sp, c.chunks, c.vocab_parallel, get_family(c.schedule).chunks == (2,)
+        key = self._tail_key(c), self.family(c)[0]
         if key not in self._tail:
             self._tail[key] = [a + o for a, o in zip(allreduce_ms(self.request, c), optimizer_ms(self.request, c))]
         return self._tail[key]
@@ -164,10 +210,11 @@ class Costing:
     def lower_bound_ms(self, c: Candidate) -> float:
         """A step time no schedule of ``c`` can beat (once per costs and schedule shape), the larger of:
 
-        - busy: each rank's compute (F, B and W of its stages and its vocabulary passes, for every
-          microbatch) after the first microbatch's forwards reach it, then its all-reduce and
-          optimizer step (2bw: no wait, as its steady step has none, and the longest tail);
-        - chain (not for 2bw), ending on stage 0's rank: a rank's last backward of one of its
+        - busy: each rank's compute (F, B and W of its stages and the techniques' passes
+          (:meth:`~pipeloom.techniques.Technique.plan_passes`), for every microbatch) after the
+          first microbatch's forwards reach it, then its all-reduce and optimizer step (a steady
+          family: no wait, as its steady step has none, and the longest tail);
+        - chain (not for a steady family), ending on stage 0's rank: a rank's last backward of one of its
           stages ``s`` ends after the forwards reach the rank and all its forwards and its
           backwards of stages ``s`` and later ran, as each precedes that microbatch's backward of
           ``s``; that microbatch's backward then runs down stages ``s - 1`` to 0, each waiting for
@@ -175,21 +222,21 @@ class Costing:
           optimizer step. A backward counts its W too in the families that never split it
           (``fused``).
         """
-        family = get_family(c.schedule)
-        key = self._costs_key(c), family.chunks == (2,), family.fused, c.schedule == "2bw"
+        v_shape, fused, _, steady, _ = self.family(c)
+        key = self._costs_key(c), self._placed(c), v_shape, fused, steady
         if key not in self._bounds:
-            self._bounds[key] = max(self._busy_ms(c), 0.0 if c.schedule == "2bw" else self._chain_ms(c, family.fused))
+            self._bounds[key] = max(self._busy_ms(c, steady), 0.0 if steady else self._chain_ms(c, fused))
         return self._bounds[key]
 
-    def _busy_ms(self, c: Candidate) -> float:
+    def _busy_ms(self, c: Candidate, steady: bool) -> float:
         costs, tail = self._both(c)[1], self.tail_ms(c)
-        passes = VOCAB_PASSES.get(c.vocab_parallel, ())
+        passes = [kind for t in self._passers for kind in t.plan_passes(c)]
         bound = 0.0
         for rank, stages in enumerate(stages_of_ranks(c)):
             busy = c.microbatches * (sum(costs.f[s] + costs.b[s] + costs.w[s] for s in stages)
                                      + sum(costs.duration(Action(kind, rank, 0)) for kind in passes))
-            wait = 0.0 if c.schedule == "2bw" else sum(costs.f[:min(stages)])
-            bound = max(bound, wait + busy + (max(tail) if c.schedule == "2bw" else tail[rank]))
+            wait = 0.0 if steady else sum(costs.f[:min(stages)])
+            bound = max(bound, wait + busy + (max(tail) if steady else tail[rank]))
         return bound
 
     def _chain_ms(self, c: Candidate, fused: bool) -> float:
@@ -217,15 +264,15 @@ class Costing:
     def activation_memory_bound(self, c: Candidate, limit: float = math.inf) -> float:
         """Bytes the busiest rank needs at least once its costs are known: the model state but the
         gradients plus its activations and the gradients that exist by then at their peak
-        (recomputed: a stage's rerun too), or the whole state. Each step below is taken only while
+        (a stage's rerun too, where it reruns), or the whole state. Each step below is taken only while
         the bound is within ``limit``: first one microbatch's activations of a stage (every list
         holds its F), then the peak of its list, which depends on the order only
-        (:class:`~pipeloom.schedule.deps.ListPeaks`); with offload, each pair that is copied
-        to host held only while its F runs and from its backward's start: first every pair that
-        may be copied (:func:`~pipeloom.schedule.transforms.offload.copyable`, from the list
-        without offload), then those the offloaded list copies (building it)."""
+        (:class:`~pipeloom.schedule.deps.ListPeaks`); with a technique that moves activations
+        away, the lists as its steps count them, cheapest first
+        (:meth:`~pipeloom.techniques.Technique.plan_memory_lists`)."""
         bound = self.microbatch_memory_bound(c)
-        for away in (None,) if c.offload == "none" else ("copyable", "copied"):
+        steps = [(t, *step) for t in self._listers for step in t.plan_memory_lists(c)] or [None]
+        for away in steps:
             if bound > limit:
                 break
             bound = max(bound, self._state_and_peaks(c, self._list_peaks(c, away)))
@@ -237,25 +284,24 @@ class Costing:
         and its rerun, or the whole state."""
         return self._state_and_peaks(c, None)
 
-    def _list_peaks(self, c: Candidate, away: str | None) -> list[float] | None:
+    def _list_peaks(self, c: Candidate, away: tuple | None) -> list[float] | None:
         """Per rank, the peak of the activations and the stages' gradients (each from the stage's
         first backward in the list on: :class:`~pipeloom.schedule.deps.ListPeaks`) of the list
-        ``c`` runs (``away``: of the list without offload, pairs that are "copyable", or of the
-        offloaded list, the pairs it has "copied", copied at their tightest: :func:`tightest`), or
-        None where the schedule cannot be built. The lists are read once per schedule and ``away``."""
-        bare = away == "copyable"
-        listed = replace(c, offload="none") if bare else c
-        key = self._schedule_key(listed), away
+        ``c`` runs (``away``: (technique, step, bare): the list, of ``c`` or of ``c`` without its
+        added axes, as the technique's step counts it:
+        :meth:`~pipeloom.techniques.Technique.plan_memory_list`), or None where the schedule cannot
+        be built. The lists are read once per schedule and ``away``."""
+        technique, step, bare = away if away is not None else (None, None, False)
+        listed = self.bare(c) if bare else c
+        key = self._schedule_key(listed), step
         if key not in self._peaks:
             try:
-                schedule = self.schedule(listed, 2 if c.schedule == "2bw" else None)  # as evaluated
+                schedule = self.schedule(listed, STEADY_STEPS[-1] if self.steady(c) else None)  # as evaluated
             except PipeloomError:
                 self._peaks[key] = None
             else:
-                self._peaks[key] = ListPeaks(
-                    tightest(actions, copyable(actions)) if bare else
-                    tightest(actions, [(a.stage, a.microbatch) for a in actions if a.kind == RELOAD]) if away else
-                    actions for actions in schedule.ranks)
+                self._peaks[key] = ListPeaks(technique.plan_memory_list(step, actions) if technique else actions
+                                             for actions in schedule.ranks)
         peaks = self._peaks[key]
         if peaks is None:
             return None
@@ -278,13 +324,15 @@ class Costing:
         return bound
 
     def _state_bytes(self, c: Candidate) -> tuple[float, float]:
-        """:func:`~pipeloom.sim.memory.state_bytes_per_param` of ``c`` (2bw: its 2 weight versions)."""
-        return state_bytes_per_param(self.request.bytes_per_param, 2 if c.schedule == "2bw" else 1)
+        """:func:`~pipeloom.sim.memory.state_bytes_per_param` of ``c`` with its weight versions
+        (:meth:`~pipeloom.techniques.Technique.plan_weight_versions`)."""
+        return state_bytes_per_param(self.request.bytes_per_param, self.family(c)[4])
 
     def memory_lower_bound(self, c: Candidate) -> float:
-        """Bytes the busiest rank needs at least: its model state (2bw: with its weight versions),
+        """Bytes the busiest rank needs at least: its model state (with its weight versions),
         once per placement of the stages."""
-        key = c.pp, c.chunks, c.vocab_parallel, get_family(c.schedule).chunks == (2,), c.schedule == "2bw"
+        v_shape, _, _, _, versions = self.family(c)
+        key = self._placed(c), v_shape, versions
         if key not in self._states:
             per_param = sum(self._state_bytes(c))
             shard, params = _parameters(self.request, c)
@@ -293,20 +341,15 @@ class Costing:
         return self._states[key]
 
 
-def _shape(c: Candidate) -> tuple:
-    """What fixes ``c``'s schedule (its offload last)."""
-    return c.schedule, c.pp, c.microbatches, c.chunks, c.vocab_parallel, c.options, c.offload
-
-
-def _vocab(c: Candidate) -> str | None:
-    return None if c.vocab_parallel == "none" else c.vocab_parallel
+def _model_options(c: Candidate) -> dict:
+    """Keywords of ``stage_parameters`` and ``peak_memory_bytes`` the techniques set for ``c``."""
+    return {name: value for t in hooked("plan_model_options") for name, value in t.plan_model_options(c).items()}
 
 
 def _parameters(request: PlanRequest, c: Candidate) -> tuple[int, list[int]]:
-    """Parameters of each rank's vocabulary shard, and of each stage."""
-    vocab = _vocab(c)
-    shard = request.model.vocab_shard_params(c.pp) if vocab in ("naive", "vocab-1", "vocab-2") else 0
-    return shard, stage_parameters(request.model, c.pp * c.chunks, request.seq, vocab_parallel=vocab)
+    """Parameters each rank holds besides its stages' (:meth:`~pipeloom.techniques.Technique.plan_shard_params`), and of each stage."""
+    shard = sum(t.plan_shard_params(request, c) for t in hooked("plan_shard_params"))
+    return shard, stage_parameters(request.model, c.pp * c.chunks, request.seq, **_model_options(c))
 
 
 def stages_of_ranks(c: Candidate) -> tuple[tuple[int, ...], ...]:
@@ -321,18 +364,13 @@ def _placements(v_shape: bool, pp: int, chunks: int) -> tuple[tuple[int, ...], .
 
 
 def schedule_of(request: PlanRequest, c: Candidate, costs: Costs, steps: int | None = None) -> Schedule:
-    """The schedule ``pipeloom train`` builds for ``c``'s command (2bw: ``steps`` consecutive steps),
+    """The schedule ``pipeloom train`` builds for ``c``'s command (``steps`` consecutive steps of a family without a flush),
     with the one builder (:func:`~pipeloom.builder.build_run`) under ``costs``."""
     return build_run(run_spec(request, c, steps), costs)
 
 
-def offloaded(schedule: Schedule, c: Candidate, costs: Costs) -> Schedule:
-    """``schedule`` with ``c``'s offload placed by ``costs``, checked: what the builder makes of it."""
-    return schedule if c.offload == "none" else validate(Offload(c.offload, c.offload_ratio).apply(schedule, costs))
-
-
 def optimizer_ms(request: PlanRequest, c: Candidate) -> list[float]:
-    """Per rank: the optimizer step over its stages' parameters (and vocabulary shard)."""
+    """Per rank: the optimizer step over its parameters (its stages' and its shard's)."""
     shard, params = _parameters(request, c)
     device = request.cluster.device
     return [sim_optimizer_ms(shard + sum(params[s] for s in stages), device, request.profile)
@@ -340,7 +378,7 @@ def optimizer_ms(request: PlanRequest, c: Candidate) -> list[float]:
 
 
 def allreduce_ms(request: PlanRequest, c: Candidate) -> list[float]:
-    """Per rank: the ring all-reduce of its stages' gradients (and vocabulary shard) over dp x sp."""
+    """Per rank: the ring all-reduce of its gradients (its stages' and its shard's) over dp x sp."""
     replicas = c.dp * c.sp
     if replicas == 1:
         return [0.0] * c.pp
@@ -350,18 +388,22 @@ def allreduce_ms(request: PlanRequest, c: Candidate) -> list[float]:
             for stages in stages_of_ranks(c)]
 
 
-def evaluate(request: PlanRequest, c: Candidate, stage_costs: Costs, build_schedule=None) -> Plan:
+def evaluate(request: PlanRequest, c: Candidate, stage_costs: Costs, build_schedule=None,
+             steady: bool | None = None) -> Plan:
     """Simulate ``c`` under ``stage_costs`` and cost it (raises :class:`~pipeloom.errors.PipeloomError`
     when its schedule cannot be built); ``build_schedule(c, steps)`` gives its schedule (by default
-    :func:`schedule_of`)."""
+    :func:`schedule_of`); ``steady``: whether its family never flushes (by default as the techniques
+    say: :meth:`~pipeloom.techniques.Technique.plan_steady`)."""
     if build_schedule is None:
         def build_schedule(c, steps=None):
             return schedule_of(request, c, stage_costs, steps)
+    if steady is None:
+        steady = any(t.plan_steady(c.schedule) for t in hooked("plan_steady"))
 
     reduce, update = allreduce_ms(request, c), optimizer_ms(request, c)
     tail = [a + o for a, o in zip(reduce, update)]
-    if c.schedule == "2bw":
-        one, result = (simulate(build_schedule(c, steps), stage_costs) for steps in (1, 2))
+    if steady:
+        one, result = (simulate(build_schedule(c, steps), stage_costs) for steps in STEADY_STEPS)
         # the steady step: two steps' time less one's, and no less than a rank's work in a step
         work = [two.busy - first.busy for two, first in zip(result.ranks, one.ranks)]
         steady = max(result.makespan - one.makespan, *work)
@@ -372,7 +414,7 @@ def evaluate(request: PlanRequest, c: Candidate, stage_costs: Costs, build_sched
         step = max(max(ends, default=0.0) + t for ends, t in zip(result.ends, tail))
         bubble = result.bubble_rate
     memory = peak_memory_bytes(request.model, result, request.seq, microbatch_size=c.microbatch_size, sp=c.sp,
-                               bytes_per_param=request.bytes_per_param, vocab_parallel=_vocab(c))
+                               bytes_per_param=request.bytes_per_param, **_model_options(c))
     seconds = step / 1e3
     return Plan(c, step, request.global_batch * request.seq / seconds, request.global_batch / seconds,
                 model_flops(request) / seconds / (request.cluster.gpus * request.cluster.device.peak_flops), memory,

@@ -4,11 +4,11 @@ Each candidate gets two bounds that need no simulation: the model state of its
 busiest rank (it cannot fit in less) and :meth:`Costing.lower_bound_ms` (it
 cannot step faster). Candidates whose state alone overflows the GPU are
 dropped. A plan is a layout (:attr:`Candidate.base`) with its best memory
-savers (recomputation, offload), so the layouts are taken in the order of
+savers (:attr:`~pipeloom.techniques.PlanAxis.saver`), so the layouts are taken in the order of
 their time bound until the next bound is slower than the ``top``-th plan
 found. A layout whose schedule has not been simulated yet is simulated bare
 first, fitting or not: the critical path that gives raises the bound of every
-candidate running that schedule, offloaded or not, and the layout goes back
+candidate running that schedule, with added work or not, and the layout goes back
 in line on it. Within a layout its variants are simulated until one is slower
 than its best so far, skipping those whose list shows they cannot fit
 (:meth:`Costing.activation_memory_bound`): the plans returned are those an
@@ -27,11 +27,9 @@ from dataclasses import dataclass
 
 from ..errors import PipeloomError
 from .evaluate import Costing, Plan
-from .space import OFFLOADS, RECOMPUTES, Candidate, PlanRequest, candidates, layouts
+from .space import Candidate, PlanRequest, candidates, layouts, saver_ranks, savers, saving_ranks, settings_text
 
 _GiB = 2**30
-#: Offload policies, the one that saves the most memory first.
-_SAVES = ("full", "selective", "none")
 
 
 @dataclass(frozen=True)
@@ -67,6 +65,7 @@ def search(request: PlanRequest) -> Search:
     costing = Costing(request)
     pool = _pool(request)
     memory = request.cluster.gpu_memory
+    order = _variant_order(savers())
     bases: dict[Candidate, list[Candidate]] = defaultdict(list)
     for c in pool:
         if costing.memory_lower_bound(c) <= memory:
@@ -92,9 +91,9 @@ def search(request: PlanRequest) -> Search:
         bound, n, base = heapq.heappop(queue)
         if len(kept) == request.top and kept[0][1].beats(bound):
             break
-        if base.schedule != "2bw" and base not in tried and not costing.has_path(base):
+        if not costing.steady(base) and base not in tried and not costing.has_path(base):
             attempt(base)  # fitting or not, its critical path bounds every variant: put it back on that
-        variants = sorted(((costing.bound_ms(c), c) for c in bases[base]), key=_variant_order)
+        variants = sorted(((costing.bound_ms(c), c) for c in bases[base]), key=order)
         least = min(b for b, _ in variants)
         if least > bound:
             heapq.heappush(queue, (least, n, base))
@@ -102,7 +101,7 @@ def search(request: PlanRequest) -> Search:
         best = None
         for variant_bound, c in variants:
             if best is not None and (best.beats(variant_bound) or best.candidate == base):
-                break  # recomputing or offloading never makes a step faster: the bare layout is its best
+                break  # a memory saver never makes a step faster: the bare layout is its best
             if c not in tried and costing.activation_memory_bound(c, memory) > memory:
                 continue  # cannot fit: not worth simulating
             plan = attempt(c)
@@ -132,10 +131,13 @@ def exhaustive(request: PlanRequest) -> list[Plan]:
     return sorted(best.values(), key=lambda p: p.key)[:request.top]
 
 
-def _variant_order(entry: tuple[float, Candidate]) -> tuple:
-    """The bare layout first, then by bound."""
-    bound, c = entry
-    return c != c.base, bound, RECOMPUTES.index(c.recompute), OFFLOADS.index(c.offload)
+def _variant_order(saving: list):
+    """The order of a layout's variants, (bound, candidate): the bare layout first, then by bound,
+    then the least saving first."""
+    def order(entry: tuple[float, Candidate]) -> tuple:
+        bound, c = entry
+        return c != c.base, bound, *saver_ranks(c, saving)
+    return order
 
 
 class _Reverse:
@@ -174,15 +176,15 @@ def _most_gpus(request: PlanRequest) -> str:
 
 def _smallest_memory(request: PlanRequest, costing: Costing, pool: list[Candidate]) -> str:
     """One line: the GPU memory the least demanding layout needs, found best first on the bound of
-    one microbatch's activations, the candidates that save the most (full recomputation, full
-    offload, the smallest microbatch) first among equals, those whose list's bound cannot beat the
-    best so far left unsimulated."""
+    one microbatch's activations, the candidates that save the most (each saver's most saving value
+    first: :attr:`~pipeloom.techniques.PlanAxis.saving`, the smallest microbatch) first among
+    equals, those whose list's bound cannot beat the best so far left unsimulated."""
     best: Plan | None = None
     least = math.inf
+    saving = savers()
 
     def order(c: Candidate) -> tuple:
-        return (costing.microbatch_memory_bound(c), -RECOMPUTES.index(c.recompute), _SAVES.index(c.offload),
-                c.microbatch_size, c)
+        return costing.microbatch_memory_bound(c), *saving_ranks(c, saving), c.microbatch_size, c
 
     for c in sorted(pool, key=order):
         if costing.microbatch_memory_bound(c) >= least:
@@ -198,5 +200,4 @@ def _smallest_memory(request: PlanRequest, costing: Costing, pool: list[Candidat
         return f"{head}: none of the candidate schedules can be built for this batch"
     c = best.candidate
     return (f"{head}; the smallest needs {least / _GiB:.1f} GiB (pp {c.pp}, dp {c.dp}, sp {c.sp}, {c.schedule}, "
-            f"chunks {c.chunks}, microbatch size {c.microbatch_size}, recompute {c.recompute}, "
-            f"vocab-parallel {c.vocab_parallel}, offload {c.offload})")
+            f"chunks {c.chunks}, microbatch size {c.microbatch_size}, {settings_text(c)})")

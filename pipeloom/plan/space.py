@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from itertools import product
 from typing import Iterator
 
 from ..errors import PipeloomError
-from ..modes import RECOMPUTE, VocabMode
 from ..schedule import FAMILIES, get_family
-from ..schedule.transforms.vocab import ALGORITHMS, versioned_microbatches
 from ..sim.profile import Profile
 from ..sim.specs import ModelSpec, get_model
+from ..techniques import TECHNIQUES, PlanAxis, Technique
 from .cluster import Cluster
 
-#: The choices searched by default for each dimension that is not a number.
-RECOMPUTES = tuple(RECOMPUTE)
-VOCAB_MODES = ("none", "redis", "vocab-1", "vocab-2")
-OFFLOADS = ("none", "full", "selective")
-#: The share of each rank's activation peak that selective offload moves, in the plans it makes.
-SELECTIVE_RATIO = 0.5
 #: Chunks per rank that interleaved 1F1B is tried with.
 INTERLEAVED_CHUNKS = (2, 3, 4)
 
@@ -27,7 +21,8 @@ INTERLEAVED_CHUNKS = (2, 3, 4)
 class PlanRequest:
     """Train ``model`` on ``seq``-token sequences, ``global_batch`` of them a step, on ``cluster``;
     costs from ``profile`` when given (else FLOP formulas and the cluster's device preset);
-    ``schedules``, ``recompute``, ``vocab_parallel``, ``offload`` narrow the search; ``top`` plans kept."""
+    ``schedules`` and each technique's axis (:func:`axes`; None: its values) narrow the search;
+    ``top`` plans kept."""
 
     model: ModelSpec
     seq: int
@@ -35,9 +30,10 @@ class PlanRequest:
     cluster: Cluster
     profile: Profile | None = None
     schedules: tuple[str, ...] = tuple(FAMILIES)
-    recompute: tuple[str, ...] = RECOMPUTES
-    vocab_parallel: tuple[str, ...] = VOCAB_MODES
-    offload: tuple[str, ...] = OFFLOADS
+    # the techniques' axes (:func:`axes`), one field each
+    recompute: tuple[str, ...] | None = None
+    vocab_parallel: tuple[str, ...] | None = None
+    offload: tuple[str, ...] | None = None
     microbatch_sizes: tuple[int, ...] | None = None
     top: int = 10
     bytes_per_param: float = field(default=None)
@@ -50,18 +46,12 @@ class PlanRequest:
                 raise PipeloomError(f"plan: {name} must be a positive integer, got {value!r}")
         for name in self.schedules:
             get_family(name)
-        _choices("recompute", self.recompute, RECOMPUTES)
-        _choices("offload", self.offload, OFFLOADS)
-        for mode in self.vocab_parallel:
-            VocabMode.of(mode)
+        for _, axis in axes():
+            if getattr(self, axis.name) is None:
+                object.__setattr__(self, axis.name, axis.values)
+            axis.check(getattr(self, axis.name))
         if self.bytes_per_param is None:
             object.__setattr__(self, "bytes_per_param", self.profile.bytes_per_param if self.profile else 18.0)
-
-
-def _choices(what: str, given, allowed) -> None:
-    for value in given:
-        if value not in allowed:
-            raise PipeloomError(f"plan: unknown {what} {value!r}; choose from {', '.join(allowed)}")
 
 
 @dataclass(frozen=True, order=True)
@@ -75,19 +65,67 @@ class Candidate:
     chunks: int
     microbatch_size: int
     microbatches: int
+    # the built-in techniques' settings, one field per axis (:func:`axes`, in this order)
     recompute: str
     vocab_parallel: str
     offload: str
     options: tuple = ()  # plug-in techniques' settings, (name, value) pairs
 
     @property
-    def offload_ratio(self) -> float | None:
-        return SELECTIVE_RATIO if self.offload == "selective" else None
-
-    @property
     def base(self) -> Candidate:
-        """The layout without its memory savers (recomputation, offload): plans are ranked one per base."""
-        return replace(self, recompute="none", offload="none")
+        """The layout without its memory savers (:attr:`PlanAxis.saver`): plans are ranked one per base."""
+        return replace(self, **_bare_savers())
+
+
+#: The candidate's fields that fix its layout; the others but ``options`` are the techniques' axes.
+LAYOUT = ("pp", "dp", "sp", "schedule", "chunks", "microbatch_size", "microbatches")
+#: The techniques' axes, in the candidate's order.
+SETTINGS = tuple(f.name for f in fields(Candidate) if f.name not in LAYOUT and f.name != "options")
+
+
+def axes() -> list[tuple[Technique, PlanAxis]]:
+    """Each technique that declares an axis (:meth:`~pipeloom.techniques.Technique.plan_axis`) and its
+    axis, in the candidate's order of fields."""
+    found = {axis.name: (t, axis) for t in TECHNIQUES.values() if (axis := t.plan_axis()) is not None}
+    if set(found) != set(SETTINGS):
+        raise PipeloomError(f"the planner's candidates hold {', '.join(SETTINGS)}; the techniques declare axes "
+                            f"{', '.join(found) or 'none'}")
+    return [found[name] for name in SETTINGS]
+
+
+def hooked(hook: str) -> list[Technique]:
+    """The techniques that implement the planner's hook ``hook`` (the others' does nothing)."""
+    default = getattr(Technique, hook)
+    return [t for t in TECHNIQUES.values() if getattr(type(t), hook) is not default]
+
+
+def savers() -> list[PlanAxis]:
+    """The memory savers' axes, in the order they rank equal plans."""
+    return sorted((axis for _, axis in axes() if axis.saver is not None), key=lambda axis: axis.saver)
+
+
+def saver_ranks(c: Candidate, savers: list[PlanAxis]) -> tuple:
+    """Where ``c``'s savers come among equal plans: the least saving first."""
+    return tuple(axis.values.index(getattr(c, axis.name)) for axis in savers)
+
+
+def saving_ranks(c: Candidate, savers: list[PlanAxis]) -> tuple:
+    """Where ``c``'s savers come when memory is short: the most saving first."""
+    return tuple(axis.most_saving.index(getattr(c, axis.name)) for axis in savers)
+
+
+def settings_text(c: Candidate) -> str:
+    """``c``'s settings of the techniques' axes as ``pipeloom plan`` names them ("NAME VALUE, ...")."""
+    return ", ".join(f"{axis.flag[2:]} {getattr(c, axis.name)}" for _, axis in axes())
+
+
+_BARE: dict = {}
+
+
+def _bare_savers() -> dict:
+    if not _BARE:
+        _BARE.update({axis.name: axis.values[0] for axis in savers()})
+    return _BARE
 
 
 def divisors(n: int) -> list[int]:
@@ -107,12 +145,12 @@ def layouts(request: PlanRequest, gpus: int) -> Iterator[tuple[int, int, int]]:
 
 
 def candidates(request: PlanRequest) -> Iterator[Candidate]:
-    """Every layout of ``request`` on all its GPUs that the runtime accepts (its refusals mirrored:
-    vocabulary parallelism only with pp > 1, with 2bw only with enough microbatches
-    (:func:`~pipeloom.schedule.transforms.vocab.versioned_microbatches`, which the planner's builds of
-    1 and 2 steps do not reach); offload only on an accelerator)."""
+    """Every layout of ``request`` on all its GPUs that the runtime accepts (its refusals mirrored by
+    each technique's :meth:`~pipeloom.techniques.Technique.plan_allows`)."""
     layers = request.model.layers
     plugged = _plugged(request)
+    settings = list(product(*(getattr(request, axis.name) for _, axis in axes())))  # in the candidate's order
+    allows = hooked("plan_allows")
     for pp, dp, sp in layouts(request, request.cluster.gpus):
         per_replica = request.global_batch // dp
         sizes = [b for b in divisors(per_replica) if request.microbatch_sizes is None or b in request.microbatch_sizes]
@@ -122,25 +160,19 @@ def candidates(request: PlanRequest) -> Iterator[Candidate]:
             for chunks in chunk_options:
                 if pp * chunks > layers or (family.chunks is None and pp == 1):
                     continue
-                multi_step = "steps" in family.options
                 for b in sizes:
-                    for recompute in request.recompute:
-                        for mode in request.vocab_parallel:
-                            if mode != "none" and pp == 1 or multi_step and mode in ALGORITHMS and \
-                                    per_replica // b < versioned_microbatches(pp, mode):
-                                continue
-                            for offload in request.offload:
-                                if offload != "none" and request.cluster.device.name == "cpu":
-                                    continue
-                                for options in plugged:
-                                    yield Candidate(pp, dp, sp, name, chunks, b, per_replica // b, recompute, mode,
-                                                    offload, options)
+                    for setting in settings:
+                        for options in plugged:
+                            c = Candidate(pp, dp, sp, name, chunks, b, per_replica // b, *setting, options)
+                            for technique in allows:
+                                if not technique.plan_allows(request, c):
+                                    break
+                            else:
+                                yield c
 
 
 def _plugged(request: PlanRequest) -> list[tuple]:
     """Every combination of the plug-in techniques' dimensions, as candidates' ``options``."""
-    from ..techniques import TECHNIQUES
-
     combos: list[tuple] = [()]
     for technique in TECHNIQUES.values():
         dimension = technique.plan_dimension(request)

@@ -67,6 +67,59 @@ class Flag:
             raise PipeloomError(f"{self.flag} {text!r}: {err}") from None
 
 
+@dataclass(frozen=True)
+class PlanAxis:
+    """A built-in technique's dimension of the planner's search. ``name`` is the field of the
+    candidate, of the plan request (the values searched), of the run spec and of the ``--json``
+    plans; ``pipeloom plan``'s flag ``--name`` (dashes) narrows ``values``, a comma list.
+
+    ``values``: searched by default, in the order equal plans are ranked (the bare value, the
+    technique off, first); ``choices``: what a request may name (default ``values``; a callable
+    checks one value); ``help``: the flag's help (``{default}``: the values); ``column``, ``width``:
+    its column of the table.
+
+    What a value changes, for the planner's caches: ``priced`` the costs, ``placed`` the parameters
+    each rank holds, ``shaped`` the schedule's order. ``added``: its work is added to the schedule
+    built without it (:meth:`Technique.plan_add`), so that schedule's critical path bounds it.
+
+    ``saver``: a memory saver, which never makes a step faster (a plan is a layout with its best
+    savers, the bare layout tried first): its place among the savers when equal plans are ranked
+    (lower first); ``saving``: its values, most memory saved first (default ``values`` reversed),
+    the order the hunt for the least memory tries them in."""
+
+    name: str
+    values: tuple
+    help: str
+    column: str
+    width: int
+    choices: tuple | Callable | None = None
+    priced: bool = False
+    placed: bool = False
+    shaped: bool = False
+    added: bool = False
+    saver: int | None = None
+    saving: tuple | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def most_saving(self) -> tuple:
+        return self.saving if self.saving is not None else self.values[::-1]
+
+    def check(self, values) -> None:
+        """Refuse, in one line, a value a request may not name."""
+        if callable(self.choices):
+            for value in values:
+                self.choices(value)
+            return
+        allowed = self.values if self.choices is None else self.choices
+        for value in values:
+            if value not in allowed:
+                raise PipeloomError(f"plan: unknown {self.name} {value!r}; choose from {', '.join(allowed)}")
+
+
 class Technique:
     """A technique's hooks; each does nothing unless overridden. ``order`` places its transforms
     among the others' (lower first; K-FAC's pieces, which fill the final schedule's bubbles, last)."""
@@ -134,8 +187,62 @@ class Technique:
 
     def plan_dimension(self, request) -> tuple[str, tuple] | None:
         """A plug-in's dimension of the planner's search: (its option's name, the values to try),
-        or None. (The built-in techniques' dimensions are the planner's own candidate fields.)"""
+        or None. (The built-in techniques declare theirs with :meth:`plan_axis`.)"""
         return None
+
+    # The planner's hooks (:mod:`pipeloom.plan`). ``c`` is a candidate (:class:`~pipeloom.plan.Candidate`):
+    # a built-in's axis is its field, a plug-in's dimension one of its ``options``.
+
+    def plan_axis(self) -> PlanAxis | None:
+        """A built-in's dimension of the planner's search, declared (:class:`PlanAxis`), or None."""
+        return None
+
+    def plan_allows(self, request, c) -> bool:
+        """Whether the runtime accepts ``c`` on the request's cluster as far as the technique goes."""
+        return True
+
+    def plan_fields(self, c) -> dict:
+        """Run spec fields the technique derives from ``c`` (also the plan's ``--json`` fields after
+        its axis's)."""
+        return {}
+
+    def plan_steady(self, schedule: str) -> bool:
+        """Whether the family ``schedule`` never flushes, so the planner takes its steady step (the
+        time of two steps less one's), bounds it by the ranks' work alone and keeps no critical path."""
+        return False
+
+    def plan_weight_versions(self, schedule: str) -> int:
+        """Weight versions each parameter has under the family ``schedule`` (1: the parameters)."""
+        return 1
+
+    def plan_passes(self, c) -> tuple:
+        """Kinds each rank runs once per microbatch besides its stages' F, B and W (its busy time)."""
+        return ()
+
+    def plan_shard_params(self, request, c) -> int:
+        """Parameters each rank holds besides its stages' (a vocabulary shard)."""
+        return 0
+
+    def plan_model_options(self, c) -> dict:
+        """Keywords of :func:`~pipeloom.sim.stages.stage_parameters` and
+        :func:`~pipeloom.sim.memory.peak_memory_bytes` the technique sets."""
+        return {}
+
+    def plan_add(self, c, schedule, costs):
+        """``schedule`` (built without the technique's added axis) with its work added, placed by
+        ``costs``, checked: what the builder makes of it."""
+        return schedule
+
+    def plan_memory_lists(self, c) -> tuple[tuple[str, bool], ...]:
+        """The steps, cheapest first, that bound ``c``'s activation peak from a list before it is
+        simulated: (a name for :meth:`plan_memory_list`, whether it reads the list built without the
+        added axes); none: the peak of ``c``'s own list."""
+        return ()
+
+    def plan_memory_list(self, step: str, actions) -> list:
+        """One rank's ``actions`` as the bound's ``step`` counts them (what is away held only while
+        it is on the device)."""
+        return list(actions)
 
     def setup_runtime(self) -> None:
         """Register what the runtime needs (handlers of its kinds); called once per worker."""

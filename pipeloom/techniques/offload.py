@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from ..errors import PipeloomError
-from . import Flag, Technique, register, size_text
+from . import Flag, PlanAxis, Technique, register, size_text
 
 CHOICES = ("none", "full", "selective")
+#: The share of each rank's activation peak that selective offload moves, in the plans the planner makes.
+PLAN_RATIO = 0.5
 
 
 class Offload(Technique):
@@ -99,6 +101,39 @@ class Offload(Technique):
         exposed = max(row["exposed_ms" if in_bytes else "exposed"] for row in rows)
         return [(f"{'max host':>10}", f"{size_text(host) if in_bytes else f'{host:.4g}':>10}"),
                 (f"{'max exposed':>11}", f"{exposed:>11.4g}")]
+
+    def plan_axis(self) -> PlanAxis:
+        # a memory saver ranked after recomputation: equal plans prefer none, then full, then selective
+        return PlanAxis("offload", CHOICES, "offload policies to search (default {default})", "offload", 9,
+                        added=True, saver=1, saving=("full", "selective", "none"))
+
+    def plan_allows(self, request, c) -> bool:
+        return c.offload == "none" or request.cluster.device.name != "cpu"  # copies need an accelerator
+
+    def plan_fields(self, c) -> dict:
+        return {"offload_ratio": PLAN_RATIO if c.offload == "selective" else None}
+
+    def plan_add(self, c, schedule, costs):
+        if c.offload == "none":
+            return schedule
+        from ..schedule import Offload as Transform
+        from ..schedule import validate
+
+        return validate(Transform(c.offload, self.plan_fields(c)["offload_ratio"]).apply(schedule, costs))
+
+    def plan_memory_lists(self, c) -> tuple[tuple[str, bool], ...]:
+        """First every pair that may be copied (:func:`~pipeloom.schedule.transforms.offload.copyable`,
+        from the list without offload), then those the offloaded list copies (building it)."""
+        return () if c.offload == "none" else (("copyable", True), ("copied", False))
+
+    def plan_memory_list(self, step: str, actions) -> list:
+        """Each pair copied to host held only while its F runs and from its backward's start
+        (:func:`~pipeloom.schedule.transforms.offload.tightest`)."""
+        from ..schedule.transforms.offload import RELOAD, copyable, tightest
+
+        away = copyable(actions) if step == "copyable" else [(a.stage, a.microbatch) for a in actions
+                                                             if a.kind == RELOAD]
+        return tightest(actions, away)
 
 
 register(Offload())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..modes import RECOMPUTE
-from . import Flag, Technique, register
+from . import Flag, PlanAxis, Technique, register
 
 CHOICES = tuple(RECOMPUTE)
 
@@ -30,6 +30,11 @@ class Recompute(Technique):
 
     def describe(self, spec, pipe) -> str:
         return f", recompute {spec.recompute}" if self.active(spec) else ""
+
+    def plan_axis(self) -> PlanAxis:
+        # a memory saver, ranked first among them; its values least saving first
+        return PlanAxis("recompute", CHOICES, "recomputation to search (default {default})", "recompute", 9,
+                        priced=True, saver=0)
 
 
 register(Recompute())

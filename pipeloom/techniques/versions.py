@@ -32,5 +32,13 @@ class WeightVersions(Technique):
 
         return VersionsPart
 
+    def plan_steady(self, schedule: str) -> bool:
+        from ..schedule import get_family
+
+        return "steps" in get_family(schedule).options
+
+    def plan_weight_versions(self, schedule: str) -> int:
+        return 2 if self.plan_steady(schedule) else 1
+
 
 register(WeightVersions())

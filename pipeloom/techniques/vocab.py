@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from ..modes import VocabMode
-from . import Flag, Technique, register
+from . import Flag, PlanAxis, Technique, register
 
 CHOICES = tuple(mode.value for mode in VocabMode)
 
@@ -46,6 +48,45 @@ class VocabParallel(Technique):
 
     def describe(self, spec, pipe) -> str:
         return f", vocab-parallel {spec.vocab_parallel}" if self.active(spec) else ""
+
+    def plan_axis(self) -> PlanAxis:
+        return PlanAxis("vocab_parallel", ("none", "redis", "vocab-1", "vocab-2"),
+                        "vocabulary placements to search (default {default})", "vocab", 7, choices=VocabMode.of,
+                        priced=True, placed=True, shaped=True)
+
+    def plan_allows(self, request, c) -> bool:
+        """Only with pp > 1; with a family that builds several steps a call (2bw), an algorithm only
+        with enough microbatches (:func:`~pipeloom.schedule.transforms.vocab.versioned_microbatches`,
+        which the planner's builds of 1 and 2 steps do not reach)."""
+        if c.vocab_parallel == "none":
+            return True
+        if c.pp == 1:
+            return False
+        from ..schedule.transforms.vocab import ALGORITHMS, versioned_microbatches
+
+        return not (c.vocab_parallel in ALGORITHMS and _builds_steps(c.schedule)
+                    and c.microbatches < versioned_microbatches(c.pp, c.vocab_parallel))
+
+    def plan_passes(self, c) -> tuple:
+        from ..schedule.transforms.vocab import VOCAB_PASSES
+
+        return VOCAB_PASSES.get(c.vocab_parallel, ())
+
+    def plan_shard_params(self, request, c) -> int:
+        from ..schedule.transforms.vocab import ALGORITHMS
+
+        return request.model.vocab_shard_params(c.pp) if c.vocab_parallel in ALGORITHMS else 0
+
+    def plan_model_options(self, c) -> dict:
+        return {"vocab_parallel": None if c.vocab_parallel == "none" else c.vocab_parallel}
+
+
+@lru_cache(maxsize=None)
+def _builds_steps(schedule: str) -> bool:
+    """Whether the family builds several steps a call (2bw)."""
+    from ..schedule import get_family
+
+    return "steps" in get_family(schedule).options
 
 
 register(VocabParallel())
