@@ -41,6 +41,17 @@ def test_search_equals_brute_force(gpus, memory, batch):
     assert settings(search(want).plans) == settings(exhaustive(want))
 
 
+def test_search_says_how_far_it_is():
+    """With progress, each simulation past the interval says how many of the layouts are done;
+    the plans are those found without it."""
+    heard = []
+    found = search(request(8, 80, 16), progress=heard.append, every=0)
+    assert heard and all(re.fullmatch(rf"\d+ of {found.candidates} layouts simulated after \d+ s(; the best so far "
+                                      r"[\d.]+ ms a step)?", text) for text in heard)
+    assert [int(text.split()[0]) for text in heard] == sorted(int(text.split()[0]) for text in heard)
+    assert settings(found.plans) == settings(search(request(8, 80, 16)).plans)
+
+
 def test_float_noise_ties_break_on_memory():
     """2bw plans whose steps differ only by rounding: the top plan does not depend on ``top``."""
     model = ModelSpec("gpt-1.3b", 24, 2048, 16, 50304, tied_embeddings=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 from ..errors import PipeloomError
 
@@ -45,12 +46,16 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
+def _progress(text: str) -> None:
+    print(f"pipeloom plan: {text}", file=sys.stderr, flush=True)
+
+
 def run(args) -> int:
     from ..plan import search
     from ..plan.command import command
 
     request, costs = request_of(args)
-    found = search(request)
+    found = search(request, progress=_progress if sys.stderr.isatty() else None)
     if args.json:
         print(json.dumps(_report(request, costs, found, command), indent=2))
     else:
