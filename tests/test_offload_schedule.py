@@ -290,7 +290,7 @@ def test_the_placement_times_copies_as_the_compiled_program_does(name, policy):
     """The placement times each attempt with a program derived from the bare schedule's (not
     compiled again): the same starts, ends and copy waits as compiling it, on any costs."""
     from pipeloom.schedule import deps
-    from pipeloom.schedule.transforms.offload import _derive
+    from pipeloom.schedule.transforms.offload_program import _derive
 
     rng = random.Random(7)
     costs = Costs(f=1, b=1.5, w=0.5, comm=0.3, m_b=1, m_w=0.5, extra={"offload": 0.9})

@@ -45,7 +45,6 @@ from dataclasses import replace
 
 from ...errors import PipeloomError, ScheduleError
 from ..costs import Costs, StageCosts, register_field
-from .. import deps as _deps
 from ..deps import asap
 from ..ir import BW, B, F, Action, Schedule
 from ..kinds import KINDS, Kind, register, register_inputs
@@ -335,10 +334,11 @@ class _Held:
 
 def _place(schedule: Schedule, costs: StageCosts, pairs: _Pairs, chosen: list) -> Schedule:
     """Insert OFFLOAD right after each chosen pair's F and RELOAD before its backward."""
+    from .offload_program import with_copies  # it reads this module's kinds
     issue = {pair: pairs.reload_at(pair) for pair in chosen}
     result = _insert(schedule, pairs, issue)
     for _ in range(8):
-        _with_copies(result, pairs.schedule)
+        with_copies(result, pairs.schedule)
         late = _late_reloads(result, costs)
         moved = False
         for pair, delay in late.items():
@@ -365,131 +365,6 @@ def _insert(schedule: Schedule, pairs: _Pairs, issue: dict) -> Schedule:
         extra[rank].append((f + 1, 1, pair, Action(OFFLOAD, *pair)))
         extra[rank].append((k, 2 if k == f + 1 else 0, pair, Action(RELOAD, *pair)))
     return replace(schedule, ranks=insert(schedule.ranks, extra))
-
-
-def _with_copies(schedule: Schedule, base: Schedule) -> None:
-    """Give ``schedule`` (``base`` with copies inserted by :func:`_insert`) the timing program
-    (:func:`~..deps.asap`'s) derived from ``base``'s: each base action keeps its inputs (the copies,
-    on a side stream, never advance a rank's clock), each copy waits for its rank's clock at its
-    place in the list, the stream's previous copy and its pair's F or OFFLOAD, each reloaded pair's
-    backward for its RELOAD too; the order runs each copy as its rank's list reaches it. What
-    compiling ``schedule`` gives, in a fraction of its time (the placement times each of its
-    attempts); anything else, and the program is compiled as usual."""
-    registry = (tuple(KINDS.values()), tuple(_deps.INPUT_RULES))
-    entry = _deps._programs.get(id(schedule))
-    if entry is not None and entry[0] == registry:
-        return
-    program = _derive(schedule, base)
-    if program is not None:
-        key = id(schedule)
-        _deps._programs[key] = (registry, _deps.weakref.ref(schedule, lambda _: _deps._programs.pop(key, None)),
-                                program)
-
-
-def _derive(schedule: Schedule, base: Schedule):
-    old = _deps._program(base)
-    if any(old.steps[3]):  # the base waits on side streams already
-        return None
-    lists, n_old = schedule.ranks, old.n
-    offsets = [0]
-    for actions in lists:
-        offsets.append(offsets[-1] + len(actions))
-    n = offsets[-1]
-    zero = 2 * n
-    new_of = [0] * (2 * n_old + 1)  # old slot -> new slot
-    new_of[2 * n_old] = zero
-    rank_at = [0] * n_old  # old slot -> its rank
-    # the base's keys (distinct (kind, stage, payload), each timed by the last action of it in the
-    # lists, as compiling does), then the copies'
-    timed = list(old.timed)
-    copy_keys: dict[tuple, int] = {}
-    before: dict[int, list] = {}  # old slot -> the copies (slot, action) right before it in its list
-    copies = []  # per rank: the copies after its last base action
-    for r, (actions, was) in enumerate(zip(lists, base.ranks)):
-        at, first, mine = offsets[r], old.bounds[r][0], []
-        j = first
-        for k, a in enumerate(actions):
-            if a.kind == OFFLOAD or a.kind == RELOAD:
-                mine.append((at + k, a))
-                key = copy_keys.setdefault((a.kind, a.stage, a.payload), len(timed))
-                if key == len(timed):
-                    timed.append(a)
-                timed[key] = a
-                continue
-            if mine:
-                before[j], mine = mine, []
-            index = j - first
-            if index >= len(was) or (was[index] is not a and was[index] != a) or KINDS[a.kind].stream:
-                return None
-            new_of[j] = at + k
-            new_of[j + n_old] = at + k + n
-            rank_at[j] = r
-            j += 1
-        if j != old.bounds[r][1]:
-            return None
-        copies.append(mine)
-    old_keys = old.steps[2]
-    offloaded = _offloaded(schedule)
-    reloads = {}  # pair -> slot of its RELOAD
-    forwards = {}  # pair -> slot of its F
-    copied = {}  # pair -> slot of its OFFLOAD
-    order, inputs_of, keys_of, sides = [], [], [], []
-    clock = [zero] * len(lists)
-    stream = [zero] * len(lists)
-    get = new_of.__getitem__
-    flat_new = [a for actions in lists for a in actions]
-    backward = (B, BW)
-
-    def place(r: int, mine: list) -> bool:
-        """Each copy as its rank's list reaches it: after the clock there, the stream's previous
-        copy and its pair's F (OFFLOAD) or OFFLOAD (RELOAD)."""
-        for slot, a in mine:
-            pair = a.stage, a.microbatch
-            q = (forwards if a.kind == OFFLOAD else copied).get(pair)
-            if q is None:
-                return False
-            order.append(slot)
-            inputs_of.append((clock[r], stream[r], q))
-            keys_of.append(copy_keys[a.kind, a.stage, a.payload])
-            sides.append(None)
-            stream[r] = slot
-            (copied if a.kind == OFFLOAD else reloads)[pair] = slot
-        return True
-
-    for old_slot, inputs, key in zip(old.steps[0], old.steps[1], old_keys):
-        slot, r = new_of[old_slot], rank_at[old_slot]
-        mine = before.get(old_slot)
-        if mine is not None and not place(r, mine):
-            return None
-        a = flat_new[slot]
-        order.append(slot)
-        inputs_of.append(tuple(map(get, inputs)))
-        keys_of.append(key)
-        clock[r] = slot
-        if a.kind == F:
-            if a != Action(F, a.stage, a.microbatch):
-                return None
-            forwards[a.stage, a.microbatch] = slot
-            sides.append(None)
-        elif a.kind in backward and (a.stage, a.microbatch) in offloaded:
-            waited = reloads.get((a.stage, a.microbatch))
-            if waited is None:
-                return None  # its RELOAD comes later in the list: compiling says so
-            sides.append((r, (zero, waited)))
-        else:
-            sides.append(None)
-    for r, mine in enumerate(copies):
-        if not place(r, mine):
-            return None
-    if len(order) != n or len(reloads) != len(offloaded):
-        return None
-    program = object.__new__(_deps._Program)
-    program.n = n
-    program.timed = timed
-    program.sent = old.sent  # the copies' results never cross ranks
-    program.steps = order, inputs_of, keys_of, sides
-    program.bounds = list(zip(offsets, offsets[1:]))
-    return program
 
 
 def _late_reloads(schedule: Schedule, costs: StageCosts) -> dict[tuple[int, int], float]:
