@@ -62,8 +62,7 @@ def search(request: PlanRequest, progress=None, every: float = 5.0) -> Search:
     """The ``request.top`` fastest layouts that fit, each with its best memory savers (raises one
     line saying what would fit when none does). ``progress(text)``, if given, hears how far the
     search is every ``every`` seconds."""
-    started = time.perf_counter()
-    said = [started]
+    started = said = time.perf_counter()
     costing = Costing(request)
     pool = _pool(request)
     memory = request.cluster.gpu_memory
@@ -82,15 +81,15 @@ def search(request: PlanRequest, progress=None, every: float = 5.0) -> Search:
     simulated = 0
 
     def attempt(c: Candidate) -> Plan | None:
-        nonlocal simulated
+        nonlocal simulated, said
         if c not in tried:
             plan = _try(costing, c)
             simulated += plan is not None
             tried[c] = plan if plan is not None and plan.fits else None
-            if progress is not None and time.perf_counter() - said[0] >= every:
-                said[0] = time.perf_counter()
+            if progress is not None and time.perf_counter() - said >= every:
+                said = time.perf_counter()
                 best = f"; the best so far {min(p.step_ms for _, p in kept):.1f} ms a step" if kept else ""
-                progress(f"{simulated} of {len(pool)} layouts simulated after {said[0] - started:.0f} s{best}")
+                progress(f"{simulated} of {len(pool)} layouts simulated after {said - started:.0f} s{best}")
         return tried[c]
 
     while queue:

@@ -23,11 +23,11 @@ def check_fits(spec: RunSpec, available: int | None) -> None:
     if need <= available:
         return
     where = "this machine has" if spec.device == "cpu" else "the GPU with the least free memory has"
-    fits = next((changes for changes in _alternatives(spec) if _need(spec.replace(**changes).check())[0] <= available),
-                None)
+    needs = ((changes, _need(spec.replace(**changes).check())[0]) for changes in _alternatives(spec))
+    fits, less = next(((changes, need) for changes, need in needs if need <= available), (None, None))
     if fits:
         hint = "; " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in fits.items()) + \
-            f" would need {_need(spec.replace(**fits).check())[0] / _GiB:.3g} GiB"
+            f" would need {less / _GiB:.3g} GiB"
     else:
         hint = "; neither recomputation nor a smaller microbatch fits: " + (
             "the ranks share this machine's memory, so use a smaller --model" if spec.device == "cpu" else
