@@ -34,32 +34,59 @@ def test_snippet_runs(tmp_path, page, n, code):
     assert done.returncode == 0, f"{page.relative_to(ROOT)}, snippet {n}:\n{done.stderr[-3000:]}"
 
 
-def _shown(page: Path):
-    """The console examples of ``page`` whose output is fixed by pipeloom alone (simulate, plan):
-    (command, its shown output lines)."""
-    for block in re.findall(r"^```\n(\$ pipeloom (?:simulate|plan) .*?)^```$", page.read_text(), re.S | re.M):
-        lines = block.replace("\\\n", "").splitlines()
-        yield lines[0][2:], [line for line in lines[1:] if line.strip()]
+def _blocks(page: Path):
+    """The console examples of ``page``: each a list of (command, its shown output lines), run in turn."""
+    for block in re.findall(r"^```\n(\$ pipeloom .*?)^```$", page.read_text(), re.S | re.M):
+        runs = []
+        for line in block.replace("\\\n", "").splitlines():
+            if line.startswith("$ "):
+                runs.append((line[2:], []))
+            elif line.strip():
+                runs[-1][1].append(line.rstrip())
+        yield runs
 
 
-SHOWN = [(page, command, output) for page in PAGES for command, output in _shown(page)]
+def _slow(runs) -> bool:
+    """Whether a block runs a worker: a training run, sampling or a profile (a minute or so each)."""
+    return any(re.match(r"pipeloom (generate|profile)|pipeloom train(?!.*--dry-run)", command) for command, _ in runs)
 
 
-@pytest.mark.parametrize("page,command,output", SHOWN, ids=[f"{p.relative_to(ROOT)}: {c[:60]}" for p, c, _ in SHOWN])
-@pytest.mark.timeout(300)
-def test_shown_output_is_what_the_command_prints(tmp_path, page, command, output):
-    """Each line shown ("..." skips some) is a line the command prints, in that order."""
+def _timed(command: str) -> bool:
+    """Whether every number the command prints is a measured time (compared as ``#``)."""
+    return "--report" in command or command.startswith("pipeloom profile")
+
+
+def _same(line: str, command: str) -> str:
+    """``line`` without what changes from run to run: throughput and time left of a training run's
+    progress, and every number of a timed command."""
+    if _timed(command):
+        return " ".join(re.sub(r"\d[\d,.]*", "#", line).split())
+    return re.sub(r"[\d,]+ tok/s +\d+s left", "tok/s left", line)
+
+
+BLOCKS = [pytest.param(page, runs, id=f"{page.relative_to(ROOT)}: {runs[0][0][:60]}",
+                       marks=[pytest.mark.slow] if _slow(runs) else [])
+          for page in PAGES for runs in _blocks(page)]
+
+
+@pytest.mark.parametrize("page,runs", BLOCKS)
+@pytest.mark.timeout(600)
+def test_shown_output_is_what_the_command_prints(tmp_path, page, runs):
+    """Each line shown ("..." skips some) is a line the command prints, in that order; the commands of
+    one example run in turn in one directory (``generate`` reads what ``train`` saved)."""
     import shlex
 
-    command, _, grep = command.partition(" | grep ")
-    done = subprocess.run([sys.executable, "-m", "pipeloom", *shlex.split(command)[1:]], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=280, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0, done.stderr[-2000:]
-    printed = [line.rstrip() for line in (done.stdout + done.stderr).splitlines() if grep in line]
-    at = 0
-    for line in output:
-        if line.strip() == "...":
-            continue
-        assert line.rstrip() in printed[at:], f"{page.relative_to(ROOT)}: {command}\nshown:   {line}\nprinted:\n" + \
-            "\n".join(printed)
-        at = printed.index(line.rstrip(), at) + 1
+    for command, output in runs:
+        command, _, grep = command.partition(" | grep ")
+        done = subprocess.run([sys.executable, "-m", "pipeloom", *shlex.split(command)[1:]], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=280,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert done.returncode == 0, done.stdout[-2000:]
+        printed = [_same(line.rstrip(), command) for line in done.stdout.splitlines() if grep in line]
+        at = 0
+        for line in output:
+            if line.strip() == "...":
+                continue
+            assert _same(line, command) in printed[at:], \
+                f"{page.relative_to(ROOT)}: {command}\nshown:   {line}\nprinted:\n" + "\n".join(printed)
+            at = printed.index(_same(line, command), at) + 1
