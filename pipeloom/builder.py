@@ -62,7 +62,11 @@ class Priced:
         """What the costs come from, as the reports say it."""
         if self.spec.model is None:
             return "given"
-        return f"profile {self.spec.profile}" if self.spec.profile else f"formulas, device preset {self.device.name}"
+        if not self.spec.profile:
+            return f"formulas, device preset {self.device.name}"
+        measured = self.profile.model.vocab
+        return f"profile {self.spec.profile}" + (
+            f" (output layer scaled from its vocabulary {measured})" if measured != self.model.vocab else "")
 
     @cached_property
     def costs(self) -> Costs:

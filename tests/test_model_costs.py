@@ -162,6 +162,16 @@ def test_peak_memory_counts_every_virtual_stage_of_a_rank():
     assert sum(state) == pytest.approx(BYTES_PER_PARAM * sum(params))
 
 
+def test_autocasts_weight_copy_counts_where_a_forward_runs():
+    """The bf16 copy of the weights autocast keeps during a forward (2 bytes a parameter) adds to the
+    peak where a forward runs: 1F1B's second forward, with the gradients of the first backward."""
+    result = simulate(build("1f1b", 1, 4), costs_from_model("gpt-350m", 1, 1024, 4, "h100"))
+    params = stage_parameters("gpt-350m", 1, 1024)[0]
+    plain, cast = (peak_memory_bytes("gpt-350m", result, 1024, microbatch_size=4, cast_bytes_per_param=c)[0]
+                   for c in (0.0, 2.0))
+    assert cast - plain == pytest.approx(2.0 * params)
+
+
 @pytest.mark.parametrize("name,options", [
     ("1f1b", {}), ("gpipe", {}), ("interleaved-1f1b", {"chunks": 2}), ("zb-h1", {}), ("zb-v", {}),
     ("2bw", {"steps": 2}), ("1f1b", {"vocab_parallel": "vocab-1"}), ("dualpipev", {}),

@@ -36,6 +36,7 @@ def profile_dict(seq=64, link=(2e9, 0.05), host=None):
         "seq": seq,
         "repeats": 3,
         "bytes_per_param": 16.0,
+        "cast_bytes_per_param": 0.0,
         "optimizer_ns_per_param": 5.0,
         "link": {"bandwidth": link[0] if link else None, "latency_ms": link[1] if link else None,
                  "reason": None if link else "one GPU"},
@@ -53,6 +54,17 @@ def test_a_profile_without_the_optimizer_time_loads_and_leaves_it_to_the_device(
     assert Profile.from_dict({**data, "optimizer_ns_per_param": None}).optimizer_ns_per_param is None
     with pytest.raises(PipeloomError, match="optimizer_ns_per_param is -1; expected a positive number or null"):
         Profile.from_dict({**data, "optimizer_ns_per_param": -1})
+
+
+def test_an_older_profile_takes_autocasts_copy_from_its_precision():
+    data = profile_dict()
+    del data["cast_bytes_per_param"]
+    assert Profile.from_dict(data).cast_bytes_per_param == 0.0
+    data["machine"]["precision"] = "bf16"
+    assert Profile.from_dict(data).cast_bytes_per_param == 2.0
+    data["machine"]["precision"] = "fp8"
+    with pytest.raises(PipeloomError, match="machine.precision is 'fp8'; expected one of fp32, bf16"):
+        Profile.from_dict(data)
 
 
 def test_round_trip_through_a_file(tmp_path):
@@ -156,12 +168,35 @@ def test_a_profile_of_other_sizes_is_refused():
     with pytest.raises(PipeloomError, match="profile p.json was measured with hidden 32 .tiny.; the model gpt-125m "
                                             "has hidden 768"):
         costs_from_model("gpt-125m", 2, 64, 1, "cpu", profile=profile)
-    with pytest.raises(PipeloomError, match="measured with vocab 256 .tiny.; the model tiny has vocab 512"):
-        costs_from_model(replace(TINY, vocab=512), 2, 64, 1, "cpu", profile=profile)
     with pytest.raises(PipeloomError, match="measured at seq 64; costs were asked for seq 128"):
         costs_from_model(TINY, 2, 128, 1, "cpu", profile=profile)
     deeper = costs_from_model(replace(TINY, layers=8), 2, 64, 1, "cpu", profile=profile)  # depth may differ
     assert deeper.w == pytest.approx([4 * 0.5, 4 * 0.5 + 1.0])
+
+
+def test_another_vocabulary_scales_the_output_layer_alone():
+    """A tokenizer's own vocabulary: the output layer's times and bytes grow with it (its products and
+    logits); the layers and the embedding stay as measured."""
+    from dataclasses import replace
+
+    profile = Profile.from_dict(profile_dict())
+    same, double = (costs_from_model(replace(TINY, vocab=v), 2, 64, 1, "cpu", profile=profile) for v in (256, 512))
+    assert double.f[0] == same.f[0] and double.b[0] == same.b[0] and double.m_b[0] == same.m_b[0]
+    assert double.f[1] - same.f[1] == pytest.approx(3.0) and double.w[1] - same.w[1] == pytest.approx(1.0)
+    assert double.m_b[1] - same.m_b[1] == pytest.approx(5000)
+
+
+def test_a_fused_backward_costs_what_was_measured():
+    """BW costs the profile's ``bw`` (2.4 a layer here), not B + W (2.5): the cost field ``fused``."""
+    from pipeloom.schedule import build
+    from pipeloom.sim import simulate
+
+    profile = Profile.from_dict(profile_dict(link=None))
+    costs = costs_from_model(TINY, 1, 64, 1, "cpu", profile=profile)
+    assert costs.extra["fused"] == pytest.approx([4 * (2.4 - 2.5)])
+    fused = simulate(build("1f1b", 1, 1), costs)
+    split = simulate(build("zb-h1", 1, 1), costs)
+    assert split.makespan - fused.makespan == pytest.approx(0.4)
 
 
 def test_without_a_profile_the_formulas_are_used():

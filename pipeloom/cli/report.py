@@ -39,7 +39,8 @@ def report(result, priced) -> dict:
 
         model, device, profile = priced.model, priced.device, priced.profile
         full_stage_m_b = sum(result.costs.m_b) / schedule.pp  # bytes of M_B for an average full stage
-        state = {"bytes_per_param": profile.bytes_per_param} if profile else {}
+        state = ({"bytes_per_param": profile.bytes_per_param, "cast_bytes_per_param": profile.cast_bytes_per_param}
+                 if profile else {})
         report.update(
             model=model.name, vocab=model.vocab, device=spec.device, hardware=device.name, seq=spec.seq,
             microbatch_size=spec.microbatch_size, costs=priced.source, time_unit="ms",

@@ -414,7 +414,8 @@ def evaluate(request: PlanRequest, c: Candidate, stage_costs: Costs, build_sched
         step = max(max(ends, default=0.0) + t for ends, t in zip(result.ends, tail))
         bubble = result.bubble_rate
     memory = peak_memory_bytes(request.model, result, request.seq, microbatch_size=c.microbatch_size, sp=c.sp,
-                               bytes_per_param=request.bytes_per_param, **_model_options(c))
+                               bytes_per_param=request.bytes_per_param,
+                               cast_bytes_per_param=request.cast_bytes_per_param, **_model_options(c))
     seconds = step / 1e3
     return Plan(c, step, request.global_batch * request.seq / seconds, request.global_batch / seconds,
                 model_flops(request) / seconds / (request.cluster.gpus * request.cluster.device.peak_flops), memory,

@@ -37,6 +37,7 @@ class PlanRequest:
     microbatch_sizes: tuple[int, ...] | None = None
     top: int = 10
     bytes_per_param: float = field(default=None)
+    cast_bytes_per_param: float = field(default=None)
 
     def __post_init__(self):
         object.__setattr__(self, "model", get_model(self.model))
@@ -52,6 +53,8 @@ class PlanRequest:
             axis.check(getattr(self, axis.name))
         if self.bytes_per_param is None:
             object.__setattr__(self, "bytes_per_param", self.profile.bytes_per_param if self.profile else 18.0)
+        if self.cast_bytes_per_param is None:
+            object.__setattr__(self, "cast_bytes_per_param", self.profile.cast_bytes_per_param if self.profile else 0.0)
 
 
 @dataclass(frozen=True, order=True)

@@ -114,6 +114,8 @@ def measure(config: GPTConfig, seq: int, microbatch_sizes=(1,), *, device: str =
         "seq": seq,
         "repeats": repeats,
         "bytes_per_param": state,
+        # autocast's copy of the weights it casts, held while a forward runs
+        "cast_bytes_per_param": float(PRECISIONS[precision].itemsize) if PRECISIONS[precision] else 0.0,
         "optimizer_ns_per_param": optimizer,
         "link": link,
         "host_bandwidth": host,

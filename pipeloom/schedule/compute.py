@@ -69,5 +69,5 @@ register(Kind(B, "input grad", needs=_backward_needs, memory=((1.0, "m_w"), (-1.
               transfer="comm", colour="#dd8452", torch_code="I", torch_csv=True, check=check_compute))
 register(Kind(W, "weight grad", needs=_weight_needs, memory=((-1.0, "m_w"),), cost=("w",),
               colour="#55a868", torch_code="W", torch_csv=True, check=check_compute))
-register(Kind(BW, "fused backward", needs=_backward_needs, memory=((-1.0, "m_b"),), cost=("b", "w"),
+register(Kind(BW, "fused backward", needs=_backward_needs, memory=((-1.0, "m_b"),), cost=("b", "w", "fused"),
               transfer="comm", colour="#c44e52", torch_code="B", torch_csv=True, check=check_compute))

@@ -134,6 +134,9 @@ register_field("m_rerun")
 #: The share of a compound action's shorter parts hidden under its longest (DualPipeV's overlapped
 #: F and B: 0, the default, runs them one after the other; 1 takes only the longer), in [0, 1].
 register_field("overlap", split=False)
+#: BW's time less its B's and W's (:mod:`.compute`): a profile's measured ``bw - b - w``, what one
+#: backward call saves over two (on a GPU, the split's second pass over the graph); 0 from formulas.
+register_field("fused")
 #: The fields of :class:`Costs` given per rank: the vocabulary passes.
 VOCAB_FIELDS = ("s", "t", "c", "r", "e_f", "e_b", "e_comm", "m_v")
 for _name in VOCAB_FIELDS:

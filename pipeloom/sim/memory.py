@@ -12,7 +12,7 @@ import math
 
 from ..modes import VocabMode
 from ..schedule.ir import parts
-from ..schedule.kinds import graded
+from ..schedule.kinds import get, graded
 from .formulas import _attention, _attention_memory
 from .simulate import Result
 from .specs import ModelSpec, _positive, get_model
@@ -53,6 +53,7 @@ def peak_memory_bytes(
     microbatch_size: int = 1,
     sp: int = 1,
     attention: str | None = None,
+    cast_bytes_per_param: float = 0.0,
 ) -> list[float]:
     """Peak bytes per rank: model state of the rank's stages and vocabulary
     shard (``bytes_per_param`` each, of which a stage's gradient,
@@ -67,7 +68,9 @@ def peak_memory_bytes(
     stages' activations alive again while its backward reruns its forward
     (the costs' ``m_rerun``). ``layers_per_stage``, ``vocab_parallel`` (default: the
     schedule's ``options["vocab_parallel"]``), ``microbatch_size``, ``sp``
-    and ``attention`` must match the ones the costs used."""
+    and ``attention`` must match the ones the costs used. ``cast_bytes_per_param``: the low-precision
+    copy of a stage's weights that autocast keeps while one of its forwards runs (a profile's, 2 under
+    bf16; the formulas' state already counts bf16 weights), added where a forward is running."""
     schedule, model = result.schedule, get_model(model)
     mode = VocabMode.of(vocab_parallel or schedule.options.get("vocab_parallel") or "none")
     split = stage_layers(model, schedule.stages, seq, layers_per_stage, mode)
@@ -81,29 +84,31 @@ def peak_memory_bytes(
     for rank in range(schedule.pp):
         stages = schedule.stages_of(rank)
         state = (held + grad) * shard + held * sum(params[s] for s in stages)  # a shard's gradient from the start
-        peaks.append(state + _with_gradients(result, rank, {s: grad * params[s] for s in stages})
+        peaks.append(state + _with_gradients(result, rank, {s: grad * params[s] for s in stages},
+                                             {s: cast_bytes_per_param * params[s] for s in stages})
                      + max(rerun[s] for s in stages) + (transient if any(split[s] for s in stages) else 0))
     return peaks
 
 
-def _with_gradients(result: Result, rank: int, grads: dict[int, float]) -> float:
-    """The peak over the step of ``rank``'s activation memory plus the gradients
-    (``grads``: bytes per stage) of the stages whose backward has begun: a
-    stage's gradient appears when its first action timed by the ``b`` or ``w``
-    cost (or a compound action holding one) starts."""
-    backward = graded()
-    first = {}
+def _with_gradients(result: Result, rank: int, grads: dict[int, float], casts: dict[int, float] | None = None,
+                    ) -> float:
+    """The peak over the step of ``rank``'s activation memory plus the gradients (``grads``:
+    bytes per stage) of the stages whose backward has begun (from the start of a stage's first
+    action timed by the ``b`` or ``w`` cost, or a compound action holding one), plus, at the start
+    of an action timed by ``f`` (its activations are counted from then), its stage's ``casts``."""
+    backward, casts = graded(), casts or {}
+    first, forward = {}, {}
     for action, start in zip(result.schedule.ranks[rank], result.starts[rank]):
         for part in parts(action):
             if part.kind in backward and part.stage in grads and part.stage not in first:
                 first[part.stage] = start
-        if len(first) == len(grads):
-            break
+            if casts.get(part.stage) and "f" in get(part.kind).cost:
+                forward[start] = max(forward.get(start, 0.0), casts[part.stage])
     appear = sorted((first.get(s, math.inf), g) for s, g in grads.items())
     peak, held, k = 0.0, 0.0, 0
     for t, level in result.memory_timeline(rank):
         while k < len(appear) and appear[k][0] <= t:
             held += appear[k][1]
             k += 1
-        peak = max(peak, level + held)
+        peak = max(peak, level + held + forward.get(t, 0.0))
     return max(peak, sum(g for t, g in appear if t < math.inf))  # after the last backward, as before the next step

@@ -168,7 +168,8 @@ def costs_from_model(
 
     ``profile`` (a :class:`~pipeloom.sim.profile.Profile` of this model's sizes
     and ``seq``) replaces the formulas' compute times, activation bytes and
-    stage-to-stage transfer with measured ones (:meth:`~pipeloom.sim.profile.Profile.stages`);
+    stage-to-stage transfer with measured ones (:meth:`~pipeloom.sim.profile.Profile.stages`; a
+    fused backward costs its measured time, the cost field ``fused``);
     ``device`` still gives the rest (the link when the profile measured none,
     sequence parallelism's ring, vocabulary passes, K-FAC pieces).
     """
@@ -194,10 +195,11 @@ def costs_from_model(
 
     f, bwd, w = ([device.ms(x) for x in stage_totals(split, flops, first=first, last=head)]
                  for flops, first in ((layer_f, embedding), (layer_b, 0), (layer_w, 0)))
-    comm, host_bandwidth = 1e3 * 2 * bth / device.link_bandwidth, device.host_bandwidth
+    comm, host_bandwidth, fused = 1e3 * 2 * bth / device.link_bandwidth, device.host_bandwidth, 0.0
     if profile is not None:
         measured = profile.stages(model, seq, microbatch_size, split, sp, recompute, mode.splits)
         f, bwd, w, m_b, m_w, rerun = measured.f, measured.b, measured.w, measured.m_b, measured.m_w, measured.m_rerun
+        fused = measured.fused
         comm = measured.comm_ms
         if comm is None:  # no link measured: the device's
             comm = 1e3 * measured.message_bytes / device.link_bandwidth
@@ -209,7 +211,8 @@ def costs_from_model(
         comm=[comm] * stages,
         m_b=m_b,
         m_w=m_w,
-        extra={"offload": [1e3 * x / host_bandwidth for x in m_b], **({"m_rerun": rerun} if full else {})},
+        extra={"offload": [1e3 * x / host_bandwidth for x in m_b], "fused": fused,
+               **({"m_rerun": rerun} if full else {})},
     )
     if kfac:
         pieces = kfac_costs(model, seq, microbatch_size, device, dp, sp)

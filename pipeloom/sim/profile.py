@@ -10,6 +10,7 @@ measured on one machine (a CPU, or one GPU) with the runtime's own modules
      "seq": int,
      "repeats": int,
      "bytes_per_param": float,
+     "cast_bytes_per_param": float,
      "optimizer_ns_per_param": float|null,
      "link": {"bandwidth": float|null, "latency_ms": float|null, "reason": str|null},
      "host_bandwidth": float|null,
@@ -35,7 +36,9 @@ input, what a recomputed stage keeps), and what B leaves queued for W
 the output layer's ``b`` and ``w``, and ``full``, what its stage keeps when
 recomputed (its input and the loss's log-probabilities). ``bytes_per_param``:
 model state per parameter as the runtime keeps it (weights, gradients,
-AdamW's moments); ``optimizer_ns_per_param``: the optimizer step (gradient
+AdamW's moments); ``cast_bytes_per_param``: the low-precision copy of the
+weights autocast keeps while a forward runs (2 under bf16, 0 in fp32; absent
+in older profiles: from ``machine.precision``); ``optimizer_ns_per_param``: the optimizer step (gradient
 clipping and AdamW, as ``pipeloom train`` runs it) per parameter, on one
 layer's parameters (null or absent in older profiles: the device's memory
 bandwidth times it then). ``link``: a stage-to-stage transfer, ``latency_ms + bytes
@@ -49,7 +52,10 @@ null on a CPU.
 place of formulas: at a profiled microbatch size the measured values; at
 another, the nearest profiled size's times scaled by FLOPs (its measured
 FLOP rate) and its bytes by the tokens; with sequence parallelism (``sp``
-ranks) a rank's FLOPs and bytes.
+ranks) a rank's FLOPs and bytes. A model of another vocabulary (a tokenizer's
+own) scales the output layer's times and bytes by the vocabulary too (its
+products and logits grow with it); of other layers, the stages add the
+measured layer up.
 """
 
 from __future__ import annotations
@@ -66,6 +72,8 @@ from .specs import ModelSpec
 
 #: The format tag of a profile.
 FORMAT = "pipeloom-profile/1"
+#: Bytes per parameter of autocast's copy of the weights, by the profile's precision.
+CAST_BYTES = {"fp32": 0.0, "bf16": 2.0}
 
 #: The numbers measured at each microbatch size: JSON path -> :class:`Sample` field.
 SAMPLE_FIELDS = {
@@ -80,8 +88,8 @@ SAMPLE_FIELDS = {
 #: The model fields of a profile: JSON key -> :class:`~pipeloom.sim.specs.ModelSpec` field.
 MODEL_FIELDS = {"name": "name", "layers": "layers", "hidden": "hidden", "heads": "heads", "vocab": "vocab",
                 "ffn": "ffn", "tied": "tied_embeddings"}
-#: The model sizes a profile must share with the model it costs.
-MATCHED = ("hidden", "heads", "ffn", "vocab", "kv_heads", "ffn_hidden", "gated", "bias")
+#: The model sizes a profile must share with the model it costs (the layers and the vocabulary may differ).
+MATCHED = ("hidden", "heads", "ffn", "kv_heads", "ffn_hidden", "gated", "bias")
 
 
 @dataclass(frozen=True)
@@ -112,11 +120,13 @@ class ProfiledCosts:
     """One transformer layer's and the two ends' costs for one microbatch on one rank (ms, bytes),
     from a profile, under a recomputation: ``layer_m_b`` what a layer keeps for its backward,
     ``head_m_b`` the output layer's (with whole-stage recomputation: its input and the loss's
-    log-probabilities); ``comm_ms`` None where the profile has no measured link."""
+    log-probabilities); ``layer_fused`` a fused backward's time less B's and W's (measured ``bw - b - w``);
+    ``comm_ms`` None where the profile has no measured link."""
 
     layer_f: float
     layer_b: float
     layer_w: float
+    layer_fused: float
     embedding_f: float
     embedding_b: float
     head_f: float
@@ -133,13 +143,15 @@ class ProfiledCosts:
 @dataclass(frozen=True)
 class ProfiledStages:
     """Per stage, what :func:`~pipeloom.sim.model.costs_from_model` takes from a profile: compute
-    times ``f``, ``b``, ``w`` (ms; sequence parallelism's exposed transfers not included), activation
+    times ``f``, ``b``, ``w`` and ``fused`` (BW less B and W; ms; sequence parallelism's exposed transfers
+    not included), activation
     bytes ``m_b``, ``m_w`` and, with whole-stage recomputation, ``m_rerun`` (a stage's activations
     while its forward reruns; else None); ``comm_ms`` as in :class:`ProfiledCosts`."""
 
     f: list[float]
     b: list[float]
     w: list[float]
+    fused: list[float]
     m_b: list[float]
     m_w: list[float]
     m_rerun: list[float] | None
@@ -156,6 +168,7 @@ class Profile:
     model: ModelSpec
     seq: int
     bytes_per_param: float
+    cast_bytes_per_param: float
     link_bandwidth: float | None
     link_latency_ms: float | None
     link_reason: str | None
@@ -182,6 +195,9 @@ class Profile:
         machine = read.get(data, ("machine",), dict)
         for key in ("device", "precision"):
             read.get(data, ("machine", key), str)
+        if machine["precision"] not in CAST_BYTES:
+            raise PipeloomError(f"{where}: field machine.precision is {machine['precision']!r}; expected one of "
+                                f"{', '.join(CAST_BYTES)}")
         read.get(data, ("model",), dict)
         sizes = {MODEL_FIELDS[k]: read.get(data, ("model", k), str if k == "name" else bool if k == "tied" else int)
                  for k in MODEL_FIELDS}
@@ -202,6 +218,8 @@ class Profile:
         return cls(
             machine=dict(machine), model=spec, seq=read.get(data, ("seq",), int, positive=True),
             bytes_per_param=read.number(data, ("bytes_per_param",), positive=True),
+            cast_bytes_per_param=read.number(data, ("cast_bytes_per_param",))
+            if "cast_bytes_per_param" in data else CAST_BYTES[machine["precision"]],
             link_bandwidth=read.number(data, ("link", "bandwidth"), positive=True, null=True),
             link_latency_ms=read.number(data, ("link", "latency_ms"), null=True),
             link_reason=link.get("reason") if isinstance(link.get("reason"), str) else None,
@@ -231,6 +249,7 @@ class Profile:
             "seq": self.seq,
             "repeats": self.repeats,
             "bytes_per_param": self.bytes_per_param,
+            "cast_bytes_per_param": self.cast_bytes_per_param,
             "optimizer_ns_per_param": self.optimizer_ns_per_param,
             "link": {"bandwidth": self.link_bandwidth, "latency_ms": self.link_latency_ms, "reason": self.link_reason},
             "host_bandwidth": self.host_bandwidth,
@@ -238,7 +257,8 @@ class Profile:
         }
 
     def check(self, model: ModelSpec, seq: int) -> None:
-        """Refuse a model or sequence length other than the profiled ones (the layers may differ)."""
+        """Refuse a model or sequence length other than the profiled ones (the layers and the
+        vocabulary may differ)."""
         for key in MATCHED:
             mine, theirs = getattr(self.model, key), getattr(model, key)
             if mine != theirs:
@@ -268,20 +288,22 @@ class Profile:
         size = self.nearest(microbatch_size)
         sample = self.samples[size]
         tokens = microbatch_size / (size * sp)  # this rank's tokens over the profiled ones
+        head = tokens * model.vocab / self.model.vocab  # the output layer's products and logits: by the vocabulary too
         wanted, measured = layer_flops(model, seq, microbatch_size, sp), layer_flops(model, seq, size)
         f, b, w = (t * x / y for t, x, y in zip((sample.layer_f, sample.layer_b, sample.layer_w), wanted, measured))
+        bw = sample.layer_bw * (wanted[1] + wanted[2]) / (measured[1] + measured[2])
         kept = {False: sample.layer_m_none, "cheap": sample.layer_m_cheap, True: sample.layer_m_full}[recompute]
         message = sample.message_bytes * tokens
         comm = None
         if self.link_bandwidth is not None:
             comm = (self.link_latency_ms or 0.0) + 1e3 * message / self.link_bandwidth
         return ProfiledCosts(
-            layer_f=f, layer_b=b + (f if recompute is True else 0.0), layer_w=w,
+            layer_f=f, layer_b=b + (f if recompute is True else 0.0), layer_w=w, layer_fused=bw - b - w,
             embedding_f=sample.embedding_f * tokens, embedding_b=sample.embedding_b * tokens,
-            head_f=sample.head_f * tokens, head_b=sample.head_b * tokens, head_w=sample.head_w * tokens,
+            head_f=sample.head_f * head, head_b=sample.head_b * head, head_w=sample.head_w * head,
             layer_m_b=kept * tokens, layer_m_w=sample.layer_m_w * tokens,
-            head_m_b=(sample.head_m_full if recompute is True else sample.head_m_b) * tokens,
-            head_m_w=sample.head_m_w * tokens,
+            head_m_b=(sample.head_m_full if recompute is True else sample.head_m_b) * head,
+            head_m_w=sample.head_m_w * head,
             message_bytes=message, comm_ms=comm,
         )
 
@@ -307,6 +329,7 @@ class Profile:
             f=stage_totals(split, one.layer_f, first=ends * one.embedding_f, last=ends * one.head_f),
             b=stage_totals(split, one.layer_b, first=ends * one.embedding_b, last=ends * one.head_b),
             w=stage_totals(split, one.layer_w, last=ends * one.head_w),
+            fused=stage_totals(split, one.layer_fused),
             m_b=m_b, m_w=stage_totals(split, one.layer_m_w, last=ends * one.head_m_w), m_rerun=rerun,
             message_bytes=one.message_bytes, comm_ms=one.comm_ms,
         )
