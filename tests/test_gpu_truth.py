@@ -59,3 +59,16 @@ def test_simulate_says_the_planners_peak(tmp_path, gpu, row):
     assert done.returncode == 0, done.stderr
     simulated = json.loads(done.stdout)["peak_memory_bytes"][0] / 2**30
     assert simulated == pytest.approx(_planned_gib(truth, row, True), rel=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_gpu_script_runs_here_quick(tmp_path):
+    """``bench/gpu_truth.py --quick`` (the tiny model on this CPU) writes rows the checks above read."""
+    out = tmp_path / "cpu.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_truth.py"), "--quick", "--steps", "3", "--out", str(out)],
+                   check=True, capture_output=True, timeout=280, cwd=tmp_path)
+    written = json.loads(out.read_text())
+    assert written["benchmark"] == "gpu_truth" and Profile.from_dict(written["profile"]).model.vocab == 256
+    assert [row["flags"] for row in written["rows"]] and all(
+        row["measured_step_ms"] > 0 and row["predicted_peak_gib"] > 0 for row in written["rows"])
