@@ -14,8 +14,9 @@ class Offload(Technique):
     name = "offload"
     summary = "activations copied to host memory between their forward and backward, on a copy stream"
     flags = (Flag("offload", "PipeOffload: copy activations to host memory after F and back before the backward, on "
-                  "one copy stream per rank: every pair whose gap holds both copies (full) or the longest-lived until "
-                  "each rank's peak falls by --offload-ratio (selective); default none", choices=CHOICES, compared=True),
+                  "one copy stream per rank, never delaying compute: each rank's peak as low as the stream allows "
+                  "(full) or down by --offload-ratio (selective, else full's and a line that says so); default none",
+                  choices=CHOICES, compared=True),
              Flag("offload_ratio", "with --offload selective: the share of each rank's activation peak to move, in "
                   "(0, 1]", type=float, metavar="R"))
 
@@ -55,7 +56,7 @@ class Offload(Technique):
         if not self.active(spec):
             return {}
         offloaded = [sum(costs.m_b[a.stage] for a in actions if a.kind == OFFLOAD) for actions in schedule.ranks]
-        report = {"policy": spec.offload, "ratio": spec.offload_ratio}
+        report = {"policy": spec.offload, "ratio": spec.offload_ratio, "cut": _cut(result)}
         if priced.model is None:
             report["ranks"] = [{"rank": r, "host": h, "offloaded": o, "exposed": e}
                                for r, (h, o, e) in enumerate(zip(result.peak_host, offloaded, result.exposed))]
@@ -85,6 +86,8 @@ class Offload(Technique):
                                          f"({'the copy stream keeps up' if offload['k'] <= 1 else 'copies outlast compute'})"
                                          if bytes_ else ""),
                  f"{'rank':>4} {'offloaded/step':>15} {'peak host':>12} {'exposed':>10}"]
+        if "cut" in offload:
+            lines.insert(1, _cut_line(offload))
         for row in offload["ranks"]:
             if bytes_:
                 lines.append(f"{row['rank']:>4} {size_text(row['offloaded_bytes']):>15} {size_text(row['host_bytes']):>12} "
@@ -134,6 +137,39 @@ class Offload(Technique):
         away = copyable(actions) if step == "copyable" else [(a.stage, a.microbatch) for a in actions
                                                              if a.kind == RELOAD]
         return tightest(actions, away)
+
+
+def _cut(result) -> float:
+    """The share of the worst rank's activation peak the copies remove: the schedule's simulated
+    peak against the same schedule's without its copies."""
+    from dataclasses import replace
+
+    from ..schedule.transforms.offload import OFFLOAD, RELOAD
+    from ..sim import simulate
+
+    schedule = result.schedule
+    bare = replace(schedule, ranks=tuple(tuple(a for a in actions if a.kind not in (OFFLOAD, RELOAD))
+                                         for actions in schedule.ranks),
+                   options={k: v for k, v in schedule.options.items() if k != "offload"})
+    before = max(simulate(bare, result.costs).peak_activation)
+    return 1 - max(result.peak_activation) / before if before else 0.0
+
+
+def _cut_line(offload: dict) -> str:
+    """What the copies cut, and for selective offload short of its ratio, that it is the most."""
+    cut = f"the copies cut the worst rank's activation peak by {offload['cut']:.0%}"
+    if offload["policy"] == "selective" and offload["cut"] < offload["ratio"] - 1e-9:
+        return (f"selective {offload['ratio']:g}: {cut}, not {offload['ratio']:.0%}: more copies would delay "
+                "compute (the copy stream is full where the peak is)")
+    return cut + (" without delaying compute" if offload["policy"] == "full" else "")
+
+
+def shortfall(report: dict) -> str | None:
+    """The line that says selective offload falls short of its ratio, for ``train`` to print before launch."""
+    offload = report.get("offload")
+    if offload and offload["policy"] == "selective" and offload["cut"] < offload["ratio"] - 1e-9:
+        return "pipeloom train: offload " + _cut_line(offload)
+    return None
 
 
 register(Offload())

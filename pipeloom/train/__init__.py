@@ -72,6 +72,13 @@ def run(args) -> int:
         from .fits import available_memory, check_fits
 
         check_fits(spec, available_memory(spec.device, spec.world))
+    if spec.offload == "selective":
+        from ..cli.simulate import simulate_spec
+        from ..techniques.offload import shortfall
+
+        line = shortfall(simulate_spec(spec)[0])
+        if line:
+            print(line, file=sys.stderr)
     from ..launch import launch
 
     return launch(list(config.argv), spec.world)

@@ -11,24 +11,26 @@ activation memory falls by ``m_b`` when an OFFLOAD ends and rises when a
 RELOAD starts; host memory holds it from the OFFLOAD's start to the RELOAD's
 end.
 
-Policies (:class:`Offload`):
+No copy delays compute: each rank's copy stream is planned as a timetable,
+and a pair is copied only where its OFFLOAD fits after its F's end and its
+RELOAD (as late as it can) ends by its backward's start, with an action
+between them (:meth:`_Pairs._fit`). A copy goes in the list after the last
+compute action that ends by its planned start, the copies in the order of
+their starts, so the stream, which runs them in list order, starts none
+later than planned.
 
-- ``full``: every pair whose gap between F's end and the backward's start
-  has room for both copies (more than twice the copy time; with no copy
-  time, any gap: a pair whose backward follows its F directly is kept).
-- ``selective`` with a ratio r in (0, 1]: on each rank, while its peak
-  activation memory is above (1 - r) of the peak without offload, the pair
-  that lives longest among those held at the peak instant is offloaded
-  (longest-lived first: those count at the peak the most often, so the
-  peak falls faster than the bytes moved grow).
+Policies (:class:`Offload`), per rank:
 
-Placement, on the timeline the costs give (the transform's ``costs``, or the
-unit costs with free copies): OFFLOAD right after its F; RELOAD issued where
-its own copy can finish before its backward, at least one action before it
-(a pair with no action left between its OFFLOAD and that point is not
-offloaded); then, as other copies queue ahead of it on the one stream,
-while a simulated backward waits for its RELOAD, that RELOAD moves earlier
-by the wait (a few rounds).
+- ``selective`` with a ratio r in (0, 1]: sweeping the instants in time
+  order, at each one above (1 - r) of the peak without offload, the pair in
+  flight that fits and stays off the device the furthest ahead
+  (:meth:`_Sweep.cover`).
+- ``full``: the lowest peak that sweep reaches, then every other pair that
+  still fits (:meth:`_Sweep.lowest`); also for selective where the stream
+  cannot reach (1 - r). Where it stops short, the eager placement (each
+  OFFLOAD right after its F, the stream left to order the copies,
+  :func:`_eager`) is tried too, and the rank keeps the lower simulated peak.
+
 Dependencies: OFFLOAD(s,i) after F(s,i); RELOAD(s,i) after OFFLOAD(s,i);
 the backward (B or BW) of an offloaded pair after its RELOAD.
 
@@ -39,7 +41,7 @@ stage inputs that recomputation keeps are offloaded). Nothing is refused.
 
 from __future__ import annotations
 
-import heapq
+import bisect
 import math
 from dataclasses import replace
 
@@ -98,29 +100,51 @@ class Offload:
             raise ScheduleError("offload a schedule before lowering its communication")
         per_stage = (costs or Costs()).per_stage(schedule.stages, schedule.chunks)
         pairs = _Pairs(schedule, per_stage)
-        chosen = pairs.eligible() if self.policy == "full" else pairs.select(self.ratio)
         options = {**schedule.options, "offload": {"policy": self.policy, "ratio": self.ratio}}
-        return _place(replace(schedule, options=options), per_stage, pairs, chosen)
+        schedule = replace(schedule, options=options)
+        swept, short = pairs.choose(None if self.policy == "full" else self.ratio)
+        timed = [_timetabled(pairs, {p: v for p, v in swept.items() if pairs.where[p][0] == r})
+                 for r in range(schedule.pp)]
+        if not short:
+            return _assemble(schedule, pairs, timed)
+        # where the timetable stops short (full, or selective beyond the stream), the copies of each
+        # pair right after its F, the copy stream left to order them, are tried too: the rank keeps
+        # whichever peaks lower (its copies touch no other rank)
+        eager = _eager(schedule, pairs, per_stage)
+        peaks = [simulate_peaks(_assemble(schedule, pairs, entries), per_stage) for entries in (timed, eager)]
+        return _assemble(schedule, pairs, [eager[r] if r in short and peaks[1][r] < peaks[0][r] else timed[r]
+                                           for r in range(schedule.pp)])
 
 
 class _Pairs:
-    """The (stage, microbatch) pairs of a schedule, on its timeline without offload."""
+    """The (stage, microbatch) pairs of a schedule on its timeline without offload, and the copy
+    stream's timetable of each rank as pairs are chosen (:meth:`choose`)."""
 
     def __init__(self, schedule: Schedule, costs: StageCosts):
         self.schedule, self.costs = schedule, costs
         self.starts, self.ends = asap(schedule, costs.duration, costs.transfer)
         #: (stage, microbatch) -> (rank, index of F, index of its backward)
         self.where: dict[tuple[int, int], tuple[int, int, int]] = {}
-        forwards = {}
+        #: per rank, (end, index) of its compute actions in list order: where a copy can be issued
+        self.issues: list[list[tuple[float, int]]] = []
         for rank, actions in enumerate(schedule.ranks):
+            forwards, issues = {}, []
             for k, a in enumerate(actions):
+                if KINDS[a.kind].stream:
+                    continue
+                issues.append((self.ends[rank][k], k))
                 if a.kind == F:
                     forwards[a.stage, a.microbatch] = k
                 elif a.kind in (B, BW):
                     self.where[a.stage, a.microbatch] = (rank, forwards[a.stage, a.microbatch], k)
+            self.issues.append(issues)
 
     def copy(self, pair) -> float:
         return self.costs.offload[pair[0]]
+
+    def stream(self) -> _Stream:
+        """An empty copy stream, its times equal within float noise of the schedule's span."""
+        return _Stream(_slack(max((max(ends, default=0.0) for ends in self.ends), default=0.0)))
 
     def gap(self, pair) -> tuple[float, float]:
         """End of the pair's F and start of its backward."""
@@ -128,8 +152,8 @@ class _Pairs:
         return self.ends[rank][f], self.starts[rank][b]
 
     def reload_at(self, pair) -> int:
-        """Where RELOAD goes first: before the latest action that leaves its copy time to
-        finish before the backward, and at least one action before it."""
+        """Where an eager RELOAD goes first: before the latest action that leaves its copy time to
+        finish before the backward, and at least one action after its F."""
         rank, f, b = self.where[pair]
         latest = self.gap(pair)[1] - self.copy(pair)
         ends, k = self.ends[rank], b - 1
@@ -138,49 +162,56 @@ class _Pairs:
         return k
 
     def eligible(self) -> list[tuple[int, int]]:
-        """Pairs whose gap holds both copies (any gap when copies are free) and an
-        action between the OFFLOAD and the RELOAD."""
+        """Pairs whose gap holds both copies (any gap when copies are free) with two actions or
+        more between F and the backward (:func:`copyable`)."""
         found = []
         for pair, (rank, f, b) in self.where.items():
             end, start = self.gap(pair)
-            if start - end > 2 * self.copy(pair) and start > end and self.reload_at(pair) > f + 1:
+            if start - end > 2 * self.copy(pair) and start > end and b - f > 2:
                 found.append(pair)
         return found
 
-    def select(self, ratio: float) -> list[tuple[int, int]]:
-        """Longest-lived pairs held at each rank's peak, until the peak is (1 - ratio) of its value."""
-        chosen = []
+    def issued_after(self, rank: int, at: float, first: int) -> int | None:
+        """The last compute action of ``rank`` from index ``first`` on that ends by ``at`` (a copy
+        placed after it starts no earlier than that end, :func:`~..deps.asap`), or None."""
+        issues = self.issues[rank]
+        k = bisect.bisect_right(issues, (at + _NOISE * max(abs(at), 1.0), math.inf)) - 1
+        return issues[k][1] if k >= 0 and issues[k][1] >= first else None
+
+    def choose(self, ratio: float | None) -> tuple[dict, set]:
+        """The pairs to copy and their copies' places, pair -> (OFFLOAD's start, RELOAD's start, the
+        compute action RELOAD follows) on the rank's copy stream, each copy in a free interval of it
+        so that no backward waits for its RELOAD. ``ratio`` None (full): on each rank the lowest
+        peak the stream reaches, then every other pair that still fits (:meth:`_Sweep.lowest`).
+        Else the pairs that bring each rank's peak to (1 - ratio) of its value
+        (:meth:`_Sweep.cover`), or, where the stream cannot, full's. And the ranks that took full's."""
+        chosen, short = {}, set()
         by_rank: dict[int, list] = {}
         for pair in self.eligible():
             by_rank.setdefault(self.where[pair][0], []).append(pair)
         for rank, candidates in sorted(by_rank.items()):
-            away = {pair: self._away(pair) for pair in candidates}
-            events = self._events(rank)
-            grid = sorted({t for t, _ in events}.union(*away.values()))
-            index = {t: k for k, t in enumerate(grid)}
-            levels = _Levels(_profile(events, grid))
-            held = _Held(len(grid))
-            for pair, (leave, back) in away.items():
-                held.add(index[leave], index[back], (-self._life(pair), pair[1], pair[0]), pair)
-            target = (1 - ratio) * levels.peak + _NOISE * max(levels.peak, 1.0)
-            while levels.peak > target:
-                pair = held.best(levels.first_peak())
-                if pair is None:
-                    break
-                held.remove(pair)
-                chosen.append(pair)
-                leave, back = away[pair]
-                levels.add(index[leave], index[back], -self.costs.m_b[pair[0]])
-        return chosen
+            sweep = _Sweep(self, rank, candidates)
+            picked = sweep.cover((1 - ratio) * sweep.peak) if ratio is not None else None
+            if picked is None:
+                picked = sweep.lowest()
+                short.add(rank)
+            chosen.update(picked)
+        return chosen, short
 
-    def _life(self, pair) -> float:
-        end, start = self.gap(pair)
-        return start - end
-
-    def _away(self, pair) -> tuple[float, float]:
-        """When an offloaded pair is off the device: from its offload's end to its reload's start."""
-        end, start = self.gap(pair)
-        return end + self.copy(pair), start - self.copy(pair)
+    def _fit(self, pair, stream: _Stream):
+        """Where ``pair``'s copies go on ``stream``: the OFFLOAD as early as its F's end allows, the
+        RELOAD as late as its backward allows; (OFFLOAD's start, RELOAD's start, the action RELOAD
+        follows), or None where they do not fit with the pair off the device for a while."""
+        rank, f, b = self.where[pair]
+        copy, (end, start) = self.copy(pair), self.gap(pair)
+        leave = stream.earliest(end, copy)
+        back = stream.latest(leave + copy, start, copy)
+        if back is None:
+            return None
+        after = self.issued_after(rank, back, f + 1)
+        if after is None or after >= b or self.ends[rank][after] <= leave + copy:
+            return None  # its RELOAD would have to be issued before anything ran while it was away
+        return leave, back, after
 
     def _events(self, rank: int) -> list[tuple[float, float]]:
         """(time, change) of the rank's activation memory without offload."""
@@ -190,6 +221,122 @@ class _Pairs:
             if delta:
                 events.append((self.starts[rank][k] if delta > 0 else self.ends[rank][k], delta))
         return events
+
+
+class _Sweep:
+    """One rank's pairs against a target for its activation peak, swept in time: at each instant
+    above the target, the pair in flight whose copies fit the stream and keep it off the device
+    the furthest ahead (from its OFFLOAD's end to the end of the action its RELOAD follows, which
+    the RELOAD never starts before) is copied, until the instant is at the target."""
+
+    def __init__(self, pairs: _Pairs, rank: int, candidates: list):
+        self.pairs = pairs
+        events = pairs._events(rank)
+        self.grid = sorted({t for t, _ in events}.union(end for end, _ in pairs.issues[rank]))
+        self.base = _profile(events, self.grid)
+        self.peak = max(self.base, default=0.0)
+        self.candidates = sorted(candidates, key=lambda p: (pairs.gap(p)[0], p[1], p[0]))  # by their F's end
+
+    def cover(self, target: float, stream: _Stream | None = None) -> dict | None:
+        """Pairs and their places that keep every instant at or below ``target``, or None."""
+        pairs, grid = self.pairs, self.grid
+        stream, chosen = stream or self.pairs.stream(), {}
+        ends = [0.0] * (len(grid) + 1)  # the savings that end at each instant
+        saved, k, live = 0.0, 0, []
+        for i, t in enumerate(grid):
+            saved -= ends[i]
+            while k < len(self.candidates) and pairs.gap(self.candidates[k])[0] < t:
+                live.append(self.candidates[k])
+                k += 1
+            live = [p for p in live if pairs.gap(p)[1] > t]
+            while self.base[i] - saved > target + _slack(self.peak):
+                best = None
+                for pair in live:
+                    placed = pairs._fit(pair, stream)
+                    if placed is not None:
+                        first, end = self._off(pair, placed)
+                        if first <= i < end and (best is None or end > best[2]):
+                            best = pair, placed, end
+                if best is None:
+                    return None
+                pair, placed, end = best
+                stream.take(pairs.copy(pair), placed)
+                chosen[pair] = placed
+                live.remove(pair)
+                saved += pairs.costs.m_b[pair[0]]
+                ends[end] += pairs.costs.m_b[pair[0]]
+        return chosen
+
+    def lowest(self) -> dict:
+        """The pairs of the lowest peak :meth:`cover` reaches (to a hundredth of the peak), then
+        every other pair whose copies still fit, by their F's end (their copies only delay the
+        RELOADs queued behind them: the pairs come back later)."""
+        low, high, best = 0.0, self.peak, {}
+        while high - low > 1e-2 * self.peak:
+            middle = (low + high) / 2
+            stream = self.pairs.stream()
+            found = self.cover(middle, stream)
+            if found is None:
+                low = middle
+            else:
+                high, best, kept = middle, found, stream
+        stream = kept if best else self.pairs.stream()
+        for pair in self.candidates:
+            if pair not in best:
+                placed = self.pairs._fit(pair, stream)
+                if placed is not None:
+                    stream.take(self.pairs.copy(pair), placed)
+                    best[pair] = placed
+        return best
+
+    def _off(self, pair, placed) -> tuple[int, int]:
+        """The instants (grid indices, from, to but not) a placed pair is surely off the device:
+        from the first at or after its OFFLOAD's end to the end of the action its RELOAD follows."""
+        leave, _, after = placed
+        first = bisect.bisect_left(self.grid, leave + self.pairs.copy(pair) - _slack(leave))
+        end = bisect.bisect_left(self.grid, self.pairs.ends[self.pairs.where[pair][0]][after] - _slack(leave))
+        return first, end
+
+
+class _Stream:
+    """One rank's copy stream: its busy intervals (start, end), in time order; times within
+    ``slack`` are equal."""
+
+    def __init__(self, slack: float):
+        self.busy: list[tuple[float, float]] = []
+        self.slack = slack
+
+    def earliest(self, at: float, length: float) -> float:
+        """The earliest start from ``at`` on of a free interval of ``length``."""
+        t, slack = at, self.slack
+        for start, end in self.busy[max(bisect.bisect_left(self.busy, (at,)) - 1, 0):]:
+            if end <= t + slack:
+                continue
+            if start >= t + length - slack:
+                break
+            t = end
+        return t
+
+    def latest(self, first: float, deadline: float, length: float) -> float | None:
+        """The latest start from ``first`` on of a free interval of ``length`` ending by ``deadline``, or None."""
+        t, slack, busy = deadline - length, self.slack, self.busy
+        for k in range(bisect.bisect_left(busy, (deadline,)) - 1, -1, -1):
+            start, end = busy[k]
+            if start >= t + length - slack:
+                continue
+            if end <= t + slack:
+                break
+            t = start - length
+        return t if t >= first - slack else None
+
+    def take(self, length: float, placed) -> None:
+        """Hold the stream for a pair's two copies of ``length``, ``placed`` as :meth:`_Pairs._fit` says."""
+        for start in placed[:2]:
+            bisect.insort(self.busy, (start, start + length))
+
+
+def _slack(t: float) -> float:
+    return _NOISE * max(abs(t), 1.0)
 
 
 def copyable(actions) -> list[tuple[int, int]]:
@@ -240,131 +387,77 @@ def _profile(events: list[tuple[float, float]], grid: list[float]) -> list[float
     return levels
 
 
-class _Levels:
-    """Numbers on a line of points: add a value over a range of points, read the largest
-    number and its first point (a segment tree whose nodes keep the adds over their range)."""
-
-    def __init__(self, values: list[float]):
-        n = 1
-        while n < len(values):
-            n *= 2
-        self.n = n
-        self.top = [-math.inf] * (2 * n)  # a node's largest number, its own and its ancestors' adds left out
-        self.top[n:n + len(values)] = values
-        self.extra = [0.0] * (2 * n)  # what was added over a node's whole range
-        for i in range(n - 1, 0, -1):
-            self.top[i] = max(self.top[2 * i], self.top[2 * i + 1])
-
-    @property
-    def peak(self) -> float:
-        return self.top[1]
-
-    def first_peak(self) -> int:
-        """The first point whose number is the largest but for float noise (a relative 1e-9)."""
-        top, extra, i, above = self.top, self.extra, 1, 0.0  # above: the adds of i's ancestors
-        least = top[1] - _NOISE * max(abs(top[1]), 1.0)
-        while i < self.n:
-            above += extra[i]
-            i = 2 * i if top[2 * i] + above >= least else 2 * i + 1
-        return i - self.n
-
-    def add(self, first: int, end: int, value: float) -> None:
-        """Add ``value`` at points ``first`` to ``end - 1``."""
-        top, extra, n = self.top, self.extra, self.n
-        lo, hi = first + n, end + n
-        while lo < hi:
-            if lo & 1:
-                top[lo] += value
-                extra[lo] += value
-                lo += 1
-            if hi & 1:
-                hi -= 1
-                top[hi] += value
-                extra[hi] += value
-            lo //= 2
-            hi //= 2
-        for i in (first + n, end - 1 + n):
-            i //= 2
-            while i:
-                top[i] = max(top[2 * i], top[2 * i + 1]) + extra[i]
-                i //= 2
+def _timetabled(pairs: _Pairs, chosen: dict) -> list[tuple]:
+    """One rank's copies where their timetable puts them, as :func:`_assemble` takes them: each
+    after the last compute action that ends by its planned start, in the order of their starts
+    (the copy stream runs them in list order, so none starts later than planned)."""
+    entries = []
+    for pair, (leave, back, after) in chosen.items():
+        rank, f, _ = pairs.where[pair]
+        entries.append((pairs.issued_after(rank, leave, f) + 1, leave, 0, pair, Action(OFFLOAD, *pair)))
+        entries.append((after + 1, back, 1, pair, Action(RELOAD, *pair)))
+    return entries
 
 
-class _Held:
-    """Items held over ranges of points: the least key among those held at a point (each
-    item on the O(log n) tree nodes that cover its range, in a heap per node)."""
-
-    def __init__(self, points: int):
-        n = 1
-        while n < points:
-            n *= 2
-        self.n = n
-        self.heaps: dict[int, list] = {}
-        self.removed: set = set()
-
-    def add(self, first: int, end: int, key: tuple, item) -> None:
-        """Hold ``item`` at points ``first`` to ``end - 1``."""
-        lo, hi = first + self.n, end + self.n
-        while lo < hi:
-            if lo & 1:
-                heapq.heappush(self.heaps.setdefault(lo, []), (key, item))
-                lo += 1
-            if hi & 1:
-                hi -= 1
-                heapq.heappush(self.heaps.setdefault(hi, []), (key, item))
-            lo //= 2
-            hi //= 2
-
-    def remove(self, item) -> None:
-        self.removed.add(item)
-
-    def best(self, point: int):
-        """The held item of least key at ``point``, or None."""
-        found = None
-        i = point + self.n
-        while i:
-            heap = self.heaps.get(i)
-            while heap and heap[0][1] in self.removed:
-                heapq.heappop(heap)
-            if heap and (found is None or heap[0] < found):
-                found = heap[0]
-            i //= 2
-        return None if found is None else found[1]
-
-
-def _place(schedule: Schedule, costs: StageCosts, pairs: _Pairs, chosen: list) -> Schedule:
-    """Insert OFFLOAD right after each chosen pair's F and RELOAD before its backward."""
+def _assemble(schedule: Schedule, pairs: _Pairs, entries: list[list[tuple]]) -> Schedule:
+    """The schedule with each rank's copy ``entries`` (:func:`~. insert`'s) in its list, timed by
+    the bare schedule's program."""
     from .offload_program import with_copies  # it reads this module's kinds
-    issue = {pair: pairs.reload_at(pair) for pair in chosen}
-    result = _insert(schedule, pairs, issue)
-    for _ in range(8):
-        with_copies(result, pairs.schedule)
-        late = _late_reloads(result, costs)
-        moved = False
-        for pair, delay in late.items():
-            rank, f, b = pairs.where[pair]
-            k = issue[pair]
-            when = pairs.ends[rank][k - 1] - delay
-            while k > f + 1 and pairs.ends[rank][k - 1] > when:
-                k -= 1
-            if k < issue[pair]:
-                issue[pair], moved = k, True
-        if not moved:
-            break
-        result = _insert(schedule, pairs, issue)
+    result = replace(schedule, ranks=insert(schedule.ranks, entries))
+    with_copies(result, pairs.schedule)
     return result
 
 
-def _insert(schedule: Schedule, pairs: _Pairs, issue: dict) -> Schedule:
-    """The schedule with the copies added: OFFLOAD after F, RELOAD before the
-    action at index ``issue[pair]`` (reloads ahead of offloads at one point,
-    but after their own pair's offload)."""
-    extra: list[list[tuple]] = [[] for _ in schedule.ranks]
+def simulate_peaks(schedule: Schedule, costs: StageCosts) -> list[float]:
+    """Each rank's activation peak on the simulated timeline."""
+    starts, ends = asap(schedule, costs.duration, costs.transfer)
+    peaks = []
+    for rank, actions in enumerate(schedule.ranks):
+        events = sorted((starts[rank][k] if d > 0 else ends[rank][k], d)
+                        for k, a in enumerate(actions) if (d := costs.memory_delta(a)))
+        level = peak = 0.0
+        for _, d in events:
+            level += d
+            peak = max(peak, level)
+        peaks.append(peak)
+    return peaks
+
+
+def _eager(schedule: Schedule, pairs: _Pairs, costs: StageCosts) -> list[list[tuple]]:
+    """Each rank's copies placed as the list goes rather than on a timetable: every eligible pair's
+    OFFLOAD right after its F and its RELOAD where its copy would end just before its backward;
+    while the stream makes backwards wait, each waiting RELOAD moves earlier by its wait (up to
+    :data:`_MOVES` times), then its pair is left out."""
+    issue = {pair: pairs.reload_at(pair) for pair in pairs.eligible()}
+    moves = dict.fromkeys(issue, 0)
+    while True:
+        late = _late_reloads(_assemble(schedule, pairs, _issued(schedule, pairs, issue)), costs)
+        if not late:
+            return _issued(schedule, pairs, issue)
+        for pair, delay in late.items():
+            rank, f, _ = pairs.where[pair]
+            k, when = issue[pair], pairs.ends[rank][issue[pair] - 1] - delay
+            while k > f + 1 and pairs.ends[rank][k - 1] > when:
+                k -= 1
+            if k < issue[pair] and moves[pair] < _MOVES:
+                issue[pair], moves[pair] = k, moves[pair] + 1
+            else:
+                del issue[pair]
+
+
+#: How many times an eager RELOAD moves earlier while its backward waits before its pair is left out.
+_MOVES = 3
+
+
+def _issued(schedule: Schedule, pairs: _Pairs, issue: dict) -> list[list[tuple]]:
+    """Per rank, OFFLOAD after each pair's F and RELOAD before the action at index ``issue[pair]``
+    (reloads ahead of offloads at one point, but after their own pair's offload)."""
+    entries: list[list[tuple]] = [[] for _ in schedule.ranks]
     for pair, k in issue.items():
         rank, f, _ = pairs.where[pair]
-        extra[rank].append((f + 1, 1, pair, Action(OFFLOAD, *pair)))
-        extra[rank].append((k, 2 if k == f + 1 else 0, pair, Action(RELOAD, *pair)))
-    return replace(schedule, ranks=insert(schedule.ranks, extra))
+        entries[rank].append((f + 1, 1, pair, Action(OFFLOAD, *pair)))
+        entries[rank].append((k, 2 if k == f + 1 else 0, pair, Action(RELOAD, *pair)))
+    return entries
 
 
 def _late_reloads(schedule: Schedule, costs: StageCosts) -> dict[tuple[int, int], float]:
