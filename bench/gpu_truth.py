@@ -5,7 +5,8 @@
 On the current GPU: ``pipeloom profile --device cuda`` of gpt-350m at seq 1024 (vocabulary 256, the
 built-in corpus's bytes, as ``pipeloom train --vocab 256`` builds it; microbatch sizes 1 to 8), then
 ``pipeloom train --device cuda --pp 1`` of each layout in :data:`LAYOUTS` for ``--steps`` steps with
-``--metrics``: the peak memory (``torch.cuda.max_memory_allocated``) and the median step time after
+``--metrics``: the peak memory (``torch.cuda.max_memory_allocated``, and ``max_memory_reserved``) and the
+median step time after
 the first two steps. Beside each run, the planner's prediction for it
 (:class:`~pipeloom.plan.Costing`: peak per rank and step time) from the new profile, and the peak from
 the formulas (no profile). Writes ``bench/results/gpu/<gpu>.json`` (with the profile, the commit and
@@ -65,7 +66,9 @@ def measure(flags: str, model: str, seq: int, device: str, steps: int, work: Pat
     _pipeloom("train", "--model", model, "--vocab", str(VOCAB), "--seq", str(seq), "--device", device,
               "--steps", str(steps), "--metrics", str(metrics), *shlex.split(flags), cwd=work)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    reserved = [r["peak_reserved_bytes"][0] for r in rows if "peak_reserved_bytes" in r]
     return {"measured_peak_gib": max(r["peak_memory_bytes"][0] for r in rows) / 2**30,
+            **({"measured_reserved_gib": max(reserved) / 2**30} if reserved else {}),
             "measured_step_ms": 1e3 * statistics.median(r["step_time"] for r in rows[2:] or rows),
             "wall_s": round(time.perf_counter() - began, 1)}
 

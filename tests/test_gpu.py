@@ -132,3 +132,13 @@ def test_vocab_head_bf16_matches_torch_cross_entropy(algorithm):
     assert abs(loss.item() - ref.item()) / ref.item() < 1e-3
     for got, want in ((gx, x.grad), (gw, w.grad)):
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 2e-2
+
+
+def test_peak_memory_reports_reserved_beside_allocated():
+    """The metrics' ``peak_reserved_bytes``: the allocator's reserved peak, at least the allocated one."""
+    from pipeloom.runtime.memory import PeakMemory
+
+    peak = PeakMemory(torch.device("cuda"))
+    x = torch.empty(2**26, device="cuda")
+    del x
+    assert peak.reserved() >= peak.bytes() >= 2**28

@@ -55,14 +55,23 @@ class PeakMemory:
             return torch.cuda.max_memory_allocated(self.device)
         return None if self.base is None else _status("VmHWM") - self.base
 
-    def per_pipeline_rank(self, pp_rank: int, pp: int, channel: Channel) -> list[int]:
-        """Every rank's :meth:`bytes`, the largest over the ranks of each pipeline rank
-        (its data- and sequence-parallel replicas), gathered through ``channel`` (not watched,
-        as between steps); every rank calls this, where it is :attr:`measurable`."""
-        mine = torch.tensor([pp_rank, self.bytes()], dtype=torch.int64, device=self.device)
+    def reserved(self) -> int | None:
+        """On a GPU, the caching allocator's peak of reserved bytes since this was made: what the
+        device really held, with blocks a side stream still used after they were freed (offload's
+        copies); None on a CPU."""
+        return torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else None
+
+    def per_pipeline_rank(self, pp_rank: int, pp: int, channel: Channel) -> dict[str, list[int]]:
+        """Every rank's :meth:`bytes` (``peak_memory_bytes``) and on a GPU :meth:`reserved`
+        (``peak_reserved_bytes``), the largest over the ranks of each pipeline rank (its data- and
+        sequence-parallel replicas), gathered through ``channel`` (not watched, as between steps);
+        every rank calls this, where it is :attr:`measurable`."""
+        reserved = self.reserved()
+        mine = torch.tensor([pp_rank, self.bytes(), -1 if reserved is None else reserved], dtype=torch.int64,
+                            device=self.device)
         every = channel.all_gather(mine, dist.group.WORLD, "the memory report waited for every rank's peak",
                                    watch=False)
-        peaks = [0] * pp
-        for rank, peak in (t.tolist() for t in every):
-            peaks[rank] = max(peaks[rank], peak)
-        return peaks
+        peaks, held = [0] * pp, [0] * pp
+        for rank, peak, most in (t.tolist() for t in every):
+            peaks[rank], held[rank] = max(peaks[rank], peak), max(held[rank], most)
+        return {"peak_memory_bytes": peaks, **({"peak_reserved_bytes": held} if reserved is not None else {})}

@@ -187,7 +187,7 @@ class Trainer:
                 for record in records:
                     record.update(step_time=round(elapsed, 6), tokens_per_s=round(self.batch * self.spec.seq / elapsed, 1))
                     if peaks:
-                        record["peak_memory_bytes"] = peaks
+                        record.update(peaks)
                     if metrics:
                         metrics.write(json.dumps(record) + "\n")
                         metrics.flush()

@@ -19,7 +19,9 @@ new device tensors, and the unpack hook (in B or BW) hands out each saved
 tensor again, a view rebuilt with ``as_strided``.
 
 On CUDA the host buffers are pinned and every copy runs on one side stream,
-in the schedule's order: an offload waits for an event recorded after F; a
+in the schedule's order: an offload waits for an event recorded after F, a
+reload for one recorded where the list reaches it (after the compute before
+it: the simulator's copy starts no earlier, and the placement counts on it); a
 device tensor dropped after its offload is kept from reuse until the copy is
 done (``record_stream``); a reload's tensors are allocated on the side stream
 and marked used by the compute stream, which waits for the reload's event
@@ -302,6 +304,10 @@ class Offloader:
         capture = self.captures.pop((action.stage, action.microbatch))
         back = capture.ranges
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
+        if self.cuda and back:  # no earlier than the compute before it in the list ends, as the simulator times it
+            issued = torch.cuda.Event()
+            issued.record(compute)
+            self.stream.wait_event(issued)
         with self._on_copy_stream():
             for where in back:
                 where.tensor = torch.empty_like(where.host, device=self.device)
