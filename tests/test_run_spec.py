@@ -46,15 +46,18 @@ def test_dry_run_and_simulate_describe_the_same_run(capsys, flags):
     assert simulated["schedule_digest"] == build_run(spec).digest()
 
 
-def test_offload_follows_the_costs_in_every_command(capsys):
-    """Full offload takes only the pairs whose gap holds both copies, in simulate and train alike
-    (gpt-1.3b, gpipe 8 x 2 on an h100: train once offloaded all 8 pairs, simulate 2)."""
-    flags = ("--model gpt-1.3b --seq 1024 --pp 1 --schedule gpipe --microbatches 8 --microbatch-size 2 "
-             "--offload full --device cuda").split()
+@pytest.mark.parametrize("layout,copied", [
+    ("--pp 1 --schedule gpipe --microbatches 8 --microbatch-size 2", 0),  # a pair's copies (62 ms) outlast its gap
+    ("--pp 4 --schedule 1f1b --microbatches 8 --microbatch-size 2", 1),
+])
+def test_offload_follows_the_costs_in_every_command(capsys, layout, copied):
+    """Full offload copies only the pairs whose copies fit the copy stream without delaying compute,
+    in simulate and train alike (gpt-1.3b on an h100: train once offloaded all 8 pairs of the
+    first layout, which simulate predicted 2 of)."""
+    flags = f"--model gpt-1.3b --seq 1024 --offload full --device cuda {layout}".split()
     spec = spec_of(_parser().parse_args(["train", *flags]))
     schedule = build_run(spec)
-    offloaded = sum(a.kind == "OFFLOAD" for actions in schedule.ranks for a in actions)
-    assert offloaded == 2  # the copies of a pair take longer than most gaps on an h100
+    assert sum(a.kind == "OFFLOAD" for actions in schedule.ranks for a in actions) == copied
     assert _json(capsys, "train", *flags, "--dry-run", "--json")["schedule_digest"] == schedule.digest()
     assert _json(capsys, "simulate", *flags, "--json")["schedule_digest"] == schedule.digest()
 
