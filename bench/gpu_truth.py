@@ -10,8 +10,8 @@ median step time after
 the first two steps. Beside each run, the planner's prediction for it
 (:class:`~pipeloom.plan.Costing`: peak per rank and step time) from the new profile, and the peak from
 the formulas (no profile). Writes ``bench/results/gpu/<gpu>.json`` (with the profile, the commit and
-the machine), which ``tests/test_gpu_truth.py`` checks the simulator against on every CPU run. About
-5 minutes on an H100 or H200. ``--quick`` runs the same on this CPU with the tiny model at seq 64 and
+the machine), which ``tests/test_gpu_truth.py`` checks the simulator against on every CPU run. Estimated at
+5 minutes on an H100 or H200 (not yet run on one). ``--quick`` runs the same on this CPU with the tiny model at seq 64 and
 two layouts, to check the script (CPU memory is the process's resident set: not comparable).
 """
 
