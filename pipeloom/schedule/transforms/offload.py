@@ -111,14 +111,14 @@ class Offload:
         # pair right after its F, the copy stream left to order them, are tried too: the rank keeps
         # whichever peaks lower (its copies touch no other rank)
         eager = _eager(schedule, pairs, per_stage)
-        peaks = [simulate_peaks(_assemble(schedule, pairs, entries), per_stage) for entries in (timed, eager)]
+        peaks = [_peaks(_assemble(schedule, pairs, entries), per_stage) for entries in (timed, eager)]
         return _assemble(schedule, pairs, [eager[r] if r in short and peaks[1][r] < peaks[0][r] else timed[r]
                                            for r in range(schedule.pp)])
 
 
 class _Pairs:
-    """The (stage, microbatch) pairs of a schedule on its timeline without offload, and the copy
-    stream's timetable of each rank as pairs are chosen (:meth:`choose`)."""
+    """The (stage, microbatch) pairs of a schedule on its timeline without offload: which to copy
+    and where their copies fit each rank's copy stream (:meth:`choose`)."""
 
     def __init__(self, schedule: Schedule, costs: StageCosts):
         self.schedule, self.costs = schedule, costs
@@ -175,7 +175,7 @@ class _Pairs:
         """The last compute action of ``rank`` from index ``first`` on that ends by ``at`` (a copy
         placed after it starts no earlier than that end, :func:`~..deps.asap`), or None."""
         issues = self.issues[rank]
-        k = bisect.bisect_right(issues, (at + _NOISE * max(abs(at), 1.0), math.inf)) - 1
+        k = bisect.bisect_right(issues, (at + _slack(at), math.inf)) - 1
         return issues[k][1] if k >= 0 and issues[k][1] >= first else None
 
     def choose(self, ratio: float | None) -> tuple[dict, set]:
@@ -408,7 +408,7 @@ def _assemble(schedule: Schedule, pairs: _Pairs, entries: list[list[tuple]]) -> 
     return result
 
 
-def simulate_peaks(schedule: Schedule, costs: StageCosts) -> list[float]:
+def _peaks(schedule: Schedule, costs: StageCosts) -> list[float]:
     """Each rank's activation peak on the simulated timeline."""
     starts, ends = asap(schedule, costs.duration, costs.transfer)
     peaks = []
