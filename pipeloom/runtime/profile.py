@@ -49,7 +49,7 @@ from ..errors import PipeloomError
 from ..nn.gpt import GPT, Block, GPTConfig
 from ..nn.linear import WeightGradStore, defer_weight_grads
 from ..nn.recompute import cheap_recompute, recipe
-from ..sim.profile import FORMAT
+from ..sim.profile import CAST_BYTES, FORMAT
 from .device import free_memory
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
@@ -114,8 +114,7 @@ def measure(config: GPTConfig, seq: int, microbatch_sizes=(1,), *, device: str =
         "seq": seq,
         "repeats": repeats,
         "bytes_per_param": state,
-        # autocast's copy of the weights it casts, held while a forward runs
-        "cast_bytes_per_param": float(PRECISIONS[precision].itemsize) if PRECISIONS[precision] else 0.0,
+        "cast_bytes_per_param": CAST_BYTES[precision],
         "optimizer_ns_per_param": optimizer,
         "link": link,
         "host_bandwidth": host,

@@ -104,6 +104,8 @@ def _with_gradients(result: Result, rank: int, grads: dict[int, float], casts: d
                 first[part.stage] = start
             if casts.get(part.stage) and "f" in get(part.kind).cost:
                 forward[start] = max(forward.get(start, 0.0), casts[part.stage])
+        if not casts and len(first) == len(grads):
+            break
     appear = sorted((first.get(s, math.inf), g) for s, g in grads.items())
     peak, held, k = 0.0, 0.0, 0
     for t, level in result.memory_timeline(rank):

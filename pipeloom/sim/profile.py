@@ -143,9 +143,9 @@ class ProfiledCosts:
 @dataclass(frozen=True)
 class ProfiledStages:
     """Per stage, what :func:`~pipeloom.sim.model.costs_from_model` takes from a profile: compute
-    times ``f``, ``b``, ``w`` and ``fused`` (BW less B and W; ms; sequence parallelism's exposed transfers
-    not included), activation
-    bytes ``m_b``, ``m_w`` and, with whole-stage recomputation, ``m_rerun`` (a stage's activations
+    times ``f``, ``b``, ``w`` and ``fused`` (BW less B and W; ms; sequence parallelism's exposed
+    transfers not included), activation bytes ``m_b``, ``m_w`` and, with whole-stage
+    recomputation, ``m_rerun`` (a stage's activations
     while its forward reruns; else None); ``comm_ms`` as in :class:`ProfiledCosts`."""
 
     f: list[float]

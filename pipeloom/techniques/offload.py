@@ -158,7 +158,7 @@ def _cut(result) -> float:
 def _cut_line(offload: dict) -> str:
     """What the copies cut, and for selective offload short of its ratio, that it is the most."""
     cut = f"the copies cut the worst rank's activation peak by {offload['cut']:.0%}"
-    if offload["policy"] == "selective" and offload["cut"] < offload["ratio"] - 1e-9:
+    if _short(offload):
         return (f"selective {offload['ratio']:g}: {cut}, not {offload['ratio']:.0%}: more copies would delay "
                 "compute (the copy stream is full where the peak is)")
     return cut + (" without delaying compute" if offload["policy"] == "full" else "")
@@ -167,9 +167,12 @@ def _cut_line(offload: dict) -> str:
 def shortfall(report: dict) -> str | None:
     """The line that says selective offload falls short of its ratio, for ``train`` to print before launch."""
     offload = report.get("offload")
-    if offload and offload["policy"] == "selective" and offload["cut"] < offload["ratio"] - 1e-9:
-        return "pipeloom train: offload " + _cut_line(offload)
-    return None
+    return "pipeloom train: offload " + _cut_line(offload) if offload and _short(offload) else None
+
+
+def _short(offload: dict) -> bool:
+    """Whether selective offload cut less than its ratio."""
+    return offload["policy"] == "selective" and offload["cut"] < offload["ratio"] - 1e-9
 
 
 register(Offload())

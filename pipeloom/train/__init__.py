@@ -68,15 +68,15 @@ def run(args) -> int:
         from ..runtime.device import check_gpus
 
         check_gpus(spec.world)  # the launcher starts every rank on this machine
-    if config.memory_check:
-        from .fits import available_memory, check_fits
-
-        check_fits(spec, available_memory(spec.device, spec.world))
-    if spec.offload == "selective":
+    if config.memory_check or spec.offload == "selective":
         from ..cli.simulate import simulate_spec
         from ..techniques.offload import shortfall
+        from .fits import available_memory, check_fits
 
-        line = shortfall(simulate_spec(spec)[0])
+        predicted = simulate_spec(spec)[0]  # once: the memory check and offload's line read it
+        if config.memory_check:
+            check_fits(spec, available_memory(spec.device, spec.world), predicted)
+        line = shortfall(predicted)
         if line:
             print(line, file=sys.stderr)
     from ..launch import launch

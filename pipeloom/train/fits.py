@@ -13,13 +13,13 @@ PROCESS_BYTES = 2**29
 _GiB = 2**30
 
 
-def check_fits(spec: RunSpec, available: int | None) -> None:
+def check_fits(spec: RunSpec, available: int | None, predicted: dict | None = None) -> None:
     """Refuse ``spec`` in one line when its predicted memory exceeds ``available`` bytes (host
     memory for every rank on ``cpu``; the smallest GPU's free memory, per rank, on ``cuda``),
     naming the prediction and the nearest run that would fit."""
     if available is None:
         return
-    need, detail = _need(spec)
+    need, detail = _need(spec, predicted)
     if need <= available:
         return
     where = "this machine has" if spec.device == "cpu" else "the GPU with the least free memory has"
@@ -36,11 +36,12 @@ def check_fits(spec: RunSpec, available: int | None) -> None:
                         f"available{hint}; --no-memory-check starts it anyway")
 
 
-def _need(spec: RunSpec) -> tuple[float, str]:
-    """(bytes the run needs where it is checked, how they add up)."""
+def _need(spec: RunSpec, predicted: dict | None = None) -> tuple[float, str]:
+    """(bytes the run needs where it is checked, how they add up), from ``spec``'s simulated report
+    (``predicted``, else simulated here)."""
     from ..cli.simulate import simulate_spec
 
-    peaks = simulate_spec(spec)[0]["peak_memory_bytes"]
+    peaks = (predicted or simulate_spec(spec)[0])["peak_memory_bytes"]
     shown = ", ".join(f"{p / _GiB:.3g}" for p in peaks)
     if spec.device == "cuda":
         return max(peaks), f"predicted peak per pipeline rank {shown} GiB"
