@@ -3,7 +3,9 @@
 Each worker gets one thread (``OMP_NUM_THREADS=1``), a process group on a
 free localhost port with a timeout, and returns ``fn(rank, *args)``; a
 worker's failure comes back with its traceback, and a group that outlives
-its timeout is killed rather than left hanging.
+its timeout is killed rather than left hanging. Workers are forked from a
+server that has imported torch once (a start takes ~0.05 s, not the ~2 s of
+a fresh interpreter), with the caller's environment and directory.
 """
 
 from __future__ import annotations
@@ -24,8 +26,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, fn, args, results, group_timeout):
-    os.environ["OMP_NUM_THREADS"] = "1"
+#: What the fork server imports once, before it forks any worker.
+PRELOAD = ["torch", "torch.distributed", "pipeloom.runtime"]
+
+
+def _context():
+    """Forks from a server that has imported :data:`PRELOAD`; spawn where there is no fork."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _entry(rank, world, port, fn, args, results, group_timeout, env, cwd):
+    os.environ.clear()  # the caller's, as of now: the server's is that of when it started
+    os.environ.update(env, OMP_NUM_THREADS="1")
+    os.chdir(cwd)
     import torch
     import torch.distributed as dist
 
@@ -54,10 +71,11 @@ def spawn(world: int, fn, *args, timeout: float = 600.0, group_timeout: float = 
     Raises ``RuntimeError`` with the worker's traceback if one fails, or if the
     workers outlive ``timeout`` seconds (they are killed).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, results, group_timeout), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, results, group_timeout, dict(os.environ),
+                                              os.getcwd()), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
