@@ -97,7 +97,7 @@ def test_tensorboard_missing_is_one_line(tmp_path):
     blocker.mkdir()
     (blocker / "tensorboard.py").write_text("raise ImportError('not installed (a test hides it)')\n")
     path = os.pathsep.join([str(blocker), *filter(None, [os.environ.get("PYTHONPATH")])])
-    done = train("--tensorboard", "tb", cwd=tmp_path, check=False, env={"PYTHONPATH": path})
+    done = train("--tensorboard", "tb", cwd=tmp_path, launcher=True, check=False, env={"PYTHONPATH": path})
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "--tensorboard needs the tensorboard package, which is not installed: pip install tensorboard" in done.stderr
     assert not (tmp_path / "tb").exists()

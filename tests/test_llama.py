@@ -374,13 +374,11 @@ def test_ring_attention_turns_by_global_positions():
 @pytest.mark.timeout(240)
 def test_pipeloom_train_trains_llama_tiny(tmp_path):
     import json
-    import os
-    import subprocess
-    import sys
 
-    done = subprocess.run([sys.executable, "-m", "pipeloom", "train", "--model", "llama-tiny", "--steps", "30",
-                           "--schedule", "zb-h1", "--metrics", "m.jsonl"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=200, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    from launching import train_forked
+
+    done = train_forked("--model", "llama-tiny", "--steps", "30", "--schedule", "zb-h1", "--metrics", "m.jsonl",
+                        cwd=tmp_path, timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "llama-tiny (66k parameters, vocabulary 256), zb-h1, pp=2" in done.stderr
     losses = [json.loads(line)["loss"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]

@@ -1,7 +1,6 @@
 """One run spec, one builder: ``simulate`` and ``train --dry-run`` describe the run the workers make."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -13,6 +12,8 @@ from pipeloom.cli import _parser, main
 from pipeloom.cli.flags import spec_of
 from pipeloom.errors import PipeloomError
 from pipeloom.spec import RunSpec
+
+from launching import train_forked
 
 #: Runs that combine the techniques, GPT and Llama presets, pp 1 to 8.
 RUNS = {
@@ -127,8 +128,6 @@ def test_costs_come_from_the_hardware_preset():
 def test_the_workers_run_the_schedule_the_dry_run_shows(capsys, tmp_path, flags):
     """Every rank logs the digest of the schedule it runs (checked equal across ranks): the dry run's."""
     shown = _json(capsys, "train", *flags.split(), "--dry-run", "--json")["schedule_digest"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "pipeloom", "train", *flags.split(), "--steps", "2"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=200)
+    done = train_forked(*flags.split(), "--steps", "2", cwd=tmp_path, timeout=200)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"schedule sha256 {shown} (every rank's)" in done.stderr

@@ -16,18 +16,20 @@ import pytest
 
 pytest.importorskip("torch")
 
+from launching import train_forked  # noqa: E402
+
 TIMEOUT = 240
 
 
-def train(*args, cwd, torchrun=None, check=True, env=None):
-    """Run ``pipeloom train args`` (under ``torchrun --nproc-per-node N`` if given)."""
-    if torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun),
-               "-m", "pipeloom", "train", *args]
+def train(*args, cwd, torchrun=None, launcher=False, check=True, env=None):
+    """Run ``pipeloom train args``: under ``torchrun --nproc-per-node N`` if given, self-launched
+    with ``launcher``, else with its workers forked (:func:`launching.train_forked`)."""
+    if torchrun or launcher:
+        start = ["-m", "torch.distributed.run", "--nproc-per-node", str(torchrun)] if torchrun else []
+        done = subprocess.run([sys.executable, *start, "-m", "pipeloom", "train", *args], cwd=cwd, capture_output=True,
+                              text=True, timeout=TIMEOUT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     else:
-        cmd = [sys.executable, "-m", "pipeloom", "train", *args]
-    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+        done = train_forked(*args, cwd=cwd, env=env, timeout=TIMEOUT)
     if check:
         assert done.returncode == 0, done.stderr[-3000:]
     return done
@@ -39,7 +41,7 @@ def metrics(path):
 
 @pytest.mark.timeout(TIMEOUT)
 def test_default_job_trains_and_writes_metrics(tmp_path):
-    done = train("--steps", "40", "--metrics", "m.jsonl", cwd=tmp_path)
+    done = train("--steps", "40", "--metrics", "m.jsonl", cwd=tmp_path, launcher=True)
     rows = metrics(tmp_path / "m.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 41))
     for r in rows:

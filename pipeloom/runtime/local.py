@@ -30,7 +30,7 @@ def free_port() -> int:
 PRELOAD = ["torch", "torch.distributed", "pipeloom.runtime"]
 
 
-def _context():
+def worker_context():
     """Forks from a server that has imported :data:`PRELOAD`; spawn where there is no fork."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
@@ -71,7 +71,7 @@ def spawn(world: int, fn, *args, timeout: float = 600.0, group_timeout: float = 
     Raises ``RuntimeError`` with the worker's traceback if one fails, or if the
     workers outlive ``timeout`` seconds (they are killed).
     """
-    ctx = _context()
+    ctx = worker_context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, results, group_timeout, dict(os.environ),

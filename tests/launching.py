@@ -1,0 +1,82 @@
+"""``pipeloom train`` for the tests whose subject is the training, not the launcher.
+
+:func:`train_forked` runs the command's own code as the self-launched run does:
+its checks before launch in this process, then one worker per rank as torchrun
+starts them (its environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...),
+each ``pipeloom train`` with the same arguments. Only the launcher differs: the
+workers are forked from a server that imported torch once
+(:func:`pipeloom.runtime.local.worker_context`), not started by torchelastic as
+fresh interpreters, which saves some 4 s a run. The launcher's own behaviour
+(signals, a dead worker, exit codes) is tested through the real command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from unittest import mock
+
+from pipeloom.cli import main
+from pipeloom.runtime.local import free_port, worker_context
+
+
+def train_forked(*args, cwd, env=None, timeout=240) -> subprocess.CompletedProcess:
+    """``pipeloom train args`` run in ``cwd``: its exit code, stdout and stderr (every rank's
+    output after what came before launch, in rank order)."""
+    out, err = io.StringIO(), io.StringIO()
+    extra = {"OMP_NUM_THREADS": "1", **(env or {})}
+    launch = _Launch(Path(cwd), extra, timeout)
+    with (mock.patch.dict(os.environ, extra), contextlib.chdir(cwd), mock.patch("pipeloom.launch.launch", launch),
+          contextlib.redirect_stdout(out), contextlib.redirect_stderr(err)):
+        try:
+            code = main(["train", *args])
+        except SystemExit as stop:  # argparse's mistakes
+            code = stop.code
+    for rank in range(launch.world):
+        out.write(launch.output(rank, "out"))
+        err.write(launch.output(rank, "err"))
+    return subprocess.CompletedProcess(["pipeloom", "train", *args], code, out.getvalue(), err.getvalue())
+
+
+class _Launch:
+    """Stands in for :func:`pipeloom.launch.launch`: forks the ranks and returns the first
+    failing rank's exit code (0 if none failed); each rank's stdout and stderr go to files."""
+
+    def __init__(self, cwd: Path, env: dict, timeout: float):
+        self.cwd, self.env, self.timeout, self.world = cwd, env, timeout, 0
+        self.logs = Path(tempfile.mkdtemp(prefix="pipeloom-test-"))
+
+    def output(self, rank: int, stream: str) -> str:
+        return (self.logs / f"{rank}.{stream}").read_text()
+
+    def __call__(self, argv: list[str], nproc: int) -> int:
+        self.world = nproc
+        ctx, port = worker_context(), free_port()
+        procs = [ctx.Process(target=_rank, args=(rank, nproc, port, argv, str(self.cwd), str(self.logs),
+                                                {**os.environ, **self.env}))
+                 for rank in range(nproc)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(self.timeout)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        return next((p.exitcode if p.exitcode > 0 else 128 - p.exitcode for p in procs if p.exitcode), 0)
+
+
+def _rank(rank: int, world: int, port: int, argv: list[str], cwd: str, logs: str, env: dict) -> None:
+    os.environ.clear()
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.chdir(cwd)
+    for fd, stream in ((1, "out"), (2, "err")):
+        os.dup2(os.open(f"{logs}/{rank}.{stream}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
+    sys.exit(main(["train", *argv]))  # multiprocessing flushes both streams
