@@ -24,7 +24,8 @@ from pipeloom.plan.command import candidate_of
 from pipeloom.sim.model import get_model
 from pipeloom.sim.profile import load_profile
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc")
+pytestmark = [pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc"),
+              pytest.mark.slow]  # a profile and four runs of the real command: a minute
 
 TIMEOUT = 280
 SEQ = 64
