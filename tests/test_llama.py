@@ -424,12 +424,13 @@ def test_cheap_recompute_rebuilds_the_norms_and_silu_and_keeps_no_unturned_queri
     assert 4 * 2 * 32 * (64 + 2 * 32) not in sizes  # no view of the q/k/v output is kept
 
 
-def test_simulate_plans_llama_and_profile_refuses_it(capsys):
+def test_simulate_plans_llama_and_profile_checks_its_sizes(capsys):
     import json
 
     from pipeloom.cli import main
 
     assert main(["simulate", "--model", "llama-8b", "--pp", "4", "--microbatches", "8", "--seq", "4096", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["makespan"] > 0
-    assert main(["profile", "--model", "llama-8b"]) == 2
-    assert "pipeloom profile measures GPT layers only so far; choose one of" in capsys.readouterr().err
+    assert main(["profile", "--model", "llama-tiny", "--heads", "3"]) == 2  # before measuring anything
+    assert capsys.readouterr().err == ("pipeloom profile: error: model 'llama-tiny heads=3': hidden 32 is not "
+                                       "divisible by heads 3\n")

@@ -7,7 +7,7 @@ import pytest
 from pipeloom.cli import main
 from pipeloom.errors import PipeloomError
 from pipeloom.sim import MODELS, costs_from_model, get_device, layer_flops
-from pipeloom.sim.profile import FORMAT, Profile, load_profile
+from pipeloom.sim.profile import FORMAT, LAYER_FIELDS, Profile, load_profile
 
 try:
     import torch
@@ -32,7 +32,8 @@ def profile_dict(seq=64, link=(2e9, 0.05), host=None):
     return {
         "format": FORMAT,
         "machine": {"device": "cpu", "name": "test", "torch": "x", "threads": 1, "precision": "fp32"},
-        "model": {"name": "tiny", "layers": 4, "hidden": 32, "heads": 4, "vocab": 256, "ffn": 4, "tied": False},
+        "model": {"name": "tiny", "layers": 4, "hidden": 32, "heads": 4, "vocab": 256, "ffn": 4, "tied": False,
+                  "kv_heads": None, "ffn_hidden": None, "gated": False, "bias": True, "rotary": False},
         "seq": seq,
         "repeats": 3,
         "bytes_per_param": 16.0,
@@ -65,6 +66,21 @@ def test_an_older_profile_takes_autocasts_copy_from_its_precision():
     data["machine"]["precision"] = "fp8"
     with pytest.raises(PipeloomError, match="machine.precision is 'fp8'; expected one of fp32, bf16"):
         Profile.from_dict(data)
+
+
+def test_the_layers_shape_beyond_a_gpts_is_read_and_absent_means_a_gpt():
+    data = profile_dict()
+    older = {**data, "model": {k: v for k, v in data["model"].items() if k not in LAYER_FIELDS}}
+    assert Profile.from_dict(older).model == TINY  # GPT layers
+    llama = MODELS["llama-tiny"]
+    data["model"].update(name="llama-tiny", kv_heads=2, ffn_hidden=96, gated=True, bias=False, rotary=True)
+    assert Profile.from_dict(data).model == llama
+    assert Profile.from_dict(Profile.from_dict(data).to_dict()).model == llama
+    with pytest.raises(PipeloomError, match="field model.gated is 1; expected true or false"):
+        Profile.from_dict({**data, "model": {**data["model"], "gated": 1}})
+    with pytest.raises(PipeloomError, match="measured with gated True .llama-tiny.; the model tiny has gated False"):
+        costs_from_model(TINY, 2, 64, 1, "cpu", profile=Profile.from_dict({**data, "model": {
+            **data["model"], "kv_heads": None, "ffn_hidden": None}}))
 
 
 def test_round_trip_through_a_file(tmp_path):
@@ -240,6 +256,29 @@ def test_measured_bytes_by_hand_count(measured):
     assert measured["microbatch_sizes"]["2"]["message_bytes"] == hidden
     assert measured["microbatch_sizes"]["1"]["memory"]["layer"]["none"] * 2 == memory["layer"]["none"]
     assert measured["bytes_per_param"] == 16.0  # fp32 weights, gradients, AdamW's two moments
+
+
+@needs_torch
+def test_a_llama_layer_is_measured_and_costs_a_llama():
+    """Grouped-query attention, SwiGLU, no biases, rotary positions: the profile says so and
+    prices Llama runs (not GPT ones); B to W holds every linear layer's input and output gradient."""
+    from pipeloom.nn import preset_config
+    from pipeloom.runtime.profile import measure
+
+    data = measure(preset_config("llama-tiny", block_size=64), 64, [2], repeats=2, warmup=1, transfer=False,
+                   name="llama-tiny")
+    profile = Profile.from_dict(data)
+    assert profile.model == MODELS["llama-tiny"]
+    b, s, h = 2, 64, 32
+    kv, ffn = 2 * 8, 96  # 2 key/value heads of 8; the SwiGLU's width
+    unit = 4 * b * s  # fp32 bytes per feature
+    # q/k/v: h in, h + 2 kv out; proj: h, h; gate and up: one input of h, ffn out each; down: ffn, h
+    assert data["microbatch_sizes"]["2"]["memory"]["layer"]["w"] == unit * (
+        (h + h + 2 * kv) + 2 * h + (h + 2 * ffn) + (ffn + h))
+    costs = costs_from_model("llama-tiny", 2, 64, 2, "cpu", profile=profile)
+    assert min(costs.f) > 0 and min(costs.w) > 0
+    with pytest.raises(PipeloomError, match="the model tiny has"):
+        costs_from_model(TINY, 2, 64, 2, "cpu", profile=profile)
 
 
 @needs_torch

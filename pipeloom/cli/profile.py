@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
 from ..errors import PipeloomError
 from .output import wrote
+
+#: The size flags' names in the models' configs.
+CONFIG_NAMES = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "vocab": "vocab_size"}
 
 
 def add_parser(sub) -> None:
@@ -48,20 +52,16 @@ def run(args) -> int:
     """Check the inputs and --out, measure, write the profile and print it."""
     from ..paths import prepare_output
     from ..presets import SIZES
-    from ..sim.specs import ModelSpec, get_device
+    from ..sim.specs import MODELS, get_device
     from ..spec import HARDWARE_OF
 
     if args.model not in SIZES:
         raise PipeloomError(f"--model {args.model!r}: choose one of {', '.join(SIZES)}")
     size = SIZES[args.model]
-    if size.family != "gpt":
-        raise PipeloomError(f"--model {args.model}: pipeloom profile measures GPT layers only so far; "
-                            f"choose one of {', '.join(name for name, s in SIZES.items() if s.family == 'gpt')}")
     overrides = {key: getattr(args, key) for key in ("layers", "hidden", "heads", "vocab")
                  if getattr(args, key) is not None}
     name = args.model + "".join(f" {key}={value}" for key, value in overrides.items())
-    sizes = {"layers": size.layers, "hidden": size.hidden, "heads": size.heads, "vocab": size.vocab, **overrides}
-    spec = ModelSpec(name, **sizes, tied_embeddings=size.tied)  # a bad size stops here, in one line
+    dataclasses.replace(MODELS[args.model], name=name, **overrides)  # a bad size stops here, in one line
     seq = args.seq if args.seq is not None else size.block_size or 1024
     batches = _microbatch_sizes(args.microbatch_sizes)
     preset = get_device(args.hardware or HARDWARE_OF[args.device])
@@ -70,12 +70,12 @@ def run(args) -> int:
         import torch  # noqa: F401
     except ImportError:
         raise PipeloomError("pipeloom profile needs PyTorch, which is not installed: pip install torch") from None
-    from ..nn import GPTConfig
+    from ..nn import preset_config
     from ..runtime.profile import measure
     from ..sim.profile import Profile
 
-    config = GPTConfig(n_layer=spec.layers, n_embd=spec.hidden, n_head=spec.heads, vocab_size=spec.vocab,
-                       block_size=max(seq, size.block_size or 1), tie_embeddings=spec.tied_embeddings)
+    config = preset_config(args.model, block_size=max(seq, size.block_size or 1),
+                           **{CONFIG_NAMES[key]: value for key, value in overrides.items()})
     data = measure(config, seq, batches, device=args.device, precision=args.precision, repeats=args.repeats,
                    warmup=args.warmup, threads=args.threads, name=name, progress=_progress)
     profile = Profile.from_dict(data, str(out or ""))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..errors import PipeloomError
 from ..presets import SIZES
+from ..sim.specs import FAMILY_LAYERS, ModelSpec
 from .gpt import GPTConfig
 from .llama import LlamaConfig
 
@@ -17,3 +18,12 @@ def preset_config(name: str, **overrides) -> GPTConfig | LlamaConfig:
     if name not in SIZES:
         raise PipeloomError(f"unknown model preset {name!r}; presets: {', '.join(SIZES)}")
     return CONFIGS[SIZES[name].family].preset(name, **overrides)
+
+
+def model_spec(config: GPTConfig | LlamaConfig, name: str = "custom") -> ModelSpec:
+    """The simulator's model of ``config`` (what a profile says it measured)."""
+    family = next(f for f, kind in CONFIGS.items() if isinstance(config, kind))
+    llama = family == "llama"
+    return ModelSpec(name, config.n_layer, config.n_embd, config.n_head, config.vocab_size,
+                     tied_embeddings=config.tie_embeddings, kv_heads=config.n_kv_head if llama else None,
+                     ffn_hidden=config.ffn_hidden if llama else None, **FAMILY_LAYERS[family])

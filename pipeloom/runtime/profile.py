@@ -1,8 +1,8 @@
 """Measure what the simulator's costs need on the machine at hand: ``pipeloom profile``.
 
 :func:`measure` times the runtime's own modules, cut as a pipeline cuts them
-(:meth:`~pipeloom.nn.GPT.build_stages` of a one-layer GPT into the embedding
-stage, one :class:`~pipeloom.nn.gpt.Block`, and the final norm + LM head
+(:meth:`~pipeloom.nn.decoder.Decoder.build_stages` of a one-layer GPT or
+Llama into the embedding stage, one layer, and the final norm + LM head
 stage), and runs each as the compute handlers do (:mod:`.handlers.compute`):
 F under autocast (bf16) with the output cast to the weights' dtype, the last
 stage's cross-entropy on its logits; B under
@@ -46,10 +46,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import PipeloomError
-from ..nn.gpt import GPT, Block, GPTConfig
+from ..nn.decoder import Decoder
+from ..nn.gpt import Block, GPTConfig
+from ..nn.models import model_spec
 from ..nn.linear import WeightGradStore, defer_weight_grads
 from ..nn.recompute import cheap_recompute, recipe
-from ..sim.profile import CAST_BYTES, FORMAT
+from ..sim.profile import CAST_BYTES, FORMAT, model_fields
 from .device import free_memory
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
@@ -59,10 +61,10 @@ LINK_SIZES = (4 * 2**10, 64 * 2**10, 2**20, 16 * 2**20)
 _GiB = 2**30
 
 
-def measure(config: GPTConfig, seq: int, microbatch_sizes=(1,), *, device: str = "cpu",
+def measure(config, seq: int, microbatch_sizes=(1,), *, device: str = "cpu",
             precision: str | None = None, repeats: int = 10, warmup: int = 2, threads: int = 1,
             transfer: bool = True, name: str = "custom", progress=None) -> dict:
-    """Profile ``config``'s layer, embedding and output layer at sequences of ``seq`` tokens and each
+    """Profile the layer, embedding and output layer of ``config`` (a GPT's or a Llama's) at sequences of ``seq`` tokens and each
     of ``microbatch_sizes`` on ``device`` ("cpu", or "cuda": the current GPU) in ``precision``
     ("fp32", or "bf16" autocast; default fp32 on a CPU, bf16 on a GPU); ``transfer`` False skips the
     stage-to-stage transfer (then null); ``progress(text)``, if given, hears what is measured next.
@@ -83,8 +85,8 @@ def measure(config: GPTConfig, seq: int, microbatch_sizes=(1,), *, device: str =
         torch.set_num_threads(threads)
     try:
         torch.manual_seed(0)
-        stages = GPT(config, device="meta").build_stages(3, range(3), [0, 1, 0], device=where)
-        run = _Runner(stages, where, PRECISIONS[precision], repeats, warmup, config.vocab_size)
+        stages = config.build(device="meta").build_stages(3, range(3), [0, 1, 0], device=where)
+        run = _Runner(stages, where, PRECISIONS[precision], repeats, warmup, config.vocab_size, config.n_embd)
         samples = {}
         for k, b in enumerate(sizes):
             say(f"microbatch size {b} ({k + 1} of {len(sizes)}): F, B and W of the embedding, a layer and the head")
@@ -109,8 +111,7 @@ def measure(config: GPTConfig, seq: int, microbatch_sizes=(1,), *, device: str =
         "format": FORMAT,
         "machine": {"device": where.type, "name": _machine_name(where), "torch": torch.__version__,
                     "threads": threads if where.type == "cpu" else torch.get_num_threads(), "precision": precision},
-        "model": {"name": name, "layers": layers, "hidden": config.n_embd, "heads": config.n_head,
-                  "vocab": config.vocab_size, "ffn": 4, "tied": config.tie_embeddings},
+        "model": model_fields(model_spec(dataclasses.replace(config, n_layer=layers), name)),
         "seq": seq,
         "repeats": repeats,
         "bytes_per_param": state,
@@ -126,9 +127,10 @@ class _Runner:
     """Times and counts the three stages (embedding, one layer, output layer) the way the
     compute handlers run them."""
 
-    def __init__(self, stages, device: torch.device, autocast, repeats: int, warmup: int, vocab: int):
+    def __init__(self, stages, device: torch.device, autocast, repeats: int, warmup: int, vocab: int, hidden: int):
         self.embedding, self.layer, self.head = stages[0], stages[1], stages[2]
         self.device, self.autocast, self.repeats, self.warmup, self.vocab = device, autocast, repeats, warmup, vocab
+        self.hidden = hidden
         self.dtype = next(self.layer.parameters()).dtype  # hidden states travel in the weights' dtype
         self.timer = Timer(device)
 
@@ -138,8 +140,7 @@ class _Runner:
     def sample(self, b: int, seq: int) -> dict:
         """The JSON entry of microbatch size ``b``: times (ms), message and memory bytes."""
         tokens = torch.randint(self.vocab, (b, seq), device=self.device)
-        hidden = self.layer.blocks["0"].ln_1.normalized_shape[0]
-        x = torch.randn(b, seq, hidden, device=self.device, dtype=self.dtype)
+        x = torch.randn(b, seq, self.hidden, device=self.device, dtype=self.dtype)
         grad = torch.randn_like(x)
         times: dict[str, list[float]] = {}
         collecting = gc.isenabled()
@@ -209,7 +210,7 @@ class _Runner:
         stage = partial(checkpoint, self.head, use_reentrant=False) if recompute else self.head
         with self.autocasting():
             y = stage(x)
-            return GPT.loss(y if self.autocast else y.float(), tokens)
+            return Decoder.loss(y if self.autocast else y.float(), tokens)
 
     def _memory(self, tokens, x, grad) -> dict:
         """Bytes kept from F to the backward and from B to W, of the layer and the output layer."""
@@ -433,7 +434,7 @@ def _sizes(microbatch_sizes) -> list[int]:
     return sorted(sizes)
 
 
-def _check_fits(config: GPTConfig, seq: int, b: int, device: torch.device, name: str) -> None:
+def _check_fits(config, seq: int, b: int, device: torch.device, name: str) -> None:
     """Refuse, in one line, a profile whose largest microbatch would not fit this device's free memory
     (a rough bound: fp32 weights and gradients of a layer and both ends, a layer's activations,
     and the logits three times over)."""

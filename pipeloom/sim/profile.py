@@ -6,7 +6,8 @@ measured on one machine (a CPU, or one GPU) with the runtime's own modules
 
     {"format": "pipeloom-profile/1",
      "machine": {"device": "cpu"|"cuda", "name": str, "torch": str, "threads": int, "precision": "fp32"|"bf16"},
-     "model": {"name": str, "layers": int, "hidden": int, "heads": int, "vocab": int, "ffn": int, "tied": bool},
+     "model": {"name": str, "layers": int, "hidden": int, "heads": int, "vocab": int, "ffn": int, "tied": bool,
+               "kv_heads": int|null, "ffn_hidden": int|null, "gated": bool, "bias": bool, "rotary": bool},
      "seq": int,
      "repeats": int,
      "bytes_per_param": float,
@@ -22,7 +23,10 @@ measured on one machine (a CPU, or one GPU) with the runtime's own modules
              "memory": {"layer": {"none", "cheap", "full", "w"}, "head": {"b", "w", "full"}}},
        ...}}
 
-Per microbatch size (sequences of ``seq`` tokens): ``layer`` one transformer
+``model``'s ``kv_heads`` to ``rotary`` say what the layer is beyond a GPT's (a
+Llama's: grouped-query heads, a SwiGLU MLP of ``ffn_hidden``, no biases,
+rotary positions; :class:`~pipeloom.sim.specs.ModelSpec`); absent in older
+profiles, which measured GPT layers. Per microbatch size (sequences of ``seq`` tokens): ``layer`` one transformer
 layer's forward, input-gradient backward, weight-gradient backward (the B/W
 split) and fused backward; ``embedding`` the token and position embeddings'
 forward and backward (their weight gradients); ``head`` the final norm, LM
@@ -88,8 +92,16 @@ SAMPLE_FIELDS = {
 #: The model fields of a profile: JSON key -> :class:`~pipeloom.sim.specs.ModelSpec` field.
 MODEL_FIELDS = {"name": "name", "layers": "layers", "hidden": "hidden", "heads": "heads", "vocab": "vocab",
                 "ffn": "ffn", "tied": "tied_embeddings"}
+#: The layer's shape beyond a GPT's, optional (a profile without them measured a GPT): JSON key
+#: (the same as the :class:`~pipeloom.sim.specs.ModelSpec` field) -> its type.
+LAYER_FIELDS = {"kv_heads": int, "ffn_hidden": int, "gated": bool, "bias": bool, "rotary": bool}
 #: The model sizes a profile must share with the model it costs (the layers and the vocabulary may differ).
-MATCHED = ("hidden", "heads", "ffn", "kv_heads", "ffn_hidden", "gated", "bias")
+MATCHED = ("hidden", "heads", "ffn", "kv_heads", "ffn_hidden", "gated", "bias", "rotary")
+
+
+def model_fields(model: ModelSpec) -> dict:
+    """The ``model`` object of a profile of ``model``."""
+    return {**{k: getattr(model, name) for k, name in MODEL_FIELDS.items()}, **{k: getattr(model, k) for k in LAYER_FIELDS}}
 
 
 @dataclass(frozen=True)
@@ -201,6 +213,8 @@ class Profile:
         read.get(data, ("model",), dict)
         sizes = {MODEL_FIELDS[k]: read.get(data, ("model", k), str if k == "name" else bool if k == "tied" else int)
                  for k in MODEL_FIELDS}
+        sizes.update({k: read.get(data, ("model", k), kind, null=kind is int) for k, kind in LAYER_FIELDS.items()
+                      if k in data["model"]})
         try:
             spec = ModelSpec(**sizes)
         except PipeloomError as err:
@@ -245,7 +259,7 @@ class Profile:
         return {
             "format": FORMAT,
             "machine": dict(self.machine),
-            "model": {k: getattr(self.model, name) for k, name in MODEL_FIELDS.items()},
+            "model": model_fields(self.model),
             "seq": self.seq,
             "repeats": self.repeats,
             "bytes_per_param": self.bytes_per_param,
@@ -341,17 +355,19 @@ class _Reader:
     def __init__(self, where: str):
         self.where = where
 
-    def get(self, data, path: tuple[str, ...], kind: type, positive: bool = False):
+    def get(self, data, path: tuple[str, ...], kind: type, positive: bool = False, null: bool = False):
         node = data
         for depth, key in enumerate(path):
             if not isinstance(node, dict) or key not in node:
                 raise PipeloomError(f"{self.where}: field {'.'.join(path[:depth + 1])} is missing")
             node = node[key]
+        if node is None and null:
+            return None
         ok = isinstance(node, kind) and (kind is bool or not isinstance(node, bool))
         if not ok or (positive and node <= 0):
             want = {dict: "an object", str: "a string", int: "an integer", bool: "true or false"}[kind]
             raise PipeloomError(f"{self.where}: field {'.'.join(path)} is {node!r}; expected "
-                                f"{'a positive integer' if positive else want}")
+                                f"{'a positive integer' if positive else want}" + (" or null" if null else ""))
         return node
 
     def number(self, data, path: tuple[str, ...], positive: bool = False, null: bool = False) -> float | None:

@@ -108,11 +108,15 @@ class ModelSpec:
         return -(-self.vocab // ranks) * self.hidden * (1 if self.tied_embeddings else 2)
 
 
+#: What each family's layer is, in :class:`ModelSpec`'s terms.
+FAMILY_LAYERS = {"gpt": {"gated": False, "bias": True, "rotary": False},
+                 "llama": {"gated": True, "bias": False, "rotary": True}}
+
+
 def _spec(name: str, size) -> ModelSpec:
     """The simulator's model of the :class:`~pipeloom.presets.ModelSize` ``size``."""
-    llama = size.family == "llama"
     return ModelSpec(name, size.layers, size.hidden, size.heads, size.vocab, tied_embeddings=size.tied,
-                     kv_heads=size.kv_heads, ffn_hidden=size.ffn_hidden, gated=llama, bias=not llama, rotary=llama)
+                     kv_heads=size.kv_heads, ffn_hidden=size.ffn_hidden, **FAMILY_LAYERS[size.family])
 
 
 #: Model presets by lowercase name: every size of :data:`pipeloom.presets.SIZES`.
