@@ -78,10 +78,35 @@ def test_a_piece_goes_into_a_gap_only_with_the_margin_to_spare():
 
 def test_one_rank_has_no_bubble_and_runs_every_piece_on_the_critical_path():
     costs = Costs(f=1, b=1, w=1, extra={"kfac_a": 0.1, "kfac_g": 0.2, "kfac_inv": 0.5, "kfac_pre": 0.3})
-    schedule = build("1f1b", 1, 4, costs=costs, transforms=[Kfac(units=2)])
+    schedule = build("1f1b", 1, 4, costs=costs, transforms=[Kfac(units=2, every=1)])
     kfac = schedule.options["kfac"]
     assert kfac["every"] == 1 and kfac["overflow"] == [2 * (2 * 4 + 3)]
     assert simulate(schedule, costs).makespan == pytest.approx(4 * 3 + 2 * (4 * 0.3 + 0.5) + 0.3)
+
+
+@pytest.mark.parametrize("inverse", [0.5, 5.0, 50.0])
+def test_without_bubbles_the_default_interval_keeps_the_step_within_ten_percent(inverse):
+    """pp 1: every piece runs at the end of the cycle; by default the cycle is the fewest steps that
+    keep the mean step within 1.10x of the step without K-FAC (at most MAX_SPREAD), and the report
+    says why."""
+    from pipeloom.schedule.transforms.kfac import MAX_SPREAD
+    from pipeloom.sim import kfac_report
+    from pipeloom.techniques import TECHNIQUES
+
+    costs = Costs(f=1, b=1, w=1, extra={"kfac_a": 0.1, "kfac_g": 0.2, "kfac_inv": inverse, "kfac_pre": 0.3})
+    base = simulate(build("1f1b", 1, 4, costs=costs), costs)
+    result = simulate(build("1f1b", 1, 4, costs=costs, transforms=[Kfac(units=2)]), costs)
+    report = kfac_report(base, result)
+    k = report["every"]
+    assert report["spread"] and not report["forced"]
+    line = TECHNIQUES["kfac"].report_lines({"kfac": report})[0]
+    if k == MAX_SPREAD:  # 2 x 50 of inversions: over 100 steps still 8.5% of a step, 11% with the preconditioning
+        assert report["step_time_after"] > 1.10 * base.makespan and "spread over the most steps, 100" in line
+        return
+    assert report["step_time_after"] <= 1.10 * base.makespan + 1e-9
+    shorter = simulate(build("1f1b", 1, 4, costs=costs, transforms=[Kfac(units=2, every=k - 1)]), costs)
+    assert k == 1 or shorter.makespan / (k - 1) > 1.10 * base.makespan  # the fewest such steps
+    assert f"refresh every {k} steps (some pieces fit no bubble: spread to keep the step within 1.10x of AdamW's)" in line
 
 
 def test_the_last_step_preconditions_after_every_inverse_and_a_missing_piece_is_named():

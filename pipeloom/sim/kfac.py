@@ -12,7 +12,9 @@ def kfac_report(base: Result, result: Result) -> dict:
     """Compare ``base`` (a schedule simulated without K-FAC) with ``result`` (the same schedule
     through :class:`~pipeloom.schedule.Kfac`, under the same costs).
 
-    ``every``: the refresh interval k in steps (a cycle is k copies of the base); ``step_time``
+    ``every``: the refresh interval k in steps (a cycle is k copies of the base), ``forced``
+    by the user or ``spread`` (pieces fitted no bubble: k keeps their cost within
+    :data:`~pipeloom.schedule.transforms.kfac.OVERHEAD` of a step); ``step_time``
     before and after (the cycle's makespan over its steps) and their ``makespan_change``
     (after / before - 1); per rank: ``utilisation`` before and after (compute-stream busy time
     over the step or cycle), ``kfac_time`` (the refresh's pieces), ``overflow_time`` (those
@@ -41,7 +43,8 @@ def kfac_report(base: Result, result: Result) -> dict:
         })
     before, after = base.makespan / before_steps, result.makespan / after_steps
     return {
-        "every": settings["every"], "forced": settings["forced"], "units": settings["units"],
+        "every": settings["every"], "forced": settings["forced"], "spread": settings.get("spread", False),
+        "units": settings["units"],
         "margin": settings["margin"], "overflow_pieces": sum(settings["overflow"]),
         "step_time_before": before, "step_time_after": after,
         "makespan_change": after / before - 1 if before else 0.0,

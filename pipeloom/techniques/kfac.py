@@ -86,8 +86,17 @@ class Kfac(Technique):
     def report_lines(self, report: dict) -> list[str]:
         if "kfac" not in report:
             return []
+        from ..schedule.transforms.kfac import MAX_SPREAD, OVERHEAD
+
         kfac = report["kfac"]
-        forced = "forced" if kfac["forced"] else "the steps its pieces need"
+        if kfac["forced"]:
+            forced = "forced"
+        elif kfac["spread"] and kfac["makespan_change"] <= OVERHEAD + 1e-9:
+            forced = f"some pieces fit no bubble: spread to keep the step within {1 + OVERHEAD:.2f}x of AdamW's"
+        elif kfac["spread"]:
+            forced = f"some pieces fit no bubble: spread over the most steps, {MAX_SPREAD}"
+        else:
+            forced = "the steps its pieces need"
         lines = [f"K-FAC: refresh every {kfac['every']} steps ({forced}); step {kfac['step_time_before']:.4g} -> "
                  f"{kfac['step_time_after']:.4g} ({kfac['makespan_change']:+.1%}); {kfac['overflow_pieces']} pieces "
                  "fitted no bubble",

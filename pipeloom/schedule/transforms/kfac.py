@@ -30,7 +30,9 @@ one fits with ``margin`` to spare, the available piece that became
 available first (curvature before syncs before inversions when tied). k is
 the number of copies the pieces need (``every`` forces it); what does not
 fit within k copies (or ever, with no bubbles: pp = 1, or 2BW's steady
-state) runs at the end of the cycle's last step, on the critical path. The
+state) runs at the end of the cycle's last step, on the critical path, and
+then k is (unless forced) enough steps for that to cost at most
+:data:`OVERHEAD` of a step on average. The
 synchronous families flush between steps: stage 0's first forward of a step
 waits for every stage's preconditioning of the step before.
 
@@ -43,6 +45,7 @@ curvature piece; activation memory does not count them.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, replace
 
 from ...errors import PipeloomError, ScheduleError
@@ -70,14 +73,20 @@ register_field("kfac_pre")
 
 #: The refresh interval's upper end when it is chosen by the bubbles.
 MAX_EVERY = 20
+#: Where pieces fit no bubble, the default interval spreads them over enough steps that the mean
+#: step is at most this much longer than without K-FAC (PipeFisher's point: the refresh is nearly
+#: free), up to :data:`MAX_SPREAD` steps.
+OVERHEAD = 0.10
+MAX_SPREAD = 100
 
 
 class Kfac:
     """The transform. ``units``: pieces per stage (its linear layers), a
     number for every stage or one per stage; ``every``: force the refresh
     interval k (None: the fewest copies whose bubbles hold the pieces, up to
-    :data:`MAX_EVERY`); ``margin``: a piece goes into a gap only if its time
-    times ``1 + margin`` fits."""
+    :data:`MAX_EVERY`, or where some fit none, enough to keep the mean step within
+    :data:`OVERHEAD` of the step without K-FAC, :func:`_spread`); ``margin``: a piece
+    goes into a gap only if its time times ``1 + margin`` fits."""
 
     name = "kfac"
     kinds = (*PIECES, KFAC_PRE)
@@ -105,10 +114,23 @@ class Kfac:
         placed = [_Rank(base, r, starts[r], ends[r], period, units, per_stage, self.margin).fill(self.every)
                   for r in range(schedule.pp)]
         k = self.every or max(1, *(p.copies for p in placed))
+        spread = self.every is None and any(p.left for p in placed)
+        if spread:
+            k = max(k, _spread(schedule, per_stage, period, placed))
         options = {**schedule.options, "kfac": {
-            "every": k, "forced": self.every is not None, "units": list(units), "margin": self.margin,
-            "period": schedule.steps, "overflow": [len(p.left) for p in placed]}}
+            "every": k, "forced": self.every is not None, "spread": spread, "units": list(units),
+            "margin": self.margin, "period": schedule.steps, "overflow": [len(p.left) for p in placed]}}
         return _unroll(replace(base, options=options), k, placed)
+
+
+def _spread(schedule: Schedule, costs: StageCosts, period: float, placed: list) -> int:
+    """The fewest steps over which the pieces that fit no bubble (they run at the end of the
+    cycle) keep the mean step within :data:`OVERHEAD` of ``schedule``'s without K-FAC, whose
+    steps take ``period`` with the preconditioning; :data:`MAX_SPREAD` where none can."""
+    ends = asap(schedule, costs.duration, costs.transfer)[1]
+    room = (1 + OVERHEAD) * max((max(e) for e in ends if e), default=0.0) - period
+    left = max(sum(piece.time for piece in rank.left) for rank in placed)
+    return MAX_SPREAD if room <= 0 else min(MAX_SPREAD, max(1, math.ceil(left / room)))
 
 
 def _units(units, stages: int) -> tuple[int, ...]:
