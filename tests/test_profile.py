@@ -39,6 +39,7 @@ def profile_dict(seq=64, link=(2e9, 0.05), host=None):
         "bytes_per_param": 16.0,
         "cast_bytes_per_param": 0.0,
         "optimizer_ns_per_param": 5.0,
+        "kfac": {"a": {"1": 0.2, "4": 0.8}, "g": {"1": 0.4, "4": 1.6}, "inv": 2.0, "pre": 0.6, "units": 4},
         "link": {"bandwidth": link[0] if link else None, "latency_ms": link[1] if link else None,
                  "reason": None if link else "one GPU"},
         "host_bandwidth": host,
@@ -215,6 +216,26 @@ def test_a_fused_backward_costs_what_was_measured():
     assert split.makespan - fused.makespan == pytest.approx(0.4)
 
 
+def test_kfac_pieces_cost_what_was_measured():
+    """Per unit a quarter of the layer's measured pieces; the curvature scales with the rows (the
+    nearest size's, 4, for 8), the inversion and preconditioning do not; the syncs stay the link's.
+    A profile without ``kfac`` leaves them to the formulas."""
+    profile = Profile.from_dict(profile_dict())
+    costs = costs_from_model(TINY, 2, 64, 8, "cpu", profile=profile, kfac=True, dp=2)
+    assert costs.extra["kfac_a"] == pytest.approx(0.8 * 2 / 4) and costs.extra["kfac_g"] == pytest.approx(1.6 * 2 / 4)
+    assert costs.extra["kfac_inv"] == pytest.approx(2.0 / 4) and costs.extra["kfac_pre"] == pytest.approx([1.2, 1.2])
+    formulas = costs_from_model(TINY, 2, 64, 8, "cpu", kfac=True, dp=2)
+    assert costs.extra["kfac_sync_a"] == formulas.extra["kfac_sync_a"] > 0
+    older = profile_dict()
+    del older["kfac"]
+    assert costs_from_model(TINY, 2, 64, 8, "cpu", profile=Profile.from_dict(older), kfac=True).extra["kfac_inv"] == \
+        formulas.extra["kfac_inv"]
+    bad = profile_dict()
+    del bad["kfac"]["g"]["4"]
+    with pytest.raises(PipeloomError, match="field kfac.g.4 is missing"):
+        Profile.from_dict(bad)
+
+
 def test_without_a_profile_the_formulas_are_used():
     assert costs_from_model(TINY, 2, 64, 2, "cpu") == costs_from_model(TINY, 2, 64, 2, "cpu", profile=None)
 
@@ -241,6 +262,8 @@ def test_measured_times_and_the_bw_split(measured):
         assert sample.layer_w > 0.02 * sample.layer_bw
         assert 0.33 < (sample.layer_b + sample.layer_w) / sample.layer_bw < 3
     assert profile.link_bandwidth is None and profile.link_reason and profile.host_bandwidth is None
+    kfac = profile.kfac  # K-FAC's pieces on the layer's four linear layers
+    assert kfac["units"] == 4 and min(kfac["inv"], kfac["pre"], *kfac["a"].values(), *kfac["g"].values()) > 0
 
 
 @needs_torch
@@ -348,6 +371,7 @@ def test_profile_then_simulate_with_it(tmp_path, capsys, monkeypatch):
     assert [line.split(":")[1].strip() for line in printed.err.splitlines() if line.startswith("pipeloom profile:")] == [
         "measuring microbatch size 1 (1 of 2)", "measuring microbatch size 2 (2 of 2)",
         "measuring the optimizer step and the state's bytes per parameter",
+        "measuring K-FAC's curvature, inversion and preconditioning",
         "measuring the stage-to-stage transfer between two processes"]  # progress, as it goes
     profile = load_profile(path)
     assert profile.link_bandwidth > 0 and profile.link_latency_ms >= 0  # gloo between two processes

@@ -138,4 +138,23 @@ def _profile_table(profile, preset) -> str:
               f"model state: {profile.bytes_per_param:.4g} bytes per parameter"]
     if profile.optimizer_ns_per_param is not None:
         lines.append(f"optimizer step (clipping, AdamW): {profile.optimizer_ns_per_param:.3g} ns per parameter")
+    if profile.kfac is not None:
+        lines += ["", *_kfac_table(profile, preset)]
     return "\n".join(lines)
+
+
+def _kfac_table(profile, preset) -> list[str]:
+    """K-FAC's pieces on one layer, measured, beside what the formulas give on ``preset``."""
+    from ..sim.formulas import kfac_costs
+
+    kfac, model, seq = profile.kfac, profile.model, profile.seq
+    lines = [f"K-FAC on one layer ({kfac['units']} linear layers): ms measured ({preset.name} preset's formulas)",
+             f"{'b':>4} {'curvature A':>21} {'curvature G':>21}"]
+    for b in profile.samples:
+        formula = kfac_costs(model, seq, b, preset)
+        lines.append(f"{b:>4} {kfac['a'][str(b)]:>9.4g} ({formula['kfac_a']:>9.4g}) "
+                     f"{kfac['g'][str(b)]:>9.4g} ({formula['kfac_g']:>9.4g})")
+    formula = kfac_costs(model, seq, 1, preset)
+    lines.append(f"inverses {kfac['inv']:.4g} ({formula['kfac_inv']:.4g}), preconditioning {kfac['pre']:.4g} "
+                 f"({formula['kfac_pre']:.4g}), every step")
+    return lines

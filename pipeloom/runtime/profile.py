@@ -24,7 +24,9 @@ two ranks on one device): it is left null with the reason, and pinned
 host<->device copies are timed instead (the offload link). Bytes of model
 state per parameter come from one AdamW step on a layer, as ``pipeloom train``
 keeps it, and the optimizer step's time per parameter from clipping and
-AdamW steps on the profiled layer's parameters.
+AdamW steps on the profiled layer's parameters. K-FAC's pieces (curvature,
+inversion, preconditioning) are timed on the profiled layer's linear layers
+with :class:`~pipeloom.optim.kfac.KFAC` itself (:func:`kfac_ms`).
 
 The result is the JSON object of :mod:`pipeloom.sim.profile`.
 """
@@ -94,6 +96,8 @@ def measure(config, seq: int, microbatch_sizes=(1,), *, device: str = "cpu",
         say("the optimizer step and the state's bytes per parameter")
         state = bytes_per_param(where, PRECISIONS[precision])
         optimizer = optimizer_ns_per_param(run.layer, run.timer, repeats, warmup)
+        say("K-FAC's curvature, inversion and preconditioning")
+        kfac = kfac_ms(run, sizes, seq)
     finally:
         torch.set_num_threads(kept_threads)
     messages = [samples[str(b)]["message_bytes"] for b in sizes]
@@ -117,6 +121,7 @@ def measure(config, seq: int, microbatch_sizes=(1,), *, device: str = "cpu",
         "bytes_per_param": state,
         "cast_bytes_per_param": CAST_BYTES[precision],
         "optimizer_ns_per_param": optimizer,
+        "kfac": kfac,
         "link": link,
         "host_bandwidth": host,
         "microbatch_sizes": samples,
@@ -344,6 +349,46 @@ def optimizer_ns_per_param(module: nn.Module, timer: Timer, repeats: int, warmup
     for p in params:
         p.grad = None
     return 1e6 * statistics.median(times) / sum(p.numel() for p in params)
+
+
+def kfac_ms(run: _Runner, sizes, seq: int) -> dict:
+    """K-FAC's pieces (:mod:`pipeloom.optim.kfac`) on the profiled layer, summed over its linear
+    layers (ms, the median over the repeats): per microbatch size the curvature of one
+    microbatch's inputs (``a``) and output gradients (``g``), then both factors' damped inverses
+    (``inv``) and the preconditioning of the layer's gradients (``pre``)."""
+    from ..optim.kfac import KFAC
+
+    kfac = KFAC(run.layer, None)
+    names = list(kfac.layers)
+    timed = run.timer
+    curvature: dict[str, dict[str, float]] = {"a": {}, "g": {}}
+    for b in sizes:
+        x = torch.randn(b, seq, run.hidden, device=run.device, dtype=run.dtype)
+        grad = torch.randn_like(x)
+        times: dict[str, list[float]] = {"a": [], "g": []}
+        for k in range(run.warmup + run.repeats):
+            torch.autograd.backward(run._forward(run.layer, run._leaf(x)), grad)  # captures, untimed
+            for key, factor in (("a", "A"), ("g", "G")):
+                ms = timed(lambda: [kfac.curvature(name, factor, 0) for name in names])
+                if k >= run.warmup:
+                    times[key].append(ms)
+            for name in names:
+                kfac.reduce(name, "A")
+                kfac.reduce(name, "G")
+        for key in times:
+            curvature[key][str(b)] = statistics.median(times[key])
+    inverse = [timed(lambda: [kfac.invert(name) for name in names]) for _ in range(run.warmup + run.repeats)]
+    kfac.publish()
+    grads = [p.grad.clone() for p in run.layer.parameters()]
+    precondition = []
+    for _ in range(run.warmup + run.repeats):
+        for p, g in zip(run.layer.parameters(), grads):
+            p.grad.copy_(g)  # each run on the same gradients
+        precondition.append(timed(kfac.precondition))
+    for p in run.layer.parameters():
+        p.grad = None
+    return {**curvature, "inv": statistics.median(inverse[run.warmup:]),
+            "pre": statistics.median(precondition[run.warmup:]), "units": len(names)}
 
 
 def measure_link(message_bytes, repeats: int = 10, timeout: float = 120.0) -> dict:

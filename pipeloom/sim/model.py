@@ -171,7 +171,8 @@ def costs_from_model(
     stage-to-stage transfer with measured ones (:meth:`~pipeloom.sim.profile.Profile.stages`; a
     fused backward costs its measured time, the cost field ``fused``);
     ``device`` still gives the rest (the link when the profile measured none,
-    sequence parallelism's ring, vocabulary passes, K-FAC pieces).
+    sequence parallelism's ring, vocabulary passes, K-FAC's syncs, and its other
+    pieces where the profile has no ``kfac``: :meth:`~pipeloom.sim.profile.Profile.kfac_costs`).
     """
     model, device = get_model(model), get_device(device)
     _positive(pp=pp, seq=seq, microbatch_size=microbatch_size, chunks=chunks)
@@ -216,6 +217,8 @@ def costs_from_model(
     )
     if kfac:
         pieces = kfac_costs(model, seq, microbatch_size, device, dp, sp)
+        if profile is not None and profile.kfac is not None:
+            pieces.update(profile.kfac_costs(model, seq, microbatch_size, sp))  # the syncs stay the links'
         pre = pieces.pop("kfac_pre")
         unit = {name: value / KFAC_UNITS_PER_LAYER for name, value in pieces.items()}
         costs = replace(costs, extra={**costs.extra, **unit, "kfac_pre": [n * pre for n in split]})

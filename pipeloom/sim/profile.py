@@ -13,6 +13,7 @@ measured on one machine (a CPU, or one GPU) with the runtime's own modules
      "bytes_per_param": float,
      "cast_bytes_per_param": float,
      "optimizer_ns_per_param": float|null,
+     "kfac": {"a": {"1": float, ...}, "g": {"1": float, ...}, "inv": float, "pre": float, "units": int}|null,
      "link": {"bandwidth": float|null, "latency_ms": float|null, "reason": str|null},
      "host_bandwidth": float|null,
      "microbatch_sizes": {
@@ -45,7 +46,12 @@ weights autocast keeps while a forward runs (2 under bf16, 0 in fp32; absent
 in older profiles: from ``machine.precision``); ``optimizer_ns_per_param``: the optimizer step (gradient
 clipping and AdamW, as ``pipeloom train`` runs it) per parameter, on one
 layer's parameters (null or absent in older profiles: the device's memory
-bandwidth times it then). ``link``: a stage-to-stage transfer, ``latency_ms + bytes
+bandwidth times it then); ``kfac``: K-FAC's pieces on one layer, summed over
+its ``units`` linear layers (:func:`~pipeloom.runtime.profile.kfac_ms`): per
+microbatch size the curvature of one microbatch's inputs (``a``) and output
+gradients (``g``), and the damped inverses of both factors (``inv``) and the
+preconditioning of the layer's gradients (``pre``); null or absent in older
+profiles: the formulas then. ``link``: a stage-to-stage transfer, ``latency_ms + bytes
 / bandwidth``, fitted to timed sends between two processes; null (with
 ``reason``) where it could not be measured, and then the device preset's
 link is used. ``host_bandwidth``: pinned host<->device copies (offload);
@@ -188,6 +194,7 @@ class Profile:
     samples: dict[int, Sample]
     repeats: int | None = None
     optimizer_ns_per_param: float | None = None
+    kfac: dict | None = None
     source: str = field(default="", compare=False)
 
     @property
@@ -242,6 +249,7 @@ class Profile:
             repeats=data.get("repeats") if isinstance(data.get("repeats"), int) else None,
             optimizer_ns_per_param=read.number(data, ("optimizer_ns_per_param",), positive=True, null=True)
             if "optimizer_ns_per_param" in data else None,
+            kfac=_kfac(read, data, samples) if data.get("kfac") is not None else None,
             source=source,
         )
 
@@ -265,6 +273,7 @@ class Profile:
             "bytes_per_param": self.bytes_per_param,
             "cast_bytes_per_param": self.cast_bytes_per_param,
             "optimizer_ns_per_param": self.optimizer_ns_per_param,
+            "kfac": self.kfac,
             "link": {"bandwidth": self.link_bandwidth, "latency_ms": self.link_latency_ms, "reason": self.link_reason},
             "host_bandwidth": self.host_bandwidth,
             "microbatch_sizes": sizes,
@@ -321,6 +330,16 @@ class Profile:
             message_bytes=message, comm_ms=comm,
         )
 
+    def kfac_costs(self, model: ModelSpec, seq: int, microbatch_size: int, sp: int = 1) -> dict[str, float]:
+        """One layer's K-FAC pieces measured (ms; :func:`~pipeloom.sim.formulas.kfac_costs`' names but
+        the syncs): the curvature of the nearest profiled size scaled by this rank's rows, the
+        inversion and the preconditioning as measured (they depend on the layer's shape alone)."""
+        self.check(model, seq)
+        size = self.nearest(microbatch_size)
+        rows = microbatch_size / (size * sp)
+        return {"kfac_a": self.kfac["a"][str(size)] * rows, "kfac_g": self.kfac["g"][str(size)] * rows,
+                "kfac_inv": self.kfac["inv"], "kfac_pre": self.kfac["pre"]}
+
     def stages(self, model: ModelSpec, seq: int, microbatch_size: int, split, sp: int = 1,
                recompute: bool | str = False, vocab_split: bool = False) -> ProfiledStages:
         """:meth:`costs` summed over stages of ``split`` layers: the embedding on the first, the
@@ -347,6 +366,18 @@ class Profile:
             m_b=m_b, m_w=stage_totals(split, one.layer_m_w, last=ends * one.head_m_w), m_rerun=rerun,
             message_bytes=one.message_bytes, comm_ms=one.comm_ms,
         )
+
+
+def _kfac(read: _Reader, data: dict, samples: dict) -> dict:
+    """The profile's ``kfac`` object, checked: ``a`` and ``g`` (ms) for every profiled size."""
+    for key in ("inv", "pre"):
+        read.number(data, ("kfac", key))
+    read.get(data, ("kfac", "units"), int, positive=True)
+    for key in ("a", "g"):
+        read.get(data, ("kfac", key), dict)
+        for size in samples:
+            read.number(data, ("kfac", key, str(size)))
+    return {key: data["kfac"][key] for key in ("a", "g", "inv", "pre", "units")}
 
 
 class _Reader:
