@@ -110,10 +110,13 @@ class Offload:
         # where the timetable stops short (full, or selective beyond the stream), the copies of each
         # pair right after its F, the copy stream left to order them, are tried too: the rank keeps
         # whichever peaks lower (its copies touch no other rank)
-        eager = _eager(schedule, pairs, per_stage)
-        peaks = [_peaks(_assemble(schedule, pairs, entries), per_stage) for entries in (timed, eager)]
-        return _assemble(schedule, pairs, [eager[r] if r in short and peaks[1][r] < peaks[0][r] else timed[r]
-                                           for r in range(schedule.pp)])
+        eager, eagerly = _eager(schedule, pairs, per_stage)
+        assembled = (_assemble(schedule, pairs, timed), eagerly)
+        peaks = [_peaks(each, per_stage) for each in assembled]
+        kept = [1 if r in short and peaks[1][r] < peaks[0][r] else 0 for r in range(schedule.pp)]
+        if len(set(kept)) == 1:
+            return assembled[kept[0]]
+        return _assemble(schedule, pairs, [(timed, eager)[k][r] for r, k in enumerate(kept)])
 
 
 class _Pairs:
@@ -138,6 +141,8 @@ class _Pairs:
                 elif a.kind in (B, BW):
                     self.where[a.stage, a.microbatch] = (rank, forwards[a.stage, a.microbatch], k)
             self.issues.append(issues)
+        #: (stage, microbatch) -> (end of its F, start of its backward)
+        self.gaps = {pair: (self.ends[rank][f], self.starts[rank][b]) for pair, (rank, f, b) in self.where.items()}
 
     def copy(self, pair) -> float:
         return self.costs.offload[pair[0]]
@@ -148,8 +153,7 @@ class _Pairs:
 
     def gap(self, pair) -> tuple[float, float]:
         """End of the pair's F and start of its backward."""
-        rank, f, b = self.where[pair]
-        return self.ends[rank][f], self.starts[rank][b]
+        return self.gaps[pair]
 
     def reload_at(self, pair) -> int:
         """Where an eager RELOAD goes first: before the latest action that leaves its copy time to
@@ -239,16 +243,16 @@ class _Sweep:
 
     def cover(self, target: float, stream: _Stream | None = None) -> dict | None:
         """Pairs and their places that keep every instant at or below ``target``, or None."""
-        pairs, grid = self.pairs, self.grid
+        pairs, grid, gaps = self.pairs, self.grid, self.pairs.gaps
         stream, chosen = stream or self.pairs.stream(), {}
         ends = [0.0] * (len(grid) + 1)  # the savings that end at each instant
         saved, k, live = 0.0, 0, []
         for i, t in enumerate(grid):
             saved -= ends[i]
-            while k < len(self.candidates) and pairs.gap(self.candidates[k])[0] < t:
+            while k < len(self.candidates) and gaps[self.candidates[k]][0] < t:
                 live.append(self.candidates[k])
                 k += 1
-            live = [p for p in live if pairs.gap(p)[1] > t]
+            live = [p for p in live if gaps[p][1] > t]
             while self.base[i] - saved > target + _slack(self.peak):
                 best = None
                 for pair in live:
@@ -423,17 +427,20 @@ def _peaks(schedule: Schedule, costs: StageCosts) -> list[float]:
     return peaks
 
 
-def _eager(schedule: Schedule, pairs: _Pairs, costs: StageCosts) -> list[list[tuple]]:
-    """Each rank's copies placed as the list goes rather than on a timetable: every eligible pair's
+def _eager(schedule: Schedule, pairs: _Pairs, costs: StageCosts) -> tuple[list[list[tuple]], Schedule]:
+    """Each rank's copies placed as the list goes rather than on a timetable (and the schedule with
+    them, :func:`_assemble`'s): every eligible pair's
     OFFLOAD right after its F and its RELOAD where its copy would end just before its backward;
     while the stream makes backwards wait, each waiting RELOAD moves earlier by its wait (up to
     :data:`_MOVES` times), then its pair is left out."""
     issue = {pair: pairs.reload_at(pair) for pair in pairs.eligible()}
     moves = dict.fromkeys(issue, 0)
     while True:
-        late = _late_reloads(_assemble(schedule, pairs, _issued(schedule, pairs, issue)), costs)
+        entries = _issued(schedule, pairs, issue)
+        assembled = _assemble(schedule, pairs, entries)
+        late = _late_reloads(assembled, costs)
         if not late:
-            return _issued(schedule, pairs, issue)
+            return entries, assembled
         for pair, delay in late.items():
             rank, f, _ = pairs.where[pair]
             k, when = issue[pair], pairs.ends[rank][issue[pair] - 1] - delay
