@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -29,41 +30,43 @@ def train_forked(*args, cwd, env=None, timeout=240) -> subprocess.CompletedProce
     """``pipeloom train args`` run in ``cwd``: its exit code, stdout and stderr (every rank's
     output after what came before launch, in rank order)."""
     out, err = io.StringIO(), io.StringIO()
-    extra = {"OMP_NUM_THREADS": "1", **(env or {})}
-    launch = _Launch(Path(cwd), extra, timeout)
-    with (mock.patch.dict(os.environ, extra), contextlib.chdir(cwd), mock.patch("pipeloom.launch.launch", launch),
+    here = os.getcwd()
+    with (tempfile.TemporaryDirectory(prefix="pipeloom-test-") as logs,
+          mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1", **(env or {})}),
+          mock.patch("pipeloom.launch.launch", launch := _Launch(Path(cwd), Path(logs), timeout)),
           contextlib.redirect_stdout(out), contextlib.redirect_stderr(err)):
+        os.chdir(cwd)  # contextlib.chdir needs Python 3.11
         try:
             code = main(["train", *args])
         except SystemExit as stop:  # argparse's mistakes
             code = stop.code
-    for rank in range(launch.world):
-        out.write(launch.output(rank, "out"))
-        err.write(launch.output(rank, "err"))
+        finally:
+            os.chdir(here)
+        for rank in range(launch.world):
+            out.write((Path(logs) / f"{rank}.out").read_text())
+            err.write((Path(logs) / f"{rank}.err").read_text())
     return subprocess.CompletedProcess(["pipeloom", "train", *args], code, out.getvalue(), err.getvalue())
 
 
 class _Launch:
     """Stands in for :func:`pipeloom.launch.launch`: forks the ranks and returns the first
-    failing rank's exit code (0 if none failed); each rank's stdout and stderr go to files."""
+    failing rank's exit code (0 if none failed); each rank's stdout and stderr go to files
+    under ``logs``. Ranks still running after ``timeout`` seconds are killed."""
 
-    def __init__(self, cwd: Path, env: dict, timeout: float):
-        self.cwd, self.env, self.timeout, self.world = cwd, env, timeout, 0
-        self.logs = Path(tempfile.mkdtemp(prefix="pipeloom-test-"))
-
-    def output(self, rank: int, stream: str) -> str:
-        return (self.logs / f"{rank}.{stream}").read_text()
+    def __init__(self, cwd: Path, logs: Path, timeout: float):
+        self.cwd, self.logs, self.timeout, self.world = cwd, logs, timeout, 0
 
     def __call__(self, argv: list[str], nproc: int) -> int:
         self.world = nproc
         ctx, port = worker_context(), free_port()
         procs = [ctx.Process(target=_rank, args=(rank, nproc, port, argv, str(self.cwd), str(self.logs),
-                                                {**os.environ, **self.env}))
+                                                dict(os.environ)))
                  for rank in range(nproc)]
         for p in procs:
             p.start()
+        deadline = time.monotonic() + self.timeout
         for p in procs:
-            p.join(self.timeout)
+            p.join(max(0.0, deadline - time.monotonic()))
         for p in procs:
             if p.is_alive():
                 p.kill()

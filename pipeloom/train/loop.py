@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -76,6 +77,10 @@ def worker(make_spec, config) -> int:
         stop.close()
         heartbeat.stop()  # its threads end here, not in the store's code while Python shuts down
         if code != 1:  # every rank finished or stopped at the same step: the group can be torn down
+            # the pipeline's reference cycles hold subgroups, their gloo work and its tensors: freed now,
+            # while Python is whole (freed while it shuts down, a gloo thread's release of a tensor
+            # takes the GIL, and the process aborts: "terminate called without an active exception")
+            gc.collect()
             dist.destroy_process_group()
     return code
 
