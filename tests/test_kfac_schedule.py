@@ -106,7 +106,8 @@ def test_without_bubbles_the_default_interval_keeps_the_step_within_ten_percent(
     assert report["step_time_after"] <= 1.10 * base.makespan + 1e-9
     shorter = simulate(build("1f1b", 1, 4, costs=costs, transforms=[Kfac(units=2, every=k - 1)]), costs)
     assert k == 1 or shorter.makespan / (k - 1) > 1.10 * base.makespan  # the fewest such steps
-    assert f"refresh every {k} steps (some pieces fit no bubble: spread to keep the step within 1.10x of AdamW's)" in line
+    assert (f"refresh every {k} steps (some pieces fit no bubble: spread to keep the step within 1.10x of "
+            "AdamW's)") in line
 
 
 def test_the_last_step_preconditions_after_every_inverse_and_a_missing_piece_is_named():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..errors import PipeloomError
 from ..presets import SIZES
-from ..sim.specs import FAMILY_LAYERS, ModelSpec
+from ..sim.specs import ModelSpec, decoder_spec
 from .gpt import GPTConfig
 from .llama import LlamaConfig
 
@@ -23,7 +23,5 @@ def preset_config(name: str, **overrides) -> GPTConfig | LlamaConfig:
 def model_spec(config: GPTConfig | LlamaConfig, name: str = "custom") -> ModelSpec:
     """The simulator's model of ``config`` (what a profile says it measured)."""
     family = next(f for f, kind in CONFIGS.items() if isinstance(config, kind))
-    llama = family == "llama"
-    return ModelSpec(name, config.n_layer, config.n_embd, config.n_head, config.vocab_size,
-                     tied_embeddings=config.tie_embeddings, kv_heads=config.n_kv_head if llama else None,
-                     ffn_hidden=config.ffn_hidden if llama else None, **FAMILY_LAYERS[family])
+    return decoder_spec(name, family, config.n_layer, config.n_embd, config.n_head, config.vocab_size,
+                        config.tie_embeddings, getattr(config, "n_kv_head", None), getattr(config, "ffn_hidden", None))

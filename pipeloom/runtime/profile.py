@@ -66,8 +66,8 @@ _GiB = 2**30
 def measure(config, seq: int, microbatch_sizes=(1,), *, device: str = "cpu",
             precision: str | None = None, repeats: int = 10, warmup: int = 2, threads: int = 1,
             transfer: bool = True, name: str = "custom", progress=None) -> dict:
-    """Profile the layer, embedding and output layer of ``config`` (a GPT's or a Llama's) at sequences of ``seq`` tokens and each
-    of ``microbatch_sizes`` on ``device`` ("cpu", or "cuda": the current GPU) in ``precision``
+    """Profile the layer, embedding and output layer of ``config`` (a GPT's or a Llama's) at
+    sequences of ``seq`` tokens and each of ``microbatch_sizes`` on ``device`` ("cpu", or "cuda": the current GPU) in ``precision``
     ("fp32", or "bf16" autocast; default fp32 on a CPU, bf16 on a GPU); ``transfer`` False skips the
     stage-to-stage transfer (then null); ``progress(text)``, if given, hears what is measured next.
     Returns the profile's JSON object (:mod:`pipeloom.sim.profile`)."""

@@ -43,7 +43,7 @@ def kfac_report(base: Result, result: Result) -> dict:
         })
     before, after = base.makespan / before_steps, result.makespan / after_steps
     return {
-        "every": settings["every"], "forced": settings["forced"], "spread": settings.get("spread", False),
+        "every": settings["every"], "forced": settings["forced"], "spread": settings["spread"],
         "units": settings["units"],
         "margin": settings["margin"], "overflow_pieces": sum(settings["overflow"]),
         "step_time_before": before, "step_time_after": after,

@@ -107,7 +107,8 @@ MATCHED = ("hidden", "heads", "ffn", "kv_heads", "ffn_hidden", "gated", "bias", 
 
 def model_fields(model: ModelSpec) -> dict:
     """The ``model`` object of a profile of ``model``."""
-    return {**{k: getattr(model, name) for k, name in MODEL_FIELDS.items()}, **{k: getattr(model, k) for k in LAYER_FIELDS}}
+    return {**{k: getattr(model, name) for k, name in MODEL_FIELDS.items()},
+            **{k: getattr(model, k) for k in LAYER_FIELDS}}
 
 
 @dataclass(frozen=True)

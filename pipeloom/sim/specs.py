@@ -113,10 +113,17 @@ FAMILY_LAYERS = {"gpt": {"gated": False, "bias": True, "rotary": False},
                  "llama": {"gated": True, "bias": False, "rotary": True}}
 
 
+def decoder_spec(name: str, family: str, layers: int, hidden: int, heads: int, vocab: int, tied: bool = False,
+                 kv_heads: int | None = None, ffn_hidden: int | None = None) -> ModelSpec:
+    """The simulator's model of a decoder of ``family`` (:data:`FAMILY_LAYERS`) with these sizes."""
+    return ModelSpec(name, layers, hidden, heads, vocab, tied_embeddings=tied, kv_heads=kv_heads, ffn_hidden=ffn_hidden,
+                     **FAMILY_LAYERS[family])
+
+
 def _spec(name: str, size) -> ModelSpec:
     """The simulator's model of the :class:`~pipeloom.presets.ModelSize` ``size``."""
-    return ModelSpec(name, size.layers, size.hidden, size.heads, size.vocab, tied_embeddings=size.tied,
-                     kv_heads=size.kv_heads, ffn_hidden=size.ffn_hidden, **FAMILY_LAYERS[size.family])
+    return decoder_spec(name, size.family, size.layers, size.hidden, size.heads, size.vocab, size.tied,
+                        size.kv_heads, size.ffn_hidden)
 
 
 #: Model presets by lowercase name: every size of :data:`pipeloom.presets.SIZES`.
