@@ -45,9 +45,13 @@ LAYOUTS = (
     "--pp 1 --schedule 1f1b --microbatches 4 --microbatch-size 4 --recompute cheap",
     "--pp 1 --schedule gpipe --microbatches 8 --microbatch-size 2 --offload full",
     "--pp 1 --schedule gpipe --microbatches 8 --microbatch-size 2 --offload selective --offload-ratio 0.5",
+    "--pp 1 --schedule 1f1b --microbatches 4 --microbatch-size 4 --optimizer kfac",
 )
+#: Offload where its copies outweigh the compute (issue 32's gpt-1.3b runs): (model, flags); no profile.
+OFFLOAD = tuple(("gpt-1.3b", f"--pp 1 --schedule gpipe --microbatches 8 --microbatch-size 2{extra}")
+                for extra in ("", " --offload full", " --offload selective --offload-ratio 0.5"))
 MODEL, SEQ, VOCAB, SIZES = "gpt-350m", 1024, 256, "1,2,4,8"
-QUICK = ("tiny", 64, (LAYOUTS[0], LAYOUTS[-2]), "1,4")
+QUICK = ("tiny", 64, (LAYOUTS[0], LAYOUTS[-3]), "1,4")
 
 
 def _pipeloom(*args: str, cwd: Path, timeout: int = 600) -> str:
@@ -58,13 +62,38 @@ def _pipeloom(*args: str, cwd: Path, timeout: int = 600) -> str:
     return done.stdout
 
 
-def measure(flags: str, model: str, seq: int, device: str, steps: int, work: Path) -> dict:
+def host_copy_gbps(mib: int = 512, repeats: int = 5) -> dict:
+    """Pinned host<->device copy bandwidth (GB/s): each direction alone, then both at once on two streams."""
+    import torch
+
+    host = [torch.empty(mib << 20, dtype=torch.uint8).pin_memory() for _ in range(2)]
+    device = [torch.empty(mib << 20, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+
+    def timed(copies) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for stream, (dst, src) in zip(streams, copies):
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        return (mib << 20) * len(copies) / best / 1e9
+
+    return {"mib": mib, "d2h": timed([(host[0], device[0])]), "h2d": timed([(device[0], host[0])]),
+            "both_total": timed([(host[0], device[0]), (device[1], host[1])])}
+
+
+def measure(flags: str, model: str, seq: int, device: str, steps: int, work: Path, trace: Path | None = None) -> dict:
     """One ``pipeloom train`` run of ``flags``: its peak memory (GiB) and median step time (ms) after warm-up."""
     metrics = work / "m.jsonl"
     metrics.unlink(missing_ok=True)
     began = time.perf_counter()
     _pipeloom("train", "--model", model, "--vocab", str(VOCAB), "--seq", str(seq), "--device", device,
-              "--steps", str(steps), "--metrics", str(metrics), *shlex.split(flags), cwd=work)
+              "--steps", str(steps), "--metrics", str(metrics), *shlex.split(flags),
+              *(("--trace", str(trace)) if trace else ()), cwd=work)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     reserved = [r["peak_reserved_bytes"][0] for r in rows if "peak_reserved_bytes" in r]
     return {"measured_peak_gib": max(r["peak_memory_bytes"][0] for r in rows) / 2**30,
@@ -85,7 +114,7 @@ def predict(flags: str, model: str, seq: int, profile, device: str) -> dict:
     spec = replace(get_model(model), vocab=VOCAB)
     cluster = Cluster.of("h100" if device == "cuda" else "cpu", 1)
     out = {}
-    for name, given in (("predicted", profile), ("formulas", None)):
+    for name, given in (("predicted", profile), ("formulas", None)) if profile else (("predicted", None),):
         request = PlanRequest(spec, seq, c.microbatch_size * c.microbatches, cluster, profile=given)
         plan = Costing(request).evaluate(c)
         out[f"{name}_peak_gib"] = plan.peak_memory_bytes[0] / 2**30
@@ -98,6 +127,9 @@ def main(argv=None) -> None:
     parser.add_argument("--out", help="where to write (default bench/results/gpu/<gpu>.json)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--quick", action="store_true", help="the tiny model on this CPU: checks the script")
+    parser.add_argument("--deadline", type=float, default=420,
+                        help="seconds after which no further run starts (the file holds the rows done; default 420)")
+    parser.add_argument("--traces", help="a folder for each run's measured timeline (pipeloom train --trace)")
     args = parser.parse_args(argv)
     from pipeloom.sim.profile import load_profile
 
@@ -111,30 +143,41 @@ def main(argv=None) -> None:
         name = torch.cuda.get_device_name(0)
     else:
         name = "cpu"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    slug = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
+    began = time.perf_counter()
+    head = {"gpu": name, "commit": commit.strip(), "model": model, "seq": seq, "vocab": VOCAB, "steps": args.steps,
+            **({"host_copy_gbps": host_copy_gbps()} if device == "cuda" else {})}
+    extra = () if args.quick else OFFLOAD
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        began = time.perf_counter()
         _pipeloom("profile", "--model", model, "--vocab", str(VOCAB), "--seq", str(seq), "--microbatch-sizes", sizes,
                   "--device", device, "--out", "profile.json", cwd=work)
-        profile_s = time.perf_counter() - began
+        head["profile_s"] = round(time.perf_counter() - began, 1)
         profile = load_profile(work / "profile.json")
-        rows = []
-        for flags in layouts:
-            row = {"flags": flags, "model": model, **measure(flags, model, seq, device, args.steps, work),
-                   **predict(flags, model, seq, profile, device)}
+        rows, skipped = [], []
+        where = args.out or str(RESULTS / "gpu" / f"{slug}.json")
+
+        def write() -> Path:
+            return write_results("gpu_truth", {**head, "profile": profile.to_dict(), "rows": rows,
+                                               "skipped": skipped}, where)
+
+        for run_model, flags in [(model, flags) for flags in layouts] + list(extra):
+            if time.perf_counter() - began > args.deadline:
+                skipped.append(f"{run_model} {flags}")
+                continue
+            trace = Path(args.traces) / f"{len(rows) + len(skipped):02d}.json" if args.traces else None
+            row = {"flags": flags, "model": run_model,
+                   **measure(flags, run_model, seq, device, args.steps, work, trace),
+                   **predict(flags, run_model, seq, profile if run_model == model else None, device)}
             for key in ("peak", "step"):
                 unit = "gib" if key == "peak" else "ms"
                 row[f"{key}_ratio"] = row[f"predicted_{key}_{unit}"] / row[f"measured_{key}_{unit}"]
             rows.append(row)
-            print(f"{flags}: peak {row['measured_peak_gib']:.3f} GiB (predicted x{row['peak_ratio']:.3f}), "
+            print(f"{run_model} {flags}: peak {row['measured_peak_gib']:.3f} GiB (predicted x{row['peak_ratio']:.3f}), "
                   f"step {row['measured_step_ms']:.1f} ms (predicted x{row['step_ratio']:.3f})", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    slug = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
-    out = write_results("gpu_truth", {
-        "gpu": name, "commit": commit.strip(), "model": model, "seq": seq, "vocab": VOCAB, "steps": args.steps,
-        "profile_s": round(profile_s, 1), "profile": profile.to_dict(), "rows": rows,
-    }, args.out or str(RESULTS / "gpu" / f"{slug}.json"))
-    print(f"wrote {out}")
+            write()
+    print(f"wrote {write()}")
 
 
 if __name__ == "__main__":
