@@ -11,7 +11,12 @@ an eager store. On a GPU each op is timed with CUDA events after a
 synchronize; on a CPU with the host clock, on ``threads`` threads (the
 runtime's workers run one). Each time is the median over ``repeats`` after
 ``warmup`` runs; weight gradients accumulate across repeats, as over a step's
-microbatches.
+microbatches. On a GPU a layer's times are its pace inside a stage: the host
+queues kernels ahead of the device there, so one call's latency after a
+synchronize (the host's dispatch plus the device's tail, twice the pace of a
+24-layer stage on an H100 at gpt-350m's size) is not what it costs. The layer
+runs as a chain of :data:`CHAIN` applications and as one, and the difference
+per added layer is kept.
 
 Memory is counted, not assumed: the storages that autograd's saved tensors
 (``saved_tensors_hooks``) use in F, each once, parameters excluded; under
@@ -61,6 +66,8 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 #: latency, large ones the bandwidth.
 LINK_SIZES = (4 * 2**10, 64 * 2**10, 2**20, 16 * 2**20)
 _GiB = 2**30
+#: Layer applications in the chained run whose difference from one gives a layer's pace on a GPU.
+CHAIN = 5
 
 
 def measure(config, seq: int, microbatch_sizes=(1,), *, device: str = "cpu",
@@ -138,6 +145,7 @@ class _Runner:
         self.hidden = hidden
         self.dtype = next(self.layer.parameters()).dtype  # hidden states travel in the weights' dtype
         self.timer = Timer(device)
+        self.chain = CHAIN if device.type == "cuda" else 1
 
     def autocasting(self):
         return torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None)
@@ -160,6 +168,9 @@ class _Runner:
                 gc.enable()
         median = {key: statistics.median(values) for key, values in times.items()}
         layer = {key: median[f"layer_{key}"] for key in ("f", "b", "w", "bw")}
+        if min(layer.values()) <= 0:
+            raise PipeloomError(f"profile: a layer's times at microbatch size {b} came out as {layer} ms: the noise "
+                                "is larger than the layer; raise --repeats")
         return {
             "layer": layer,
             "embedding": {key: median[f"embedding_{key}"] for key in ("f", "b")},
@@ -173,10 +184,19 @@ class _Runner:
         timed, out, ms = self.timer, {}, {}
         ms["embedding_f"] = timed(lambda: out.update(e=self._forward(self.embedding, tokens)))
         ms["embedding_b"] = timed(lambda: torch.autograd.backward(out.pop("e"), grad))
-        ms.update(self._split(lambda: self._forward(self.layer, self._leaf(x)), grad, "layer"))
-        ms["layer_bw"] = self._fused(lambda: self._forward(self.layer, self._leaf(x)), grad)
+        layer = self._layer(x, grad, 1)
+        if self.chain > 1:
+            longer = self._layer(x, grad, self.chain)
+            layer = {key: (longer[key] - once) / (self.chain - 1) for key, once in layer.items()}
+        ms.update(layer)
         ms.update(self._split(lambda: self._loss(self._leaf(x), tokens), None, "head"))
         return ms
+
+    def _layer(self, x, grad, n: int) -> dict[str, float]:
+        """F, B, W and BW of ``n`` layers in a row (ms)."""
+        times = self._split(lambda: self._forward(self.layer, self._leaf(x), n), grad, "layer")
+        times["layer_bw"] = self._fused(lambda: self._forward(self.layer, self._leaf(x), n), grad)
+        return times
 
     def _split(self, forward, grad, name: str) -> dict[str, float]:
         """F, then B (weight gradients queued), then W (the queue) of one stage."""
@@ -204,10 +224,12 @@ class _Runner:
     def _leaf(x: torch.Tensor) -> torch.Tensor:
         return x.detach().requires_grad_()
 
-    def _forward(self, stage, x):
+    def _forward(self, stage, x, n: int = 1):
+        """``stage`` applied ``n`` times in a row, as a stage runs its layers."""
         with self.autocasting():
-            y = stage(x)
-        return y.to(self.dtype)
+            for _ in range(n):
+                x = stage(x)
+        return x.to(self.dtype)
 
     def _loss(self, x, tokens, recompute: bool = False):
         """The last stage's F (``recompute``: under ``torch.utils.checkpoint``, as the runtime reruns
