@@ -115,6 +115,8 @@ def test_text_file_and_token_file(tmp_path):
     (["--data", "short.txt"], "short.txt has 9 tokens, fewer than one sequence of --seq 128 plus its target"),
     (["--optimizer", "kfac", "--report"], "--optimizer kfac cannot draw or report its measured steps yet"),
     (["--optimizer", "kfac", "--kfac-damping", "0"], "--kfac-damping must be positive"),
+    (["--optimizer", "kfac", "--kfac-every", "20", "--steps", "10"],
+     "K-FAC's refresh runs over 20 steps (one call of the schedule); use a --steps that is a multiple of 20"),
 ])
 @pytest.mark.timeout(60)
 def test_bad_arguments_stop_before_any_worker_starts(tmp_path, args, message):

@@ -119,11 +119,15 @@ def check(config: TrainConfig, spec: RunSpec) -> None:
 
 
 def check_steps(config: TrainConfig, schedule) -> None:
-    """The step counts that must be whole calls of a schedule that runs several steps per call (2bw)."""
+    """The step counts that must be whole calls of a schedule that runs several steps per call (2bw; K-FAC's
+    refresh spread over steps)."""
     per_call, name = schedule.steps, schedule.family
     if config.steps % per_call:
-        raise PipeloomError(f"{name} runs {per_call} steps per call without a flush; "
-                            f"use a --steps that is a multiple of {per_call}")
+        why = (f"K-FAC's refresh runs over {per_call} steps (one call of the schedule)"
+               if schedule.options.get("kfac", {}).get("every", 1) > 1
+               else f"{name} runs {per_call} steps per call without a flush")
+        raise PipeloomError(f"{why}; use a --steps that is a multiple of {per_call}"
+                            + (" or a smaller --kfac-every" if "K-FAC" in why else ""))
     if config.checkpoint_every and config.checkpoint_every % per_call:
         raise PipeloomError(f"{name} can save only between its calls of {per_call} steps; "
                             f"use a --checkpoint-every that is a multiple of {per_call}")
