@@ -184,6 +184,11 @@ def layer_flops(model: ModelSpec | str, seq: int, microbatch_size: int, sp: int 
 INVERSION_EFFICIENCY = 0.1
 #: K-FAC pieces per transformer layer: one per linear layer (:mod:`pipeloom.schedule.transforms.kfac`'s units).
 KFAC_UNITS_PER_LAYER = 4
+#: Copies of a layer's K-FAC factors' sizes its rank holds at the peak (:mod:`pipeloom.optim.kfac`): the
+#: factors, the inverses in use and, while a refresh runs, the new inverses before they are published (or
+#: the curvature sums before they are folded into the factors). Measured on an H100 (gpt-350m, 1f1b 4 x 4,
+#: bench/results/gpu): K-FAC's peak was 3.1 copies above AdamW's.
+KFAC_STATE_COPIES = 3
 
 
 def kfac_costs(model: ModelSpec | str, seq: int, microbatch_size: int, device: Device | str, dp: int = 1,
@@ -198,10 +203,8 @@ def kfac_costs(model: ModelSpec | str, seq: int, microbatch_size: int, device: D
     ``kfac_pre`` the preconditioning ``G⁻¹·∇W·A⁻¹`` of the layer's gradients, every step."""
     model, device = get_model(model), get_device(device)
     _positive(seq=seq, microbatch_size=microbatch_size, dp=dp, sp=sp)
-    h, f, one = model.hidden, model.mlp_width, int(model.bias)
     rows = microbatch_size * (seq // sp)
-    up = 2 * f if model.gated else f
-    shapes = [(h + one, h + 2 * model.kv_width), (h + one, h), (h + one, up), (f + one, h)]  # (d_A, d_G) of each
+    shapes = kfac_shapes(model)
     inputs = [a for a, _ in shapes]
     grads = [g for _, g in shapes]
 
@@ -215,6 +218,20 @@ def kfac_costs(model: ModelSpec | str, seq: int, microbatch_size: int, device: D
         "kfac_inv": device.ms(sum(d ** 3 for d in inputs + grads)) / INVERSION_EFFICIENCY,
         "kfac_pre": device.ms(sum(2 * (g * g * a + g * a * a) for a, g in shapes)),
     }
+
+
+def kfac_shapes(model: ModelSpec) -> list[tuple[int, int]]:
+    """(d_A, d_G) of each of one layer's :data:`KFAC_UNITS_PER_LAYER` linear layers (q/k/v, the attention's
+    output, the MLP's two; a gated MLP's gate and up projections are one; a bias adds one to d_A)."""
+    h, f, one = model.hidden, model.mlp_width, int(model.bias)
+    up = 2 * f if model.gated else f
+    return [(h + one, h + 2 * model.kv_width), (h + one, h), (h + one, up), (f + one, h)]
+
+
+def kfac_state_bytes(model: ModelSpec | str) -> float:
+    """Bytes of K-FAC state one layer keeps on its rank: :data:`KFAC_STATE_COPIES` fp32 copies of its
+    factors' sizes (d_A² + d_G² of each linear layer)."""
+    return KFAC_STATE_COPIES * 4 * sum(a * a + g * g for a, g in kfac_shapes(get_model(model)))
 
 
 def _layer_bytes(model: ModelSpec, cheap: bool) -> tuple[int, int]:

@@ -13,7 +13,7 @@ import math
 from ..modes import VocabMode
 from ..schedule.ir import parts
 from ..schedule.kinds import get, graded
-from .formulas import _attention, _attention_memory
+from .formulas import _attention, _attention_memory, kfac_state_bytes
 from .simulate import Result
 from .specs import ModelSpec, _positive, get_model
 from .stages import stage_layers, stage_parameters
@@ -70,7 +70,8 @@ def peak_memory_bytes(
     schedule's ``options["vocab_parallel"]``), ``microbatch_size``, ``sp``
     and ``attention`` must match the ones the costs used. ``cast_bytes_per_param``: the low-precision
     copy of a stage's weights that autocast keeps while one of its forwards runs (a profile's, 2 under
-    bf16; the formulas' state already counts bf16 weights), added where a forward is running."""
+    bf16; the formulas' state already counts bf16 weights), added where a forward is running. A schedule
+    with K-FAC work (``options["kfac"]``) adds its state, :func:`~.formulas.kfac_state_bytes` a layer."""
     schedule, model = result.schedule, get_model(model)
     mode = VocabMode.of(vocab_parallel or schedule.options.get("vocab_parallel") or "none")
     split = stage_layers(model, schedule.stages, seq, layers_per_stage, mode)
@@ -80,10 +81,12 @@ def peak_memory_bytes(
     transient = _attention_memory(model, seq, microbatch_size, sp, _attention(attention, sp))[1]
     rerun = result.costs.m_rerun
     held, grad = state_bytes_per_param(bytes_per_param, schedule.weight_versions)
+    kfac = kfac_state_bytes(model) if schedule.options.get("kfac") else 0.0
     peaks = []
     for rank in range(schedule.pp):
         stages = schedule.stages_of(rank)
         state = (held + grad) * shard + held * sum(params[s] for s in stages)  # a shard's gradient from the start
+        state += kfac * sum(split[s] for s in stages)
         peaks.append(state + _with_gradients(result, rank, {s: grad * params[s] for s in stages},
                                              {s: cast_bytes_per_param * params[s] for s in stages})
                      + max(rerun[s] for s in stages) + (transient if any(split[s] for s in stages) else 0))
