@@ -200,16 +200,17 @@ def test_policy_errors_and_torch_csv():
         to_torch_csv(build("1f1b", 2, 4, transforms=[Offload("full")]))
 
 
-def test_renderers_draw_the_copy_stream():
+def test_renderers_draw_the_copy_streams():
     schedule = build("1f1b", 2, 4, transforms=[Offload("full")], costs=COSTS)
     result = simulate(schedule, COSTS)
     lines = text_grid(result).splitlines()
-    assert lines[1].startswith("r0 copy") and "o" in lines[1] and "r" in lines[1]
+    assert lines[1].startswith("r0 d2h") and "o" in lines[1] and "r" not in lines[1].split()[2]
+    assert lines[2].startswith("r0 h2d") and "r" in lines[2].split()[2] and "o" not in lines[2].split()[2]
     assert "o offload" in lines[-1] and "r reload" in lines[-1]
     trace = chrome_trace(result)["traceEvents"]
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace if e.get("name") == "thread_name"}
     copies = [e for e in trace if e.get("cat") in (OFFLOAD, RELOAD)]
-    assert copies and all(threads[e["pid"], e["tid"]] == "copy" for e in copies)
+    assert copies and all(threads[e["pid"], e["tid"]] == ("d2h" if e["cat"] == OFFLOAD else "h2d") for e in copies)
     assert any(e.get("name") == "host memory" for e in trace)
 
 
@@ -292,7 +293,7 @@ def test_cli(capsys, tmp_path):
     assert main(["simulate", "--pp", "4", "--microbatches", "8", "--offload", "selective", "--offload-ratio", "0.5",
                  "--costs", "offload=0.2", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
-    assert "offload selective 0.5:" in out and "r0 copy" in out and plot.stat().st_size > 0
+    assert "offload selective 0.5:" in out and "r0 d2h" in out and "r0 h2d" in out and plot.stat().st_size > 0
     assert main(["simulate", "--compare", "1f1b,v-half", "--pp", "4", "--microbatches", "8", "--costs", "offload=0.3",
                  "--offload", "full"]) == 0
     table = capsys.readouterr().out.splitlines()

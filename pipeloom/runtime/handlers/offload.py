@@ -18,15 +18,17 @@ holds it as the root of the backward). RELOAD copies the ranges back into
 new device tensors, and the unpack hook (in B or BW) hands out each saved
 tensor again, a view rebuilt with ``as_strided``.
 
-On CUDA the host buffers are pinned and every copy runs on one side stream,
-in the schedule's order: an offload waits for an event recorded after F, a
-reload for one recorded where the list reaches it (after the compute before
-it: the simulator's copy starts no earlier, and the placement counts on it); a
-device tensor dropped after its offload is kept from reuse until the copy is
-done (``record_stream``); a reload's tensors are allocated on the side stream
-and marked used by the compute stream, which waits for the reload's event
-before the backward reads them. A host buffer goes back to the pool as its
-reload is issued: the next copy into it is queued later on the same stream.
+On CUDA the host buffers are pinned and the copies run on two side streams,
+offloads on one and reloads on the other (the host link carries both
+directions at once), each in the schedule's order: an offload waits for an
+event recorded after F, a reload for one recorded where the list reaches it
+(after the compute before it: the simulator's copy starts no earlier, and the
+placement counts on it); a device tensor dropped after its offload is kept
+from reuse until the copy is done (``record_stream``); a reload's tensors are
+allocated on its stream and marked used by the compute stream, which waits
+for the reload's event before the backward reads them. A host buffer goes
+back to the pool as its reload is issued, with the reload's event: the
+offload that takes it next waits for that copy before writing into it.
 On the CPU the same path copies synchronously into a separate pool, so tests
 run it.
 
@@ -82,16 +84,21 @@ class OffloadStats:
 
 
 class HostPool:
-    """Host buffers by (dtype, elements), reused across steps; pinned for copies from a GPU."""
+    """Host buffers by (dtype, elements), reused across steps; pinned for copies from a GPU. A buffer
+    given back while a copy still reads it (a reload's, on the other stream) carries that copy's
+    event: the stream that takes it next waits for it before writing."""
 
     def __init__(self, pinned: bool, stats: OffloadStats):
         self.pinned, self.stats = pinned, stats
-        self.free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self.free: dict[tuple[torch.dtype, int], list[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
 
     def take(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A buffer, safe to write from the current stream on."""
         stats, free = self.stats, self.free.get((dtype, numel))
         if free:
-            buffer = free.pop()
+            buffer, read = free.pop()
+            if read is not None:
+                torch.cuda.current_stream().wait_event(read)
         else:
             buffer = torch.empty(numel, dtype=dtype, pin_memory=self.pinned)
             stats.host_allocations += 1
@@ -100,9 +107,10 @@ class HostPool:
         stats.host_peak = max(stats.host_peak, stats.host)
         return buffer
 
-    def give(self, buffer: torch.Tensor) -> None:
+    def give(self, buffer: torch.Tensor, read: torch.cuda.Event | None = None) -> None:
+        """``buffer`` back, ``read`` the event of the last copy that reads it (None: nothing does)."""
         self.stats.host -= _nbytes(buffer)
-        self.free.setdefault((buffer.dtype, buffer.numel()), []).append(buffer)
+        self.free.setdefault((buffer.dtype, buffer.numel()), []).append((buffer, read))
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -218,7 +226,9 @@ class Offloader:
         rank = context.schedule.ranks[context.mesh.pp_rank]
         self.offloaded = frozenset((a.stage, a.microbatch) for a in rank if a.kind == RELOAD)
         self.cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        #: one copy stream per direction (device to host, host to device): the host link carries both at once
+        self.out = torch.cuda.Stream(self.device) if self.cuda else None
+        self.back = torch.cuda.Stream(self.device) if self.cuda else None
         self.stats = OffloadStats()
         self.pool = HostPool(self.cuda, self.stats)
         self.captures: dict[tuple[int, int], _Capture] = {}
@@ -289,13 +299,13 @@ class Offloader:
         if self.cuda and moving:
             ready = torch.cuda.Event()
             ready.record()  # after F, on the compute stream
-            self.stream.wait_event(ready)
-        with self._on_copy_stream():
+            self.out.wait_event(ready)
+        with self._on(self.out):
             for where in moving:
                 where.host = self.pool.take(where.tensor.dtype, where.tensor.numel())
                 where.host.copy_(where.tensor, non_blocking=self.cuda)
                 if self.cuda:
-                    where.tensor.record_stream(self.stream)
+                    where.tensor.record_stream(self.out)
                 self.stats.offloaded += _nbytes(where.host)
                 where.tensor = None
 
@@ -307,27 +317,28 @@ class Offloader:
         if self.cuda and back:  # no earlier than the compute before it in the list ends, as the simulator times it
             issued = torch.cuda.Event()
             issued.record(compute)
-            self.stream.wait_event(issued)
-        with self._on_copy_stream():
+            self.back.wait_event(issued)
+        with self._on(self.back):
             for where in back:
                 where.tensor = torch.empty_like(where.host, device=self.device)
                 where.tensor.copy_(where.host, non_blocking=self.cuda)
                 self.hold(where.tensor.untyped_storage())
                 if self.cuda:
                     where.tensor.record_stream(compute)  # read and freed there
-                self.pool.give(where.host)
-                where.host = None
+        done = None
         if self.cuda and back:
             done = torch.cuda.Event()
-            done.record(self.stream)
-            for where in back:
-                where.ready = done
+            done.record(self.back)
+        for where in back:
+            where.ready = done
+            self.pool.give(where.host, done)
+            where.host = None
         if capture.leaf is not None:  # the stage input's data again, a view of its reloaded range: nothing
             # reads it before the backward, whose unpack waits for the copy (so this action does not)
             self.context.step.slots[action.stage, action.microbatch].input.data = capture.leaf.view()
 
-    def _on_copy_stream(self):
-        return torch.cuda.stream(self.stream) if self.cuda else nullcontext()
+    def _on(self, stream):
+        return torch.cuda.stream(stream) if self.cuda else nullcontext()
 
 
 def offloader_of(context) -> Offloader:

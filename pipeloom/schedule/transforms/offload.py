@@ -56,8 +56,8 @@ from . import insert, refuse_compound
 OFFLOAD = "OFFLOAD"
 #: Copy them back to the device (before its backward).
 RELOAD = "RELOAD"
-#: The side stream both run on.
-COPY_STREAM = "copy"
+#: The side streams they run on, one per direction of the host link (which carries both at once).
+OUT_STREAM, BACK_STREAM = "d2h", "h2d"
 POLICIES = ("none", "full", "selective")
 _NOISE = 1e-9  # relative: memory levels that differ by less are equal
 
@@ -147,9 +147,10 @@ class _Pairs:
     def copy(self, pair) -> float:
         return self.costs.offload[pair[0]]
 
-    def stream(self) -> _Stream:
-        """An empty copy stream, its times equal within float noise of the schedule's span."""
-        return _Stream(_slack(max((max(ends, default=0.0) for ends in self.ends), default=0.0)))
+    def stream(self) -> _Link:
+        """An empty pair of copy streams, times equal within float noise of the schedule's span."""
+        slack = _slack(max((max(ends, default=0.0) for ends in self.ends), default=0.0))
+        return _Link(_Stream(slack), _Stream(slack))
 
     def gap(self, pair) -> tuple[float, float]:
         """End of the pair's F and start of its backward."""
@@ -202,14 +203,14 @@ class _Pairs:
             chosen.update(picked)
         return chosen, short
 
-    def _fit(self, pair, stream: _Stream):
+    def _fit(self, pair, stream: _Link):
         """Where ``pair``'s copies go on ``stream``: the OFFLOAD as early as its F's end allows, the
         RELOAD as late as its backward allows; (OFFLOAD's start, RELOAD's start, the action RELOAD
         follows), or None where they do not fit with the pair off the device for a while."""
         rank, f, b = self.where[pair]
         copy, (end, start) = self.copy(pair), self.gap(pair)
-        leave = stream.earliest(end, copy)
-        back = stream.latest(leave + copy, start, copy)
+        leave = stream.out.earliest(end, copy)
+        back = stream.back.latest(leave + copy, start, copy)
         if back is None:
             return None
         after = self.issued_after(rank, back, f + 1)
@@ -241,7 +242,7 @@ class _Sweep:
         self.peak = max(self.base, default=0.0)
         self.candidates = sorted(candidates, key=lambda p: (pairs.gap(p)[0], p[1], p[0]))  # by their F's end
 
-    def cover(self, target: float, stream: _Stream | None = None) -> dict | None:
+    def cover(self, target: float, stream: _Link | None = None) -> dict | None:
         """Pairs and their places that keep every instant at or below ``target``, or None."""
         pairs, grid, gaps = self.pairs, self.grid, self.pairs.gaps
         stream, chosen = stream or self.pairs.stream(), {}
@@ -333,10 +334,21 @@ class _Stream:
             t = start - length
         return t if t >= first - slack else None
 
+    def take(self, start: float, length: float) -> None:
+        """Hold the stream from ``start`` for ``length``."""
+        bisect.insort(self.busy, (start, start + length))
+
+
+class _Link:
+    """One rank's two copy streams: ``out`` (the OFFLOADs) and ``back`` (the RELOADs)."""
+
+    def __init__(self, out: _Stream, back: _Stream):
+        self.out, self.back = out, back
+
     def take(self, length: float, placed) -> None:
-        """Hold the stream for a pair's two copies of ``length``, ``placed`` as :meth:`_Pairs._fit` says."""
-        for start in placed[:2]:
-            bisect.insort(self.busy, (start, start + length))
+        """Hold both for a pair's copies of ``length``, ``placed`` as :meth:`_Pairs._fit` says."""
+        self.out.take(placed[0], length)
+        self.back.take(placed[1], length)
 
 
 def _slack(t: float) -> float:
@@ -537,8 +549,8 @@ def check_copies(schedule: Schedule) -> None:
 
 
 register(Kind(OFFLOAD, "offload", needs=_offload_needs, memory=((-1.0, "m_b"),), host=((1.0, "m_b"),),
-              cost=("offload",), colour="#8172b3", letter="o", torch_csv=None, stream=COPY_STREAM,
+              cost=("offload",), colour="#8172b3", letter="o", torch_csv=None, stream=OUT_STREAM,
               check=check_copies))
 register(Kind(RELOAD, "reload", needs=_reload_needs, memory=((1.0, "m_b"),), host=((-1.0, "m_b"),),
-              cost=("offload",), colour="#da8bc3", letter="r", torch_csv=None, stream=COPY_STREAM,
+              cost=("offload",), colour="#da8bc3", letter="r", torch_csv=None, stream=BACK_STREAM,
               check=check_copies))

@@ -85,7 +85,7 @@ def _derive(schedule: Schedule, base: Schedule):
     copied = {}  # pair -> slot of its OFFLOAD
     order, inputs_of, keys_of, sides = [], [], [], []
     clock = [zero] * len(lists)
-    stream = [zero] * len(lists)
+    stream = [{OFFLOAD: zero, RELOAD: zero} for _ in lists]  # the last copy on each of a rank's streams
     get = new_of.__getitem__
     flat_new = [a for actions in lists for a in actions]
     backward = (B, BW)
@@ -99,10 +99,10 @@ def _derive(schedule: Schedule, base: Schedule):
             if q is None:
                 return False
             order.append(slot)
-            inputs_of.append((clock[r], stream[r], q))
+            inputs_of.append((clock[r], stream[r][a.kind], q))
             keys_of.append(copy_keys[a.kind, a.stage, a.payload])
             sides.append(None)
-            stream[r] = slot
+            stream[r][a.kind] = slot
             (copied if a.kind == OFFLOAD else reloads)[pair] = slot
         return True
 
