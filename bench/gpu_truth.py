@@ -1,18 +1,21 @@
 """What one GPU measures beside what the planner predicts, in one call: the GPU truth the CPU tests keep.
 
-    PYTHONPATH=. python bench/gpu_truth.py [--out bench/results/gpu/NAME.json] [--steps 6] [--quick]
+    PYTHONPATH=. python bench/gpu_truth.py [--out bench/results/gpu/NAME.json] [--steps 10] [--deadline 420]
+                                           [--traces DIR] [--quick]
 
-On the current GPU: ``pipeloom profile --device cuda`` of gpt-350m at seq 1024 (vocabulary 256, the
-built-in corpus's bytes, as ``pipeloom train --vocab 256`` builds it; microbatch sizes 1 to 8), then
-``pipeloom train --device cuda --pp 1`` of each layout in :data:`LAYOUTS` for ``--steps`` steps with
-``--metrics``: the peak memory (``torch.cuda.max_memory_allocated``, and ``max_memory_reserved``) and the
-median step time after
-the first two steps. Beside each run, the planner's prediction for it
-(:class:`~pipeloom.plan.Costing`: peak per rank and step time) from the new profile, and the peak from
-the formulas (no profile). Writes ``bench/results/gpu/<gpu>.json`` (with the profile, the commit and
-the machine), which ``tests/test_gpu_truth.py`` checks the simulator against on every CPU run. Estimated at
-5 minutes on an H100 or H200 (not yet run on one). ``--quick`` runs the same on this CPU with the tiny model at seq 64 and
-two layouts, to check the script (CPU memory is the process's resident set: not comparable).
+On the current GPU: the pinned host<->device copy bandwidth (each way alone and both at once), then
+``pipeloom profile --device cuda`` of gpt-350m at seq 1024 (vocabulary 256, the built-in corpus's bytes,
+as ``pipeloom train --vocab 256`` builds it; microbatch sizes 1 to 8), then ``pipeloom train --device cuda
+--pp 1 --profile <it>`` of each layout in :data:`LAYOUTS` and :data:`LATER` for ``--steps`` steps with
+``--metrics``: the peak memory (``torch.cuda.max_memory_allocated``, and ``max_memory_reserved``), the
+median step time over the second half of the steps and the mean after the first. Beside each run, the
+planner's prediction for it (:class:`~pipeloom.plan.Costing`: peak per rank and step time) from the new
+profile, and from the formulas (no profile). No run starts after ``--deadline`` seconds (they are listed
+as skipped); the file is rewritten after each run, so a killed call keeps what it measured. Writes
+``bench/results/gpu/<gpu>.json`` (with the profile, the commit and the machine), which
+``tests/test_gpu_truth.py`` checks the simulator against on every CPU run: about 6 minutes on an H100.
+``--quick`` runs the same on this CPU with the tiny model at seq 64 and two layouts, to check the script
+(CPU memory is the process's resident set: not comparable).
 """
 
 from __future__ import annotations
@@ -40,18 +43,19 @@ LAYOUTS = (
     "--pp 1 --schedule 1f1b --microbatches 8 --microbatch-size 1",
     "--pp 1 --schedule gpipe --microbatches 2 --microbatch-size 8",
     "--pp 1 --schedule zb-h1 --microbatches 4 --microbatch-size 4",
-    "--pp 1 --schedule 2bw --microbatches 4 --microbatch-size 4",
     "--pp 1 --schedule 1f1b --microbatches 4 --microbatch-size 4 --recompute full",
     "--pp 1 --schedule 1f1b --microbatches 4 --microbatch-size 4 --recompute cheap",
+    "--pp 1 --schedule 2bw --microbatches 4 --microbatch-size 4 --steps 12",
     "--pp 1 --schedule gpipe --microbatches 8 --microbatch-size 2 --offload full",
     "--pp 1 --schedule gpipe --microbatches 8 --microbatch-size 2 --offload selective --offload-ratio 0.5",
-    "--pp 1 --schedule 1f1b --microbatches 4 --microbatch-size 4 --optimizer kfac",
 )
-#: Offload where its copies outweigh the compute (issue 32's gpt-1.3b runs): (model, flags); no profile.
-OFFLOAD = tuple(("gpt-1.3b", f"--pp 1 --schedule gpipe --microbatches 8 --microbatch-size 2{extra}")
-                for extra in ("", " --offload full", " --offload selective --offload-ratio 0.5"))
+#: K-FAC's default refresh against AdamW (the step's mean over whole refreshes), then offload where its
+#: copies outweigh the compute (issue 32's gpt-1.3b runs): (model, flags), after the layouts.
+LATER = (("gpt-350m", "--pp 1 --schedule 1f1b --microbatches 4 --microbatch-size 4 --optimizer kfac --steps 100"),
+         *(("gpt-1.3b", f"--pp 1 --schedule gpipe --microbatches 8 --microbatch-size 2{extra}")
+           for extra in ("", " --offload full", " --offload selective --offload-ratio 0.5")))
 MODEL, SEQ, VOCAB, SIZES = "gpt-350m", 1024, 256, "1,2,4,8"
-QUICK = ("tiny", 64, (LAYOUTS[0], LAYOUTS[-3]), "1,4")
+QUICK = ("tiny", 64, (LAYOUTS[0], LAYOUTS[-2]), "1,4")
 
 
 def _pipeloom(*args: str, cwd: Path, timeout: int = 600) -> str:
@@ -86,19 +90,23 @@ def host_copy_gbps(mib: int = 512, repeats: int = 5) -> dict:
             "both_total": timed([(host[0], device[0]), (device[1], host[1])])}
 
 
-def measure(flags: str, model: str, seq: int, device: str, steps: int, work: Path, trace: Path | None = None) -> dict:
-    """One ``pipeloom train`` run of ``flags``: its peak memory (GiB) and median step time (ms) after warm-up."""
+def measure(flags: str, model: str, seq: int, device: str, steps: int, work: Path, trace: Path | None = None,
+            profile: Path | None = None) -> dict:
+    """One ``pipeloom train`` run of ``flags`` (with ``profile``'s costs): its peak memory (GiB), the median
+    step time (ms) over its second half and the mean after the first step (over K-FAC's refresh)."""
     metrics = work / "m.jsonl"
     metrics.unlink(missing_ok=True)
     began = time.perf_counter()
     _pipeloom("train", "--model", model, "--vocab", str(VOCAB), "--seq", str(seq), "--device", device,
               "--steps", str(steps), "--metrics", str(metrics), *shlex.split(flags),
-              *(("--trace", str(trace)) if trace else ()), cwd=work)
+              *(("--trace", str(trace)) if trace and "kfac" not in flags else ()),
+              *(("--profile", str(profile)) if profile else ()), cwd=work)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     reserved = [r["peak_reserved_bytes"][0] for r in rows if "peak_reserved_bytes" in r]
     return {"measured_peak_gib": max(r["peak_memory_bytes"][0] for r in rows) / 2**30,
             **({"measured_reserved_gib": max(reserved) / 2**30} if reserved else {}),
-            "measured_step_ms": 1e3 * statistics.median(r["step_time"] for r in rows[2:] or rows),
+            "measured_step_ms": 1e3 * statistics.median(r["step_time"] for r in rows[len(rows) // 2:]),
+            "measured_mean_step_ms": 1e3 * statistics.mean(r["step_time"] for r in rows[1:] or rows),
             "wall_s": round(time.perf_counter() - began, 1)}
 
 
@@ -125,7 +133,7 @@ def predict(flags: str, model: str, seq: int, profile, device: str) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="where to write (default bench/results/gpu/<gpu>.json)")
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="the tiny model on this CPU: checks the script")
     parser.add_argument("--deadline", type=float, default=420,
                         help="seconds after which no further run starts (the file holds the rows done; default 420)")
@@ -148,7 +156,7 @@ def main(argv=None) -> None:
     began = time.perf_counter()
     head = {"gpu": name, "commit": commit.strip(), "model": model, "seq": seq, "vocab": VOCAB, "steps": args.steps,
             **({"host_copy_gbps": host_copy_gbps()} if device == "cuda" else {})}
-    extra = () if args.quick else OFFLOAD
+    extra = () if args.quick else LATER
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         _pipeloom("profile", "--model", model, "--vocab", str(VOCAB), "--seq", str(seq), "--microbatch-sizes", sizes,
@@ -168,7 +176,8 @@ def main(argv=None) -> None:
                 continue
             trace = Path(args.traces) / f"{len(rows) + len(skipped):02d}.json" if args.traces else None
             row = {"flags": flags, "model": run_model,
-                   **measure(flags, run_model, seq, device, args.steps, work, trace),
+                   **measure(flags, run_model, seq, device, args.steps, work, trace,
+                             work / "profile.json" if run_model == model else None),
                    **predict(flags, run_model, seq, profile if run_model == model else None, device)}
             for key in ("peak", "step"):
                 unit = "gib" if key == "peak" else "ms"
