@@ -83,11 +83,12 @@ def offload_time_ratio(
     model: ModelSpec | str, seq: int, microbatch_size: int, device: Device | str, sp: int = 1,
     attention: str | None = None, recompute: bool | str = False,
 ) -> float:
-    """PipeOffload's k = T_offload / T_compute of one transformer layer: the copy
-    stream's time to move the activations the layer keeps (``m_b``) to the
-    host and back, over the layer's F, B and W time, under the costs of
-    :func:`costs_from_model` (same ``sp``, ``attention``, ``recompute``). With
-    k <= 1 the copy stream keeps up with full offload. "PipeOffload: Improving
+    """PipeOffload's k = T_offload / T_compute of one transformer layer: the time
+    to move the activations the layer keeps (``m_b``) to the host and back,
+    over the layer's F, B and W time, under the costs of
+    :func:`costs_from_model` (same ``sp``, ``attention``, ``recompute``). The
+    paper's k counts both ways on one link; with a copy stream per direction
+    each carries k/2, so with k <= 2 both keep up with full offload. "PipeOffload: Improving
     Scalability of Pipeline Parallelism with Memory Optimization" estimates
     k = 10 / (3(6h + s)) x FLOP/s / host bytes/s, counting 20bsh bytes a
     layer (cheap operations recomputed) where this model counts 34bsh."""

@@ -54,8 +54,8 @@ preconditioning of the layer's gradients (``pre``); null or absent in older
 profiles: the formulas then. ``link``: a stage-to-stage transfer, ``latency_ms + bytes
 / bandwidth``, fitted to timed sends between two processes; null (with
 ``reason``) where it could not be measured, and then the device preset's
-link is used. ``host_bandwidth``: pinned host<->device copies (offload);
-null on a CPU.
+link is used. ``host_bandwidth``: pinned host<->device copies (offload), bytes/s
+each way while both ways copy at once; null on a CPU.
 
 :meth:`Profile.costs` (one layer and the ends) and :meth:`Profile.stages`
 (per stage) give what :func:`~pipeloom.sim.model.costs_from_model` uses in

@@ -82,9 +82,9 @@ class Offload(Technique):
         offload = report["offload"]
         policy = offload["policy"] + (f" {offload['ratio']:g}" if offload["ratio"] is not None else "")
         bytes_ = "k" in offload
+        pace = "each way keeps up" if bytes_ and offload["k"] <= 2 else "copies outlast compute"
         lines = [f"offload {policy}:" + (f" k = T_offload / T_compute per layer = {offload['k']:.3g} "
-                                         f"({'the copy stream keeps up' if offload['k'] <= 1 else 'copies outlast compute'})"
-                                         if bytes_ else ""),
+                                         f"({pace}: out and back on a stream each)" if bytes_ else ""),
                  f"{'rank':>4} {'offloaded/step':>15} {'peak host':>12} {'exposed':>10}"]
         if "cut" in offload:
             lines.insert(1, _cut_line(offload))
@@ -160,7 +160,7 @@ def _cut_line(offload: dict) -> str:
     cut = f"the copies cut the worst rank's activation peak by {offload['cut']:.0%}"
     if _short(offload):
         return (f"selective {offload['ratio']:g}: {cut}, not {offload['ratio']:.0%}: more copies would delay "
-                "compute (the copy stream is full where the peak is)")
+                "compute (the copy streams are full where the peak is)")
     return cut + (" without delaying compute" if offload["policy"] == "full" else "")
 
 

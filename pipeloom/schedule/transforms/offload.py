@@ -3,21 +3,21 @@
 "PipeOffload: Improving Scalability of Pipeline Parallelism with Memory
 Optimization" (Wan et al. 2025). After the forward of a (stage, microbatch)
 pair, ``OFFLOAD`` copies the activations it saved to host memory; ``RELOAD``
-copies them back before its backward. Both run on one side stream per rank,
-the copy stream (:attr:`~..kinds.Kind.stream`), in list order, so copies
-overlap compute and offloads and reloads take turns on one host link. Their
-time is the cost field ``offload`` (one pair's ``m_b`` over the host link);
-activation memory falls by ``m_b`` when an OFFLOAD ends and rises when a
-RELOAD starts; host memory holds it from the OFFLOAD's start to the RELOAD's
-end.
+copies them back before its backward. They run on two side streams per rank
+(:attr:`~..kinds.Kind.stream`), the OFFLOADs on ``d2h`` and the RELOADs on
+``h2d``, each in list order, so copies overlap compute and the host link
+carries both directions at once. Their time is the cost field ``offload``
+(one pair's ``m_b`` over the host link); activation memory falls by ``m_b``
+when an OFFLOAD ends and rises when a RELOAD starts; host memory holds it
+from the OFFLOAD's start to the RELOAD's end.
 
-No copy delays compute: each rank's copy stream is planned as a timetable,
-and a pair is copied only where its OFFLOAD fits after its F's end and its
-RELOAD (as late as it can) ends by its backward's start, with an action
-between them (:meth:`_Pairs._fit`). A copy goes in the list after the last
-compute action that ends by its planned start, the copies in the order of
-their starts, so the stream, which runs them in list order, starts none
-later than planned.
+No copy delays compute: each rank's copy streams are planned as timetables
+(:class:`_Link`), and a pair is copied only where its OFFLOAD fits ``d2h``
+after its F's end and its RELOAD (as late as it can) fits ``h2d`` to end by
+its backward's start, with an action between them (:meth:`_Pairs._fit`). A
+copy goes in the list after the last compute action that ends by its
+planned start, the copies in the order of their starts, so each stream,
+which runs its copies in list order, starts none later than planned.
 
 Policies (:class:`Offload`), per rank:
 
@@ -26,7 +26,7 @@ Policies (:class:`Offload`), per rank:
   flight that fits and stays off the device the furthest ahead
   (:meth:`_Sweep.cover`).
 - ``full``: the lowest peak that sweep reaches, then every other pair that
-  still fits (:meth:`_Sweep.lowest`); also for selective where the stream
+  still fits (:meth:`_Sweep.lowest`); also for selective where the streams
   cannot reach (1 - r). Where it stops short, the eager placement (each
   OFFLOAD right after its F, the stream left to order the copies,
   :func:`_eager`) is tried too, and the rank keeps the lower simulated peak.
@@ -121,7 +121,7 @@ class Offload:
 
 class _Pairs:
     """The (stage, microbatch) pairs of a schedule on its timeline without offload: which to copy
-    and where their copies fit each rank's copy stream (:meth:`choose`)."""
+    and where their copies fit each rank's copy streams (:meth:`choose`)."""
 
     def __init__(self, schedule: Schedule, costs: StageCosts):
         self.schedule, self.costs = schedule, costs
@@ -185,11 +185,11 @@ class _Pairs:
 
     def choose(self, ratio: float | None) -> tuple[dict, set]:
         """The pairs to copy and their copies' places, pair -> (OFFLOAD's start, RELOAD's start, the
-        compute action RELOAD follows) on the rank's copy stream, each copy in a free interval of it
-        so that no backward waits for its RELOAD. ``ratio`` None (full): on each rank the lowest
-        peak the stream reaches, then every other pair that still fits (:meth:`_Sweep.lowest`).
-        Else the pairs that bring each rank's peak to (1 - ratio) of its value
-        (:meth:`_Sweep.cover`), or, where the stream cannot, full's. And the ranks that took full's."""
+        compute action RELOAD follows) on the rank's copy streams, each copy in a free interval of its
+        stream so that no backward waits for its RELOAD. ``ratio`` None (full): on each rank the
+        lowest peak the streams reach, then every other pair that still fits (:meth:`_Sweep.lowest`).
+        Else the pairs that bring each rank's peak to (1 - ratio) of its value (:meth:`_Sweep.cover`),
+        or, where the streams cannot, full's. And the ranks that took full's."""
         chosen, short = {}, set()
         by_rank: dict[int, list] = {}
         for pair in self.eligible():
