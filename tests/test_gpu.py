@@ -1,6 +1,7 @@
 """What only a CUDA device can show: the B/W split with autograd's device thread,
-a one-rank NCCL pipeline against the one-process model, event-timed actions and
-the vocabulary head in bf16. Skipped where torch sees no GPU (CI never has one).
+a one-rank NCCL pipeline against the one-process model (also with offload's two
+copy streams), event-timed actions and the vocabulary head in bf16. Skipped where
+torch sees no GPU (CI never has one).
 """
 
 import os
@@ -86,6 +87,30 @@ def test_pipeline_on_one_gpu_matches_the_model(family, fp32_matmuls, nccl_world_
         loss = pipe.step(tokens, targets)
     assert abs(loss - ref_loss) / abs(ref_loss) < 1e-5
     assert max_rel_error(pipe.gather_grads(), {n: g.cpu() for n, g in ref_grads.items()}) < 1e-4
+
+
+@pytest.mark.parametrize("policy", [("full", None), ("selective", 0.5)])
+def test_offload_on_one_gpu_matches_the_model_step_after_step(policy, fp32_matmuls, nccl_world_of_one):
+    """Offloads on one stream, reloads on another: the second step's offloads write into host buffers
+    the first step's reloads read, and must wait for them; every step's loss and gradients are the
+    model's."""
+    import pipeloom
+    from pipeloom.nn import GPT, GPTConfig
+    from pipeloom.schedule import Costs
+
+    config = GPTConfig.preset("tiny")
+    tokens, targets = make_batch(config, 8, 64)
+    ref_loss, ref_grads = _reference(config, tokens, targets)
+    torch.manual_seed(0)
+    costs = Costs(f=1, b=2, w=1, m_b=1, extra={"offload": 0.3})  # every pair's copies fit its gap
+    pipe = pipeloom.Pipeline(GPT(config), "gpipe", pp=1, microbatches=8, offload=policy[0], offload_ratio=policy[1],
+                             costs=costs)
+    for _ in range(3):
+        pipe.zero_grad()
+        loss = pipe.step(tokens, targets)
+        assert abs(loss - ref_loss) / abs(ref_loss) < 1e-5
+        assert max_rel_error(pipe.gather_grads(), {n: g.cpu() for n, g in ref_grads.items()}) < 1e-4
+    assert pipe.offload_stats()["offloaded"] > 0
 
 
 def test_bf16_pipeline_and_event_timeline(nccl_world_of_one):
