@@ -138,6 +138,8 @@ def main(argv=None) -> None:
     parser.add_argument("--deadline", type=float, default=420,
                         help="seconds after which no further run starts (the file holds the rows done; default 420)")
     parser.add_argument("--traces", help="a folder for each run's measured timeline (pipeloom train --trace)")
+    parser.add_argument("--commit", help="the commit measured (default: git's HEAD here; a lent GPU machine's copy "
+                                         "of the tree can hold a stale one)")
     args = parser.parse_args(argv)
     from pipeloom.sim.profile import load_profile
 
@@ -151,7 +153,8 @@ def main(argv=None) -> None:
         name = torch.cuda.get_device_name(0)
     else:
         name = "cpu"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                           text=True).stdout
     slug = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
     began = time.perf_counter()
     head = {"gpu": name, "commit": commit.strip(), "model": model, "seq": seq, "vocab": VOCAB, "steps": args.steps,
