@@ -93,8 +93,12 @@ class Kfac(Technique):
             forced = "forced"
         elif kfac["spread"] and kfac["makespan_change"] <= OVERHEAD + 1e-9:
             forced = f"some pieces fit no bubble: spread to keep the step within {1 + OVERHEAD:.2f}x of AdamW's"
+        elif kfac["spread"] and kfac["every"] < MAX_SPREAD:
+            forced = (f"some pieces fit no bubble, and the preconditioning every step alone is beyond "
+                      f"{1 + OVERHEAD:.2f}x of AdamW's: spread to add at most {OVERHEAD:.0%} more")
         elif kfac["spread"]:
-            forced = f"some pieces fit no bubble: spread over the most steps, {MAX_SPREAD}"
+            forced = (f"some pieces fit no bubble; spread over the most steps, {MAX_SPREAD}, the step is still "
+                      f"beyond {1 + OVERHEAD:.2f}x of AdamW's")
         else:
             forced = "the steps its pieces need"
         lines = [f"K-FAC: refresh every {kfac['every']} steps ({forced}); step {kfac['step_time_before']:.4g} -> "

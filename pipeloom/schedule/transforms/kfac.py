@@ -126,9 +126,14 @@ class Kfac:
 def _spread(schedule: Schedule, costs: StageCosts, period: float, placed: list) -> int:
     """The fewest steps over which the pieces that fit no bubble (they run at the end of the
     cycle) keep the mean step within :data:`OVERHEAD` of ``schedule``'s without K-FAC, whose
-    steps take ``period`` with the preconditioning; :data:`MAX_SPREAD` where none can."""
+    steps take ``period`` with the preconditioning; where the preconditioning alone takes more
+    than that, the fewest over which those pieces add at most :data:`OVERHEAD` to it; at most
+    :data:`MAX_SPREAD`."""
     ends = asap(schedule, costs.duration, costs.transfer)[1]
-    room = (1 + OVERHEAD) * max((max(e) for e in ends if e), default=0.0) - period
+    bare = max((max(e) for e in ends if e), default=0.0)
+    room = (1 + OVERHEAD) * bare - period
+    if room <= 0:
+        room = OVERHEAD * bare
     left = max(sum(piece.time for piece in rank.left) for rank in placed)
     return MAX_SPREAD if room <= 0 else min(MAX_SPREAD, max(1, math.ceil(left / room)))
 
