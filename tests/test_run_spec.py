@@ -95,7 +95,7 @@ def test_one_line_for_each_mistake(changes, message):
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"optimizer": "kfac", "offload": "full"}, "--optimizer kfac does not run with offload"),
+    ({"optimizer": "kfac", "vocab_parallel": "vocab-2"}, "--optimizer kfac does not run with vocabulary parallelism"),
     ({"model": "gpt-125m", "seq": 2048}, "--seq 2048 is longer than the 1024 positions"),
     ({"seq": 127}, "--seq 127 does not split into 2 x --sp 1"),
 ])

@@ -55,7 +55,8 @@ def _worker(rank, cases, config_overrides):
             losses.append(pipe.step(tokens, targets))
             pipe.optimizer_step(opt)
         weights = {name: p.detach().clone() for name, p in pipe.named_parameters()}
-        out[label] = (losses, weights, pipe.schedule.options["kfac"]["every"])
+        moved = pipe.offload_stats()["offloaded"] if "offload" in options else None  # bytes of the last step
+        out[label] = (losses, weights, pipe.schedule.options["kfac"]["every"], moved)
     return out
 
 
@@ -64,7 +65,7 @@ def _check(results, config_overrides, want_every):
         ref_losses, ref_weights = _reference(config_overrides, every)
         weights = {}
         for rank_result in results:
-            losses, own, got_every = rank_result[label]
+            losses, own, got_every, _ = rank_result[label]
             assert got_every == every, (label, got_every)
             assert losses == pytest.approx(ref_losses, rel=1e-5), (label, losses, ref_losses)
             weights.update(own)
@@ -93,6 +94,22 @@ def test_two_ranks_match_kfac_on_one_process():
     assert results[0]["1f1b auto"][2] == 3  # the pieces fill three steps' bubbles
     _check(results, {}, {"gpipe every 1": 1, "1f1b auto": 3, "zb-h1 every 2, overflow": 2, "interleaved every 3": 3,
                      "v-half every 2": 2})
+
+
+@pytest.mark.timeout(240)
+def test_offloaded_pipelines_match_kfac_on_one_process():
+    """Offload moves the saved activations to host and back; K-FAC's captures keep their own references
+    (the capture step's inputs stay on the device until their curvature piece), so the update is K-FAC's."""
+    from pipeloom.schedule import Costs
+
+    cheap = Costs(extra={"offload": 0.1})  # the copies fit: pairs are offloaded
+    cases = [("1f1b every 2, offload full", dict(schedule="1f1b", pp=2, microbatches=4, offload="full", costs=cheap,
+                                                 kfac={"every": 2})),
+             ("zb-v every 1, selective", dict(schedule="zb-v", pp=2, microbatches=4, offload="selective",
+                                              offload_ratio=0.5, costs=cheap, kfac={"every": 1}))]
+    results = spawn(2, _worker, cases, {}, timeout=200)
+    _check(results, {}, {"1f1b every 2, offload full": 2, "zb-v every 1, selective": 1})
+    assert all(results[0][label][3] > 0 for label, _ in cases)  # rank 0's pairs went to host
 
 
 @pytest.mark.timeout(240)

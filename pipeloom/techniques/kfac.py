@@ -37,7 +37,6 @@ class Kfac(Technique):
             ("PipeDream-2BW's weight versions", spec.uses("weight_versions")),
             ("sequence parallelism (--sp)", spec.uses("sequence_parallel")),
             ("recomputation (--recompute)", spec.uses("recompute")),
-            ("offload (--offload)", spec.uses("offload")),
             ("vocabulary parallelism (--vocab-parallel)", spec.vocab_mode is not None)) if on]
         if refused:
             raise PipeloomError(f"--optimizer kfac does not run with {refused[0]} yet (pipeloom simulate places "
