@@ -97,19 +97,25 @@ def test_two_ranks_match_kfac_on_one_process():
 
 
 @pytest.mark.timeout(240)
-def test_offloaded_pipelines_match_kfac_on_one_process():
+def test_offloaded_and_recomputed_pipelines_match_kfac_on_one_process():
     """Offload moves the saved activations to host and back; K-FAC's captures keep their own references
-    (the capture step's inputs stay on the device until their curvature piece), so the update is K-FAC's."""
+    (the capture step's inputs stay on the device until their curvature piece), so the update is K-FAC's.
+    Recomputation reruns a forward inside the backward, where nothing captures: each input once."""
     from pipeloom.schedule import Costs
 
     cheap = Costs(extra={"offload": 0.1})  # the copies fit: pairs are offloaded
     cases = [("1f1b every 2, offload full", dict(schedule="1f1b", pp=2, microbatches=4, offload="full", costs=cheap,
                                                  kfac={"every": 2})),
              ("zb-v every 1, selective", dict(schedule="zb-v", pp=2, microbatches=4, offload="selective",
-                                              offload_ratio=0.5, costs=cheap, kfac={"every": 1}))]
+                                              offload_ratio=0.5, costs=cheap, kfac={"every": 1})),
+             ("1f1b every 2, recompute full", dict(schedule="1f1b", pp=2, microbatches=4, recompute=True,
+                                                   kfac={"every": 2})),
+             ("zb-h1 every 1, recompute cheap", dict(schedule="zb-h1", pp=2, microbatches=4, recompute="cheap",
+                                                     kfac={"every": 1}))]
     results = spawn(2, _worker, cases, {}, timeout=200)
-    _check(results, {}, {"1f1b every 2, offload full": 2, "zb-v every 1, selective": 1})
-    assert all(results[0][label][3] > 0 for label, _ in cases)  # rank 0's pairs went to host
+    _check(results, {}, {"1f1b every 2, offload full": 2, "zb-v every 1, selective": 1,
+                         "1f1b every 2, recompute full": 2, "zb-h1 every 1, recompute cheap": 1})
+    assert all(results[0][label][3] > 0 for label, options in cases if "offload" in options)  # pairs went to host
 
 
 @pytest.mark.timeout(240)
@@ -127,7 +133,7 @@ def _refusal_worker(rank):
 
     config = GPTConfig.preset("tiny")
     messages = []
-    for options in (dict(schedule=build("1f1b", 1, 2, transforms=[Kfac()])),dict(schedule="2bw", optimizer="kfac"), dict(schedule="1f1b", optimizer="kfac", recompute=True),
+    for options in (dict(schedule=build("1f1b", 1, 2, transforms=[Kfac()])),dict(schedule="2bw", optimizer="kfac"), dict(schedule="1f1b", optimizer="kfac", vocab_parallel="vocab-1"),
                     dict(schedule="1f1b", optimizer="adam"),
                     dict(schedule="1f1b", optimizer="kfac", kfac={"dampning": 1})):
         try:
@@ -143,7 +149,7 @@ def test_combinations_not_run_yet_are_refused_by_name():
     messages = spawn(1, _refusal_worker, timeout=45)[0]
     assert "holds K-FAC pieces" in messages[0]
     assert "PipeDream-2BW" in messages[1]
-    assert "recomputation" in messages[2]
+    assert "vocabulary parallelism" in messages[2], messages[2]
     assert "'adam'" in messages[3]
     assert "'dampning'" in messages[4]
 

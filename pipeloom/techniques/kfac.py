@@ -36,7 +36,6 @@ class Kfac(Technique):
         refused = [what for what, on in (
             ("PipeDream-2BW's weight versions", spec.uses("weight_versions")),
             ("sequence parallelism (--sp)", spec.uses("sequence_parallel")),
-            ("recomputation (--recompute)", spec.uses("recompute")),
             ("vocabulary parallelism (--vocab-parallel)", spec.vocab_mode is not None)) if on]
         if refused:
             raise PipeloomError(f"--optimizer kfac does not run with {refused[0]} yet (pipeloom simulate places "

@@ -110,7 +110,6 @@ def kfac_cycle(context, optimizer: str, options: dict | None, costs=None):
     refused = [what for what, on in (
         ("PipeDream-2BW's weight versions", base.weight_versions > 1 or base.steps > 1),
         ("sequence parallelism", context.mesh.layout.sp > 1),
-        ("recomputation", bool(context.recompute)),
         ("vocabulary parallelism", base.vocab_parallel is not None)) if on]
     if refused:
         raise PipeloomError(f"optimizer='kfac' does not run with {refused[0]} yet (the simulator places K-FAC work "
