@@ -192,3 +192,16 @@ def test_simulate_kfac_json(capsys):
     assert json.loads(capsys.readouterr().out)["kfac"]["every"] == 1
     assert main(["simulate", "--kfac-every", "2"]) == 2
     assert "--kfac-every 2 goes with --optimizer kfac" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [
+    ["--model", "gpt-125m", "--pp", "4", "--microbatches", "8", "--vocab-parallel", "vocab-1"],
+    ["--model", "tiny", "--seq", "64", "--vocab-parallel", "vocab-2", "--kfac-every", "2"],
+])
+def test_pieces_never_land_after_the_vocabulary_passes_that_follow_a_step(capsys, args):
+    """The vocabulary passes can follow a step's preconditioning on the last stage's rank: a piece in the
+    idle time before them would come after the overflow and the cycle's last preconditioning, which need it
+    (the validator named such an order: 'KFAC_SYNC_A0 runs before KFAC_A2, which it needs')."""
+    assert main(["simulate", *args, "--optimizer", "kfac", "--json"]) == 0
+    kfac = json.loads(capsys.readouterr().out)["kfac"]
+    assert kfac["every"] >= 2 and sum(row["kfac_time"] for row in kfac["ranks"]) > 0

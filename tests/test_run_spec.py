@@ -95,7 +95,7 @@ def test_one_line_for_each_mistake(changes, message):
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"optimizer": "kfac", "vocab_parallel": "vocab-2"}, "--optimizer kfac does not run with vocabulary parallelism"),
+    ({"optimizer": "kfac", "schedule": "2bw"}, "--optimizer kfac does not run with PipeDream-2BW"),
     ({"model": "gpt-125m", "seq": 2048}, "--seq 2048 is longer than the 1024 positions"),
     ({"seq": 127}, "--seq 127 does not split into 2 x --sp 1"),
 ])
@@ -123,8 +123,8 @@ def test_costs_come_from_the_hardware_preset():
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("flags", [
     "--seq 64 --offload selective --offload-ratio 0.5 --recompute cheap --vocab-parallel vocab-1",
-    "--model llama-tiny --seq 64 --optimizer kfac --kfac-every 2",
-], ids=["gpt offload vocab-1", "llama kfac"])
+    "--model llama-tiny --seq 64 --optimizer kfac --kfac-every 2 --vocab-parallel vocab-1 --offload full",
+], ids=["gpt offload vocab-1", "llama kfac vocab-1 offload"])
 def test_the_workers_run_the_schedule_the_dry_run_shows(capsys, tmp_path, flags):
     """Every rank logs the digest of the schedule it runs (checked equal across ranks): the dry run's."""
     shown = _json(capsys, "train", *flags.split(), "--dry-run", "--json")["schedule_digest"]

@@ -111,10 +111,15 @@ def test_offloaded_and_recomputed_pipelines_match_kfac_on_one_process():
              ("1f1b every 2, recompute full", dict(schedule="1f1b", pp=2, microbatches=4, recompute=True,
                                                    kfac={"every": 2})),
              ("zb-h1 every 1, recompute cheap", dict(schedule="zb-h1", pp=2, microbatches=4, recompute="cheap",
-                                                     kfac={"every": 1}))]
+                                                     kfac={"every": 1})),
+             ("1f1b every 2, vocab-2", dict(schedule="1f1b", pp=2, microbatches=4, vocab_parallel="vocab-2",
+                                            kfac={"every": 2})),
+             ("v-half every 1, vocab-1", dict(schedule="v-half", pp=2, microbatches=4, vocab_parallel="vocab-1",
+                                              kfac={"every": 1}))]
     results = spawn(2, _worker, cases, {}, timeout=200)
     _check(results, {}, {"1f1b every 2, offload full": 2, "zb-v every 1, selective": 1,
-                         "1f1b every 2, recompute full": 2, "zb-h1 every 1, recompute cheap": 1})
+                         "1f1b every 2, recompute full": 2, "zb-h1 every 1, recompute cheap": 1,
+                         "1f1b every 2, vocab-2": 2, "v-half every 1, vocab-1": 1})
     assert all(results[0][label][3] > 0 for label, options in cases if "offload" in options)  # pairs went to host
 
 
@@ -133,7 +138,7 @@ def _refusal_worker(rank):
 
     config = GPTConfig.preset("tiny")
     messages = []
-    for options in (dict(schedule=build("1f1b", 1, 2, transforms=[Kfac()])),dict(schedule="2bw", optimizer="kfac"), dict(schedule="1f1b", optimizer="kfac", vocab_parallel="vocab-1"),
+    for options in (dict(schedule=build("1f1b", 1, 2, transforms=[Kfac()])),dict(schedule="2bw", optimizer="kfac"), dict(schedule="dualpipev", optimizer="kfac"),
                     dict(schedule="1f1b", optimizer="adam"),
                     dict(schedule="1f1b", optimizer="kfac", kfac={"dampning": 1})):
         try:
@@ -149,7 +154,7 @@ def test_combinations_not_run_yet_are_refused_by_name():
     messages = spawn(1, _refusal_worker, timeout=45)[0]
     assert "holds K-FAC pieces" in messages[0]
     assert "PipeDream-2BW" in messages[1]
-    assert "vocabulary parallelism" in messages[2], messages[2]
+    assert "dualpipev cannot take kfac" in messages[2]
     assert "'adam'" in messages[3]
     assert "'dampning'" in messages[4]
 

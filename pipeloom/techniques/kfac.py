@@ -35,8 +35,7 @@ class Kfac(Technique):
             return
         refused = [what for what, on in (
             ("PipeDream-2BW's weight versions", spec.uses("weight_versions")),
-            ("sequence parallelism (--sp)", spec.uses("sequence_parallel")),
-            ("vocabulary parallelism (--vocab-parallel)", spec.vocab_mode is not None)) if on]
+            ("sequence parallelism (--sp)", spec.uses("sequence_parallel"))) if on]
         if refused:
             raise PipeloomError(f"--optimizer kfac does not run with {refused[0]} yet (pipeloom simulate places "
                                 "K-FAC work there); use a plain synchronous schedule")

@@ -109,8 +109,7 @@ def kfac_cycle(context, optimizer: str, options: dict | None, costs=None):
         raise PipeloomError(f"kfac option {unknown[0]!r}; options: damping, decay, every, margin")
     refused = [what for what, on in (
         ("PipeDream-2BW's weight versions", base.weight_versions > 1 or base.steps > 1),
-        ("sequence parallelism", context.mesh.layout.sp > 1),
-        ("vocabulary parallelism", base.vocab_parallel is not None)) if on]
+        ("sequence parallelism", context.mesh.layout.sp > 1)) if on]
     if refused:
         raise PipeloomError(f"optimizer='kfac' does not run with {refused[0]} yet (the simulator places K-FAC work "
                             "there: pipeloom simulate --kfac); use a plain synchronous schedule")

@@ -183,13 +183,19 @@ class _Rank:
         pre = [k for k, a in enumerate(self.actions) if a.kind == KFAC_PRE]
         #: index the trailing pieces (and the overflow) go before: the last step's preconditioning
         self.tail = min(k for k in pre if self.actions[k].microbatch == self.actions[pre[-1]].microbatch)
-        #: (start, end, index the pieces go before)
+        #: (start, end, index the pieces go before): the idle time before each compute action up to
+        #: the tail, and the step's end after it; not after the tail (the vocabulary passes can follow
+        #: a step's preconditioning), where a piece would land after the overflow and the last step's
+        #: preconditioning that must follow it
         self.gaps = []
         previous = 0.0
         for k in compute:
+            if k > self.tail:
+                break
             self.gaps.append((previous, starts[k], k))
             previous = ends[k]
-        self.gaps.append((previous, period, self.tail))
+        else:
+            self.gaps.append((previous, period, self.tail))
         self.pieces = self._pieces(base, starts, ends, units, costs)
         #: (copy, index, order, action) of every placed piece; ``left``: the overflow
         self.placed: list[tuple] = []
