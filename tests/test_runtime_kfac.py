@@ -124,6 +124,16 @@ def test_offloaded_and_recomputed_pipelines_match_kfac_on_one_process():
 
 
 @pytest.mark.timeout(240)
+def test_sequence_parallel_ranks_sum_their_factors():
+    """Each sp rank captures its chunk of every sequence: the factors are summed over the sp group
+    (with the data-parallel replicas) and its output gradients scaled by the whole sequence's tokens."""
+    cases = [("pp1 sp2 1f1b", dict(schedule="1f1b", pp=1, sp=2, microbatches=4, kfac={"every": 2}))]
+    _check(spawn(2, _worker, cases, {}, timeout=200), {}, {"pp1 sp2 1f1b": 2})
+    cases = [("pp2 sp2 zb-h1", dict(schedule="zb-h1", pp=2, sp=2, microbatches=4, kfac={"every": 1}))]
+    _check(spawn(4, _worker, cases, {}, timeout=200), {}, {"pp2 sp2 zb-h1": 1})
+
+
+@pytest.mark.timeout(240)
 def test_data_parallel_replicas_sum_their_factors():
     cases = [("dp2 pp2 zb-v", dict(schedule="zb-v", pp=2, dp=2, microbatches=4, kfac={"every": 2}))]
     _check(spawn(4, _worker, cases, {}, timeout=200), {}, {"dp2 pp2 zb-v": 2})

@@ -198,8 +198,9 @@ def kfac_costs(model: ModelSpec | str, seq: int, microbatch_size: int, device: D
     for the layer's four linear layers (q/k/v, attention output, the MLP's two; a gated MLP's gate and up
     projections are one; with biases if the model has them):
     ``kfac_a`` and ``kfac_g`` one microbatch's ``rowsᵀ·rows`` of inputs and output gradients
-    (2·rows·d² FLOPs a factor of side d); ``kfac_sync_a``/``kfac_sync_g`` the fp32 all-reduce
-    of the factors over ``dp`` replicas (0 with one); ``kfac_inv`` both factors' damped
+    (2·rows·d² FLOPs a factor of side d, rows the microbatch's tokens on one of ``sp`` ranks);
+    ``kfac_sync_a``/``kfac_sync_g`` the fp32 all-reduce of the factors over the ``dp`` x ``sp``
+    ranks holding the layer (0 with one); ``kfac_inv`` both factors' damped
     inverses (d³ FLOPs a factor, at :data:`INVERSION_EFFICIENCY` of the matmul rate);
     ``kfac_pre`` the preconditioning ``G⁻¹·∇W·A⁻¹`` of the layer's gradients, every step. All of
     it is fp32 matrix work (:mod:`pipeloom.optim.kfac`), at the device's fp32 rate."""
@@ -211,7 +212,8 @@ def kfac_costs(model: ModelSpec | str, seq: int, microbatch_size: int, device: D
     grads = [g for _, g in shapes]
 
     def sync(sides):
-        return sum(_collective_ms(device, 4 * d * d, dp, 2) for d in sides) if dp > 1 else 0.0
+        holders = dp * sp
+        return sum(_collective_ms(device, 4 * d * d, holders, 2) for d in sides) if holders > 1 else 0.0
     return {
         "kfac_a": device.ms(sum(2 * rows * d * d for d in inputs), fp32=True),
         "kfac_g": device.ms(sum(2 * rows * d * d for d in grads), fp32=True),

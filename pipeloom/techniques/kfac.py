@@ -34,8 +34,7 @@ class Kfac(Technique):
         if not self.active(spec):
             return
         refused = [what for what, on in (
-            ("PipeDream-2BW's weight versions", spec.uses("weight_versions")),
-            ("sequence parallelism (--sp)", spec.uses("sequence_parallel"))) if on]
+            ("PipeDream-2BW's weight versions", spec.uses("weight_versions")),) if on]
         if refused:
             raise PipeloomError(f"--optimizer kfac does not run with {refused[0]} yet (pipeloom simulate places "
                                 "K-FAC work there); use a plain synchronous schedule")

@@ -44,7 +44,9 @@ class KfacWork:
         self.kfac = KFAC(stages, None, damping, decay, exclude=heads, group=group,
                          all_reduce=lambda tensor: context.channel.all_reduce(tensor, group, summed))
         self.kfac.capturing = False
-        self.kfac.accumulation = context.schedule.microbatches
+        # a captured output gradient carries 1 / (the microbatch's tokens over the sp group x microbatches):
+        # its rows times this are the per-token gradients
+        self.kfac.accumulation = context.schedule.microbatches * context.mesh.layout.sp
         #: each stage's units: its managed layers' names, in module order
         self.units = {s: [n for n in self.kfac.layers if n.split(".", 1)[0] == str(s)] for s in context.stages}
         self.calls = 1  # calls in the cycle
@@ -108,8 +110,7 @@ def kfac_cycle(context, optimizer: str, options: dict | None, costs=None):
     if unknown:
         raise PipeloomError(f"kfac option {unknown[0]!r}; options: damping, decay, every, margin")
     refused = [what for what, on in (
-        ("PipeDream-2BW's weight versions", base.weight_versions > 1 or base.steps > 1),
-        ("sequence parallelism", context.mesh.layout.sp > 1)) if on]
+        ("PipeDream-2BW's weight versions", base.weight_versions > 1 or base.steps > 1),) if on]
     if refused:
         raise PipeloomError(f"optimizer='kfac' does not run with {refused[0]} yet (the simulator places K-FAC work "
                             "there: pipeloom simulate --kfac); use a plain synchronous schedule")
