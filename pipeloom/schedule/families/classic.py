@@ -29,7 +29,10 @@ def _single_chunk(family: str, pp: int, microbatches: int, warmup, steps: int = 
 
 
 @register("gpipe", "all forwards, then all backwards (GPipe)", fused=True)
-def gpipe(pp: int, microbatches: int, chunks: int) -> Schedule:
+def gpipe(pp: int, microbatches: int, chunks: int, room: int = 0) -> Schedule:
+    """Every rank runs all its forwards first, so the last stage's backward of a microbatch comes
+    ``microbatches`` intervals after its forward: the room vocabulary passes ask for (``room``)
+    is there once ``microbatches > room`` (with fewer, the passes it waits for move up)."""
     return _single_chunk("gpipe", pp, microbatches, warmup=lambda r: microbatches)
 
 
