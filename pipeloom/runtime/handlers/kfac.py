@@ -1,7 +1,9 @@
 """PipeFisher's pieces: K-FAC work run where the schedule put it (:mod:`pipeloom.schedule.transforms.kfac`).
 
 One :class:`~pipeloom.optim.kfac.KFAC` (no base optimizer) manages the linear
-layers of the rank's stages (not the LM head: its G would be vocab × vocab).
+layers of the rank's stages (not the LM head: its G would be vocab × vocab;
+not those inside an ``nn.MultiheadAttention``, which reads their weights
+without calling them, so nothing captures their inputs).
 A unit of a stage is one of its managed layers, in module order. The
 schedule is a cycle of k calls (:func:`split_cycle` cuts a rank's list into
 them); in the cycle's first call the forwards and backwards capture (their
@@ -39,9 +41,12 @@ class KfacWork:
         self.context = context
         stages = nn.ModuleDict({str(s): stage for s, stage in context.stages.items()})
         heads = [n for n, m in stages.named_modules() if isinstance(m, nn.Linear) and n.endswith("lm_head")]
+        # torch's attention reads its projections' weights without calling them: nothing to capture
+        unused = [f"{n}.{inner}" for n, m in stages.named_modules() if isinstance(m, nn.MultiheadAttention)
+                  for inner, linear in m.named_modules() if isinstance(linear, nn.Linear)]
         group = context.mesh.replica_group if context.mesh.layout.replicas > 1 else None
         summed = "K-FAC's sum of the curvature over the data-parallel replicas"
-        self.kfac = KFAC(stages, None, damping, decay, exclude=heads, group=group,
+        self.kfac = KFAC(stages, None, damping, decay, exclude=heads + unused, group=group,
                          all_reduce=lambda tensor: context.channel.all_reduce(tensor, group, summed))
         self.kfac.capturing = False
         # a captured output gradient carries 1 / (the microbatch's tokens over the sp group x microbatches):
@@ -170,9 +175,6 @@ class KfacPart(Part):
 
     keywords = {"optimizer": None, "kfac": None}
     exposes = ("kfac",)
-    not_for_stages = (("optimizer", lambda v: v is not None, "K-FAC captures each linear layer's input in its "
-                       "forward, and torch's attention uses its projections without one (nn.MultiheadAttention); "
-                       "step your own optimizer"),)
     #: the K-FAC state of PipeFisher (``optimizer="kfac"``), else None
     kfac = None
 
