@@ -196,6 +196,25 @@ def test_resume_gives_the_uninterrupted_losses_also_with_another_pp(tmp_path):
 
 
 @pytest.mark.timeout(TIMEOUT)
+def test_kfac_resumes_with_its_factors_and_inverses_also_with_another_pp(tmp_path):
+    """A checkpoint between refresh cycles holds K-FAC's factors and inverses in use under the layers'
+    unsplit names: the resumed steps precondition as the uninterrupted ones (without them the next
+    step would run unpreconditioned and its loss differ)."""
+    import torch.distributed.checkpoint as dcp
+
+    flags = ("--optimizer", "kfac", "--kfac-every", "2", "--steps", "8", "--seq", "64")
+    train(*flags, "--checkpoint-dir", "ck", "--checkpoint-every", "4", "--metrics", "full.jsonl", cwd=tmp_path)
+    full = [r["loss"] for r in metrics(tmp_path / "full.jsonl")]
+    keys = dcp.FileSystemReader(str(tmp_path / "ck" / "step_0000004")).read_metadata().state_dict_metadata
+    assert any(k.startswith("kfac/") and k.endswith("/inverses/G") for k in keys)
+    train(*flags, "--checkpoint-dir", "again", "--resume", "ck/step_0000004", "--metrics", "same.jsonl", cwd=tmp_path)
+    assert [r["loss"] for r in metrics(tmp_path / "same.jsonl")] == full[4:]  # bit for bit
+    train(*flags, "--pp", "4", "--schedule", "zb-h1", "--checkpoint-dir", "pp4", "--resume", "ck/step_0000004",
+          "--metrics", "pp4.jsonl", cwd=tmp_path)
+    assert np.allclose([r["loss"] for r in metrics(tmp_path / "pp4.jsonl")], full[4:], rtol=1e-4, atol=0)
+
+
+@pytest.mark.timeout(TIMEOUT)
 def test_resume_of_another_model_is_refused(tmp_path):
     (tmp_path / "a.txt").write_text("abc " * 500)
     np.arange(600, dtype=np.uint16).tofile(tmp_path / "t.bin")

@@ -3,7 +3,9 @@
 Every tensor is stored under its name in the unsplit model: ``model/<name>``
 for a weight, ``optim/<name>/<key>`` for its optimizer state (AdamW's
 ``exp_avg``, ``exp_avg_sq``, ``step``), and with weight versions (2bw)
-``version<j>/<name>`` for the weights the next steps run with (j = 0, 1, ...).
+``version<j>/<name>`` for the weights the next steps run with (j = 0, 1, ...),
+and with K-FAC ``kfac/<layer>/<factors|inverses>/<A|G>`` (saved between its
+refresh cycles, when nothing else of it is pending).
 Vocabulary-parallel shards are gathered and saved whole under the same names,
 so a checkpoint resumes with or without vocabulary parallelism. Each rank saves what its stages hold
 (replicas and tied copies are written once) and loads what its stages need,
@@ -77,7 +79,7 @@ def load(pipe, optimizer: torch.optim.Optimizer, directory: str | Path) -> dict:
         pipe.steps_done = meta["step"]
         pipe.versions.restart(pipe.steps_done)  # tensors for the saved versions to load into
     saved = _tensor_index(directory).state_dict_metadata
-    state, shards = _state(pipe, optimizer)
+    state, shards = _state(pipe, optimizer, saved)
     state = {k: v for k, v in state.items() if k in saved or not k.startswith("version")}
     try:
         dcp.load(state, checkpoint_id=Path(directory))
@@ -180,9 +182,10 @@ def latest(root: str | Path) -> Path | None:
     return max(found, key=lambda d: read_meta(d).get("step", -1), default=None)
 
 
-def _state(pipe, optimizer) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+def _state(pipe, optimizer, saved=None) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
     """The tensors to save or load by key, and the (shard, unsplit tensor) pairs of the
-    vocabulary shards: they are saved whole, and a load copies each rank's rows back."""
+    vocabulary shards: they are saved whole, and a load copies each rank's rows back.
+    ``saved``: the keys of the checkpoint a load reads (K-FAC's tensors are made for them)."""
     state, shards = {}, []
     for name, p in pipe.named_parameters():
         if f"model/{name}" in state:
@@ -202,6 +205,8 @@ def _state(pipe, optimizer) -> tuple[dict[str, torch.Tensor], list[tuple[torch.T
                                                      if torch.is_tensor(v))]:
             state[f"model/{name}" if key == "model" else f"optim/{name}/{key}"] = \
                 whole(shard) if shard.shape == p.shape else shard  # AdamW's step: one number
+    if pipe.kfac is not None:
+        state.update(_kfac_state(pipe, saved))
     if pipe.versions:
         for (s, t), weights in pipe.versions.weights.items():
             module = pipe.versions.stages[s]  # a stage, or the vocabulary shards (saved whole)
@@ -210,6 +215,26 @@ def _state(pipe, optimizer) -> tuple[dict[str, torch.Tensor], list[tuple[torch.T
                 if key not in state:  # a tied copy beside its original: once
                     state[key] = whole(tensor.detach()) if s == SHARDS else tensor.detach()
     return state, shards
+
+
+def _kfac_state(pipe, saved=None) -> dict[str, torch.Tensor]:
+    """K-FAC's factors and inverses in use, ``kfac/<layer's unsplit name>/<factors|inverses>/<A|G>``:
+    those the layers hold (a save, between refresh cycles: nothing else is pending), or for a load
+    (``saved``: the checkpoint's keys) a tensor to read into for each of those the checkpoint holds."""
+    names = {id(p): name for name, p in pipe.named_parameters()}
+    state = {}
+    for layer in pipe.kfac.layers.values():
+        owner = names[id(layer.module.weight)].removesuffix(".weight")
+        for part in ("factors", "inverses"):
+            held = getattr(layer, part)
+            for factor in ("A", "G"):
+                key = f"kfac/{owner}/{part}/{factor}"
+                if saved is None and factor in held:
+                    state[key] = held[factor]
+                elif saved is not None and key in saved:
+                    d = layer.dim(factor)
+                    held[factor] = state[key] = torch.empty(d, d, dtype=layer.dtype, device=layer.module.weight.device)
+    return state
 
 
 def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

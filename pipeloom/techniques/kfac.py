@@ -40,9 +40,6 @@ class Kfac(Technique):
                                 "K-FAC work there); use a plain synchronous schedule")
 
     def check_training(self, spec, config) -> None:
-        if config.checkpoint_dir or config.resume:
-            raise PipeloomError("--optimizer kfac does not save its curvature in checkpoints yet: train without "
-                                "--checkpoint-dir and --resume")
         if config.report or config.trace or (config.plot and not config.dry_run):
             raise PipeloomError("--optimizer kfac cannot draw or report its measured steps yet (each step of its "
                                 "refresh runs other pieces): drop --report, --trace and --plot, and see them "

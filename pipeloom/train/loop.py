@@ -231,9 +231,13 @@ class Trainer:
         from ..runtime import checkpoint
         from ..runtime.interrupt import StopRequest
 
-        config = self.config
+        config, cycle = self.config, self.pipe.schedule.steps
+        inside = ""
         if code == signal.SIGTERM and config.checkpoint_dir and done > self.start:
-            self._save(done)
+            if done % cycle == 0:
+                self._save(done)
+            else:  # K-FAC mid-refresh: its captures and partial sums are not saved, so no exact resume there
+                inside = f" (step {done} is inside K-FAC's refresh of {cycle} steps: no checkpoint there)"
         last = self.last_saved or (checkpoint.latest(config.checkpoint_dir) if config.checkpoint_dir else None)
         if self.rank == 0:
             if last:
@@ -243,7 +247,7 @@ class Trainer:
                           "--checkpoint-every N saves every N steps)")
             else:
                 resume = "no checkpoint to resume from (--checkpoint-dir saves them)"
-            _say(f"stopped {StopRequest.describe(code)} after step {done} of {config.steps}; {resume}")
+            _say(f"stopped {StopRequest.describe(code)} after step {done} of {config.steps}{inside}; {resume}")
         return StopRequest.exit_code(code)
 
     def _call(self, first: int) -> list[dict]:
