@@ -148,7 +148,8 @@ def _refusal_worker(rank):
 
     config = GPTConfig.preset("tiny")
     messages = []
-    for options in (dict(schedule=build("1f1b", 1, 2, transforms=[Kfac()])),dict(schedule="2bw", optimizer="kfac"), dict(schedule="dualpipev", optimizer="kfac"),
+    for options in (dict(schedule=build("1f1b", 1, 2, transforms=[Kfac()])), dict(schedule="2bw", optimizer="kfac"),
+                    dict(schedule="dualpipev", optimizer="kfac"),
                     dict(schedule="1f1b", optimizer="adam"),
                     dict(schedule="1f1b", optimizer="kfac", kfac={"dampning": 1})):
         try:
