@@ -33,11 +33,9 @@ class Kfac(Technique):
     def check_runnable(self, spec) -> None:
         if not self.active(spec):
             return
-        refused = [what for what, on in (
-            ("PipeDream-2BW's weight versions", spec.uses("weight_versions")),) if on]
-        if refused:
-            raise PipeloomError(f"--optimizer kfac does not run with {refused[0]} yet (pipeloom simulate places "
-                                "K-FAC work there); use a plain synchronous schedule")
+        if spec.uses("weight_versions"):
+            raise PipeloomError("--optimizer kfac does not run with PipeDream-2BW's weight versions yet (pipeloom "
+                                "simulate places K-FAC work there); use a synchronous schedule")
 
     def check_training(self, spec, config) -> None:
         if config.report or config.trace or (config.plot and not config.dry_run):

@@ -114,11 +114,9 @@ def kfac_cycle(context, optimizer: str, options: dict | None, costs=None):
     unknown = sorted(set(options) - {"damping", "decay", "every", "margin"})
     if unknown:
         raise PipeloomError(f"kfac option {unknown[0]!r}; options: damping, decay, every, margin")
-    refused = [what for what, on in (
-        ("PipeDream-2BW's weight versions", base.weight_versions > 1 or base.steps > 1),) if on]
-    if refused:
-        raise PipeloomError(f"optimizer='kfac' does not run with {refused[0]} yet (the simulator places K-FAC work "
-                            "there: pipeloom simulate --kfac); use a plain synchronous schedule")
+    if base.weight_versions > 1 or base.steps > 1:
+        raise PipeloomError("optimizer='kfac' does not run with PipeDream-2BW's weight versions yet (the simulator "
+                            "places K-FAC work there: pipeloom simulate --optimizer kfac); use a synchronous schedule")
     work = KfacWork(context, **{k: options[k] for k in ("damping", "decay") if k in options})
     counts: list = [None] * context.mesh.layout.pp
     dist.all_gather_object(counts, {s: len(u) for s, u in work.units.items()}, group=context.mesh.pp_group)
