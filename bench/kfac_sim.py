@@ -14,7 +14,9 @@ one with the least idle time): its fill in each of the cycle's steps (the
 first is limited by when the captures exist, the last is what is left; a
 piece counts in the step it starts in, so one issued after a step's last
 action can count in that step's tail) and their mean over the steps between.
-Simulated, not measured. Writes bench/results/kfac_sim.json.
+K-FAC's pieces are priced at the rate of the compute, as the paper's profile has them (0.9-7.8
+forward times): the preset without its fp32 rate, which prices pipeloom's fp32 K-FAC beside
+16-bit compute about 8x dearer on a V100. Simulated, not measured. Writes bench/results/kfac_sim.json.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -30,6 +33,7 @@ from common import write_results  # noqa: E402
 from pipeloom.schedule import Kfac, build  # noqa: E402
 from pipeloom.schedule.transforms.kfac import PIECES  # noqa: E402
 from pipeloom.sim import ModelSpec, costs_from_model, kfac_report, simulate, stage_layers, without_pieces  # noqa: E402
+from pipeloom.sim.specs import get_device  # noqa: E402
 from pipeloom.sim.model import KFAC_UNITS_PER_LAYER  # noqa: E402
 
 MODELS = (ModelSpec("bert-base-like", 12, 768, 12, 30522), ModelSpec("bert-large-like", 24, 1024, 16, 30522))
@@ -83,6 +87,7 @@ def main() -> None:
     parser.add_argument("--device", default="v100")
     parser.add_argument("--out")
     args = parser.parse_args()
+    paper_rate = replace(get_device(args.device), fp32_flops=None)
     rows = []
     print(f"{'model':<16} {'schedule':<17} {'p':>2} {'m':>3} {'k':>3} {'step ms':>15} {'change':>7} "
           f"{'filled (min..max)':>18}  {'steady':>6}  fill per step of the rank setting k")
@@ -92,7 +97,7 @@ def main() -> None:
                 for name, chunks in SCHEDULES:
                     if spec.layers < pp * chunks:
                         continue
-                    row = run(spec, name, chunks, pp, microbatches, args.device)
+                    row = run(spec, name, chunks, pp, microbatches, paper_rate)
                     rows.append(row)
                     filled = row["bubble_filled"]
                     print(f"{spec.name:<16} {name:<17} {pp:>2} {microbatches:>3} {row['every']:>3} "
