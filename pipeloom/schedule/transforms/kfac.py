@@ -184,15 +184,15 @@ class _Rank:
         #: index the trailing pieces (and the overflow) go before: the last step's preconditioning
         self.tail = min(k for k in pre if self.actions[k].microbatch == self.actions[pre[-1]].microbatch)
         #: (start, end, index the pieces go before): the idle time before each compute action up to
-        #: the tail, and the step's end after it; not after the tail (the vocabulary passes can follow
-        #: a step's preconditioning), where a piece would land after the overflow and the last step's
-        #: preconditioning that must follow it
+        #: the tail, and the step's end after it; not after the tail block (the vocabulary passes can
+        #: follow a step's preconditioning), where a piece would land after the overflow and the last
+        #: step's preconditioning that must follow it
         self.gaps = []
         previous = 0.0
         for k in compute:
-            if k > self.tail:
+            if k > self.tail and self.actions[k].kind != KFAC_PRE:
                 break
-            self.gaps.append((previous, starts[k], k))
+            self.gaps.append((previous, starts[k], min(k, self.tail)))
             previous = ends[k]
         else:
             self.gaps.append((previous, period, self.tail))
