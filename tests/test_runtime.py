@@ -1,5 +1,8 @@
 """The runtime against the one-process GPT: loss and every gradient, for every synchronous family."""
 
+import os
+import time
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -332,3 +335,18 @@ def test_a_device_the_backend_cannot_serve_is_refused(monkeypatch, device, backe
     with pytest.raises(PipeloomError, match=message):
         pipeline_device(device, backend)
     assert str(pipeline_device(None, "gloo")) == "cpu"
+
+
+def _exits_at_once(rank):
+    if rank == 1:
+        os._exit(3)  # as a worker killed by a signal, or one whose start-up failed, goes
+    time.sleep(0.2)
+    return rank
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_dies_is_named_at_once_not_after_the_timeout():
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker 1 exited with code 3 before it returned"):
+        spawn(2, _exits_at_once, timeout=50)
+    assert time.monotonic() - began < 20

@@ -14,6 +14,7 @@ import os
 import pickle
 import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 
@@ -68,8 +69,9 @@ def spawn(world: int, fn, *args, timeout: float = 600.0, group_timeout: float = 
     """Run ``fn(rank, *args)`` (a picklable, module-level function) on ``world``
     processes; return what each returned, by rank.
 
-    Raises ``RuntimeError`` with the worker's traceback if one fails, or if the
-    workers outlive ``timeout`` seconds (they are killed).
+    Raises ``RuntimeError`` with the worker's traceback if one fails, as soon as a
+    worker exits without returning (it died: a signal, or a start-up that failed),
+    or if the workers outlive ``timeout`` seconds (they are killed).
     """
     ctx = worker_context()
     results = ctx.Queue()
@@ -80,14 +82,24 @@ def spawn(world: int, fn, *args, timeout: float = 600.0, group_timeout: float = 
     for p in procs:
         p.start()
     out: dict[int, object] = {}
+    deadline, gone = time.monotonic() + timeout, None
     try:
-        for _ in range(world):
-            rank, error, value = results.get(timeout=timeout)
+        while len(out) < world:
+            try:
+                rank, error, value = results.get(timeout=2.0 if gone else 0.5)
+            except queue.Empty:
+                if gone:  # its result, had it sent one, would have come by now
+                    raise RuntimeError(f"worker {gone} exited with code {procs[gone].exitcode} before it returned "
+                                       "(its output above says why)") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"workers {sorted(set(range(world)) - set(out))} did not finish in "
+                                       f"{timeout:g} s") from None
+                gone = next((r for r, p in enumerate(procs) if r not in out and p.exitcode is not None), None)
+                continue
             if error:
                 raise RuntimeError(f"worker {rank} failed:\n{error}")
             out[rank] = pickle.loads(value)
-    except queue.Empty:
-        raise RuntimeError(f"workers {sorted(set(range(world)) - set(out))} did not finish in {timeout:g} s") from None
+            gone = None
     finally:
         for p in procs:
             p.join(timeout=10)
