@@ -81,12 +81,12 @@ def optimizer_ms(params: float, device: Device, profile: Profile | None = None) 
 
 def offload_time_ratio(
     model: ModelSpec | str, seq: int, microbatch_size: int, device: Device | str, sp: int = 1,
-    attention: str | None = None, recompute: bool | str = False,
+    attention: str | None = None, recompute: bool | str = False, profile=None,
 ) -> float:
     """PipeOffload's k = T_offload / T_compute of one transformer layer: the time
     to move the activations the layer keeps (``m_b``) to the host and back,
     over the layer's F, B and W time, under the costs of
-    :func:`costs_from_model` (same ``sp``, ``attention``, ``recompute``). The
+    :func:`costs_from_model` (same ``sp``, ``attention``, ``recompute``, ``profile``). The
     paper's k counts both ways on one link; with a copy stream per direction
     each carries k/2, so with k <= 2 both keep up with full offload. "PipeOffload: Improving
     Scalability of Pipeline Parallelism with Memory Optimization" estimates
@@ -95,7 +95,7 @@ def offload_time_ratio(
     model = get_model(model)
     one = [0, 1, model.layers - 1]  # the middle stage is one bare layer
     costs = costs_from_model(model, 3, seq, microbatch_size, device, layers_per_stage=one, recompute=recompute,
-                             sp=sp, attention=attention)
+                             sp=sp, attention=attention, profile=profile)
     return 2 * costs.extra["offload"][1] / (costs.f[1] + costs.b[1] + costs.w[1])
 
 

@@ -61,17 +61,11 @@ class Offload(Technique):
             report["ranks"] = [{"rank": r, "host": h, "offloaded": o, "exposed": e}
                                for r, (h, o, e) in enumerate(zip(result.peak_host, offloaded, result.exposed))]
             return {"offload": report}
-        from ..sim.model import costs_from_model, offload_time_ratio
+        from ..sim.model import offload_time_ratio
 
-        model, device, recompute = priced.model, priced.device, RECOMPUTE[spec.recompute]
-        if priced.profile is None:
-            report["k"] = offload_time_ratio(model, spec.seq, spec.microbatch_size, device, sp=spec.sp,
-                                             attention=spec.attention, recompute=recompute)
-        else:  # as offload_time_ratio: a one-layer middle stage, its costs from the profile
-            one = costs_from_model(model, 3, spec.seq, spec.microbatch_size, device,
-                                   layers_per_stage=[0, 1, model.layers - 1], recompute=recompute, sp=spec.sp,
-                                   attention=spec.attention, profile=priced.profile)
-            report["k"] = 2 * one.extra["offload"][1] / (one.f[1] + one.b[1] + one.w[1])
+        report["k"] = offload_time_ratio(priced.model, spec.seq, spec.microbatch_size, priced.device, sp=spec.sp,
+                                         attention=spec.attention, recompute=RECOMPUTE[spec.recompute],
+                                         profile=priced.profile)
         report["ranks"] = [{"rank": r, "host_bytes": h, "offloaded_bytes": o, "exposed_ms": e}
                            for r, (h, o, e) in enumerate(zip(result.peak_host, offloaded, result.exposed))]
         return {"offload": report}
