@@ -52,7 +52,7 @@ def test_dry_run_and_simulate_describe_the_same_run(capsys, flags):
     ("--pp 4 --schedule 1f1b --microbatches 8 --microbatch-size 2", 1),
 ])
 def test_offload_follows_the_costs_in_every_command(capsys, layout, copied):
-    """Full offload copies only the pairs whose copies fit the copy stream without delaying compute,
+    """Full offload copies only the pairs whose copies fit the copy stream (or, paced, delay compute little),
     in simulate and train alike (gpt-1.3b on an h100: train once offloaded all 8 pairs of the
     first layout, which simulate predicted 2 of)."""
     flags = f"--model gpt-1.3b --seq 1024 --offload full --device cuda {layout}".split()

@@ -13,7 +13,7 @@ from pipeloom.errors import PipeloomError  # noqa: E402
 from pipeloom.nn.linear import Linear, WeightGradStore, defer_weight_grads  # noqa: E402
 from pipeloom.runtime.handlers.offload import SMALL, Offloader, _unpack  # noqa: E402
 from pipeloom.runtime.local import spawn  # noqa: E402
-from pipeloom.schedule import OFFLOAD, RELOAD, Action, F  # noqa: E402
+from pipeloom.schedule import OFFLOAD, RELOAD, Action, Costs, F, Offload, build  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 PAIR = (0, 0)
@@ -21,7 +21,7 @@ PAIR = (0, 0)
 
 def _offloader(device="cpu"):
     """An offloader of one rank whose schedule offloads (stage 0, microbatch 0), on a bare context."""
-    context = SimpleNamespace(schedule=SimpleNamespace(ranks=[(Action(F, *PAIR), Action(RELOAD, *PAIR))]),
+    context = SimpleNamespace(schedule=SimpleNamespace(ranks=[(Action(F, *PAIR), Action(RELOAD, *PAIR))], options={}),
                               mesh=SimpleNamespace(pp_rank=0), device=torch.device(device), extras={})
     offloader = Offloader(context)
     _new_step(offloader)
@@ -143,7 +143,7 @@ def test_cheap_recompute_keeps_less_and_gives_the_same_gradients():
     x = torch.randn(2, 32, 64)
 
     def run(cheap):
-        context = SimpleNamespace(schedule=SimpleNamespace(ranks=[(Action(F, *PAIR),)]), step=None,
+        context = SimpleNamespace(schedule=SimpleNamespace(ranks=[(Action(F, *PAIR),)], options={}), step=None,
                                   mesh=SimpleNamespace(pp_rank=0), device=torch.device("cpu"), extras={})
         offloader = Offloader(context, cheap)
         leaf = x.clone().requires_grad_()
@@ -187,7 +187,12 @@ def test_two_ranks_match_one_process():
              ("interleaved-1f1b", "full", {"recompute": True}), ("1f1b", "full", {"vocab_parallel": "vocab-2"}),
              ("zb-v", "full", {"recompute": "cheap"}),
              ("zb-v", "selective", {"vocab_parallel": "vocab-2"})]
-    _check_offloaded(spawn(2, parity_worker, _offload_cases(2, cases), {}, 8, 32, None, _stats, timeout=150))
+    # forwards paced to a slow copy stream (each waits for an earlier pair's OFFLOAD), as the transform builds them
+    paced = Offload("full").apply(build("interleaved-1f1b", 2, 4, 2),
+                                  Costs(f=1, b=2, comm=0.1, m_b=1, extra={"offload": 1.8}))
+    assert paced.options["offload"]["waits"]
+    runs = [*_offload_cases(2, cases), ("interleaved-1f1b paced", dict(schedule=paced, timeout=30))]
+    _check_offloaded(spawn(2, parity_worker, runs, {}, 8, 32, None, _stats, timeout=150))
 
 
 @pytest.mark.timeout(200)

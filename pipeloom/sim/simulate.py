@@ -13,6 +13,8 @@ from ..schedule.deps import asap
 from ..schedule.ir import Action, Schedule, parts
 from ..schedule.kinds import COMPOUND, KINDS
 
+_NOISE = 1e-9  # relative to the step: a wait for a side stream shorter than that is rounding
+
 
 class Event(NamedTuple):
     """One action as it ran (or would run): on ``rank`` from ``start`` to ``end``."""
@@ -171,6 +173,8 @@ def simulate(schedule: Schedule, costs: Costs | StageCosts | None = None) -> Res
         costs = (costs or Costs()).per_stage(schedule.stages, schedule.chunks)
     exposed = [0.0] * schedule.pp
     starts, ends = asap(schedule, costs.duration, costs.transfer, exposed)
+    span = max((max(e, default=0.0) for e in ends), default=0.0)
+    exposed = [w if w > _NOISE * span else 0.0 for w in exposed]  # a side stream's end equal but for rounding
     result = Result.from_times(schedule, costs, starts, ends, exposed)
     if not math.isfinite(result.makespan):
         raise PipeloomError(f"the costs are too large: the makespan overflows to {result.makespan}")

@@ -14,8 +14,9 @@ class Offload(Technique):
     name = "offload"
     summary = "activations copied to host memory between their forward and backward, on a copy stream"
     flags = (Flag("offload", "PipeOffload: copy activations to host memory after F and back before the backward, on "
-                  "one copy stream per rank, never delaying compute: each rank's peak as low as the stream allows "
-                  "(full) or down by --offload-ratio (selective, else full's and a line that says so); default none",
+                  "two copy streams per rank (one per direction), delaying no compute but the forwards a stream "
+                  "cannot keep up with (at most 2%% of the step): each rank's peak as low as the streams allow (full) "
+                  "or down by --offload-ratio (selective, else full's and a line that says so); default none",
                   choices=CHOICES, compared=True),
              Flag("offload_ratio", "with --offload selective: the share of each rank's activation peak to move, in "
                   "(0, 1]", type=float, metavar="R"))
@@ -47,7 +48,8 @@ class Offload(Technique):
         return f", offload {spec.offload}" + (f" {spec.offload_ratio:g}" if spec.offload_ratio is not None else "")
 
     def report(self, result, priced) -> dict:
-        """Policy and, per rank, peak host memory, what is offloaded per step and the copy time not
+        """Policy, the worst rank's peak cut and the step's time against no copies (``cut``, ``time``),
+        and, per rank, peak host memory, what is offloaded per step and the copy time not
         hidden (bytes and ms with --model, else in the units of --costs), and with --model PipeOffload's k."""
         from ..modes import RECOMPUTE
         from ..schedule.transforms.offload import OFFLOAD
@@ -56,7 +58,8 @@ class Offload(Technique):
         if not self.active(spec):
             return {}
         offloaded = [sum(costs.m_b[a.stage] for a in actions if a.kind == OFFLOAD) for actions in schedule.ranks]
-        report = {"policy": spec.offload, "ratio": spec.offload_ratio, "cut": _cut(result)}
+        cut, time = _against_bare(result)
+        report = {"policy": spec.offload, "ratio": spec.offload_ratio, "cut": cut, "time": time}
         if priced.model is None:
             report["ranks"] = [{"rank": r, "host": h, "offloaded": o, "exposed": e}
                                for r, (h, o, e) in enumerate(zip(result.peak_host, offloaded, result.exposed))]
@@ -133,9 +136,9 @@ class Offload(Technique):
         return tightest(actions, away)
 
 
-def _cut(result) -> float:
-    """The share of the worst rank's activation peak the copies remove: the schedule's simulated
-    peak against the same schedule's without its copies."""
+def _against_bare(result) -> tuple[float, float]:
+    """The share of the worst rank's activation peak the copies remove, and the step's time as a
+    multiple of its time without them: the schedule simulated against itself without its copies."""
     from dataclasses import replace
 
     from ..schedule.transforms.offload import OFFLOAD, RELOAD
@@ -145,17 +148,22 @@ def _cut(result) -> float:
     bare = replace(schedule, ranks=tuple(tuple(a for a in actions if a.kind not in (OFFLOAD, RELOAD))
                                          for actions in schedule.ranks),
                    options={k: v for k, v in schedule.options.items() if k != "offload"})
-    before = max(simulate(bare, result.costs).peak_activation)
-    return 1 - max(result.peak_activation) / before if before else 0.0
+    plain = simulate(bare, result.costs)
+    before = max(plain.peak_activation)
+    return (1 - max(result.peak_activation) / before if before else 0.0,
+            result.makespan / plain.makespan if plain.makespan else 1.0)
 
 
 def _cut_line(offload: dict) -> str:
-    """What the copies cut, and for selective offload short of its ratio, that it is the most."""
+    """What the copies cut, at what time, and for selective offload short of its ratio, that it is the most."""
     cut = f"the copies cut the worst rank's activation peak by {offload['cut']:.0%}"
+    if offload["time"] > 1 + 1e-9:
+        cut += (f", pacing forwards to the copy stream where it falls behind: the step takes "
+                f"{offload['time']:.3f}x its time without copies")
     if _short(offload):
         return (f"selective {offload['ratio']:g}: {cut}, not {offload['ratio']:.0%}: more copies would delay "
                 "compute (the copy streams are full where the peak is)")
-    return cut + (" without delaying compute" if offload["policy"] == "full" else "")
+    return cut + (" without delaying compute" if offload["policy"] == "full" and offload["time"] <= 1 + 1e-9 else "")
 
 
 def shortfall(report: dict) -> str | None:

@@ -29,6 +29,8 @@ allocated on its stream and marked used by the compute stream, which waits
 for the reload's event before the backward reads them. A host buffer goes
 back to the pool as its reload is issued, with the reload's event: the
 offload that takes it next waits for that copy before writing into it.
+A paced F (the schedule's ``waits``: Fs held back to the copy stream's pace in
+a warm-up) waits on the host for the offload it names before it allocates.
 On the CPU the same path copies synchronously into a separate pool, so tests
 run it.
 
@@ -56,6 +58,7 @@ from ...errors import PipeloomError
 from ...nn.recompute import cheap_recompute, recipe
 from ...schedule import OFFLOAD, RELOAD, F
 from ...schedule import Offload as Transform
+from ...schedule.transforms.offload import paced
 from ..parts import Part
 from . import around, register
 
@@ -225,6 +228,9 @@ class Offloader:
         self.context, self.device, self.cheap = context, context.device, cheap
         rank = context.schedule.ranks[context.mesh.pp_rank]
         self.offloaded = frozenset((a.stage, a.microbatch) for a in rank if a.kind == RELOAD)
+        #: a paced F's pair -> the pair whose OFFLOAD it waits for; the CUDA events of offloads they wait for
+        self.waits = {pair: waited for pair, waited in paced(context.schedule).items() if waited in self.offloaded}
+        self.copied: dict[tuple[int, int], torch.cuda.Event] = {}
         self.cuda = self.device.type == "cuda"
         #: one copy stream per direction (device to host, host to device): the host link carries both at once
         self.out = torch.cuda.Stream(self.device) if self.cuda else None
@@ -238,7 +244,12 @@ class Offloader:
 
     @contextmanager
     def forward(self, action):
-        """Around F ``action``: its hooks, and with ``cheap`` the model's rebuildable marks."""
+        """Around F ``action``: its hooks, and with ``cheap`` the model's rebuildable marks. A paced F
+        first waits on the host for the offload it waits for, so that its allocations can reuse
+        the memory that copy frees (the allocator hands a block back once the copy's stream is done)."""
+        copied = self.copied.pop(self.waits.get((action.stage, action.microbatch)), None)
+        if copied is not None:
+            copied.synchronize()
         with self.hooks(action), cheap_recompute() if self.cheap else nullcontext():
             yield
 
@@ -286,6 +297,7 @@ class Offloader:
                 if where.host is not None:
                     self.pool.give(where.host)
         self.captures.clear()
+        self.copied.clear()
         self.stats.new_step()
         self.step = self.context.step
 
@@ -308,6 +320,8 @@ class Offloader:
                     where.tensor.record_stream(self.out)
                 self.stats.offloaded += _nbytes(where.host)
                 where.tensor = None
+        if self.cuda and moving and pair in self.waits.values():
+            self.copied[pair] = self.out.record_event()
 
     def reload(self, action) -> None:
         """Copy the pair's offloaded ranges back to new device tensors; their buffers go back to the pool."""

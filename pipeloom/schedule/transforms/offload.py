@@ -11,13 +11,21 @@ carries both directions at once. Their time is the cost field ``offload``
 when an OFFLOAD ends and rises when a RELOAD starts; host memory holds it
 from the OFFLOAD's start to the RELOAD's end.
 
-No copy delays compute: each rank's copy streams are planned as timetables
-(:class:`_Link`), and a pair is copied only where its OFFLOAD fits ``d2h``
-after its F's end and its RELOAD (as late as it can) fits ``h2d`` to end by
-its backward's start, with an action between them (:meth:`_Pairs._fit`). A
-copy goes in the list after the last compute action that ends by its
-planned start, the copies in the order of their starts, so each stream,
-which runs its copies in list order, starts none later than planned.
+First no copy delays compute: each rank's copy streams are planned as
+timetables (:class:`_Link`), and a pair is copied only where its OFFLOAD fits
+``d2h`` after its F's end and its RELOAD (as late as it can) fits ``h2d`` to
+end by its backward's start, with an action between them
+(:meth:`_Pairs._fit`). A copy goes in the list after the last compute action
+that ends by its planned start, the copies in the order of their starts, so
+each stream, which runs its copies in list order, starts none later than
+planned.
+
+Where that stops short because a rank's forwards outrun ``d2h`` (a warm-up's
+back-to-back Fs, when a copy takes longer than an F), the rank's Fs may be
+paced to the stream: each F waits for the OFFLOAD a few offloads before it
+(``options["offload"]["waits"]``, :func:`_paced`), kept only where the step
+grows by at most :data:`PACE_COST`. In 1F1B the warm-up's Fs run ahead of
+when the next ranks need them, so pacing them costs little.
 
 Policies (:class:`Offload`), per rank:
 
@@ -29,10 +37,13 @@ Policies (:class:`Offload`), per rank:
   still fits (:meth:`_Sweep.lowest`); also for selective where the streams
   cannot reach (1 - r). Where it stops short, the eager placement (each
   OFFLOAD right after its F, the stream left to order the copies,
-  :func:`_eager`) is tried too, and the rank keeps the lower simulated peak.
+  :func:`_eager`) is tried too, and the rank keeps the lower simulated peak;
+  then the eager copies with paced Fs (:func:`_paced`: full keeps the lowest
+  peak, selective the quickest pace that reaches (1 - r)).
 
 Dependencies: OFFLOAD(s,i) after F(s,i); RELOAD(s,i) after OFFLOAD(s,i);
-the backward (B or BW) of an offloaded pair after its RELOAD.
+the backward (B or BW) of an offloaded pair after its RELOAD; a paced F
+after the OFFLOAD it waits for.
 
 Works with every family, with vocabulary parallelism (the vocabulary
 passes' buffers stay on the device) and with recomputation (then only the
@@ -114,9 +125,10 @@ class Offload:
         assembled = (_assemble(schedule, pairs, timed), eagerly)
         peaks = [_peaks(each, per_stage) for each in assembled]
         kept = [1 if r in short and peaks[1][r] < peaks[0][r] else 0 for r in range(schedule.pp)]
-        if len(set(kept)) == 1:
-            return assembled[kept[0]]
-        return _assemble(schedule, pairs, [(timed, eager)[k][r] for r, k in enumerate(kept)])
+        entries = [(timed, eager)[k][r] for r, k in enumerate(kept)]
+        best = assembled[kept[0]] if len(set(kept)) == 1 else _assemble(schedule, pairs, entries)
+        ratio = None if self.policy == "full" else self.ratio
+        return _paced(best, schedule, pairs, per_stage, entries, eager, short, ratio)
 
 
 class _Pairs:
@@ -415,11 +427,14 @@ def _timetabled(pairs: _Pairs, chosen: dict) -> list[tuple]:
     return entries
 
 
-def _assemble(schedule: Schedule, pairs: _Pairs, entries: list[list[tuple]]) -> Schedule:
-    """The schedule with each rank's copy ``entries`` (:func:`~. insert`'s) in its list, timed by
-    the bare schedule's program."""
+def _assemble(schedule: Schedule, pairs: _Pairs, entries: list[list[tuple]], waits: list | None = None) -> Schedule:
+    """The schedule with each rank's copy ``entries`` (:func:`~. insert`'s) in its list, and the
+    Fs' ``waits`` (:func:`_waits`) if any, timed by the bare schedule's program."""
     from .offload_program import with_copies  # it reads this module's kinds
     result = replace(schedule, ranks=insert(schedule.ranks, entries))
+    if waits:
+        result = replace(result, options={**result.options,
+                                          "offload": {**result.options["offload"], "waits": waits}})
     with_copies(result, pairs.schedule)
     return result
 
@@ -466,6 +481,64 @@ def _eager(schedule: Schedule, pairs: _Pairs, costs: StageCosts) -> tuple[list[l
 
 #: How many times an eager RELOAD moves earlier while its backward waits before its pair is left out.
 _MOVES = 3
+#: Paces tried (:func:`_paced`): an F waits until at most this many of its rank's earlier offloads are unfinished.
+PACES = (1, 2)
+#: The most time pacing may add to the step (a fraction of the unpaced step).
+PACE_COST = 0.02
+
+
+def _paced(best: Schedule, schedule: Schedule, pairs: _Pairs, costs: StageCosts, entries: list, eager: list,
+           short: set, ratio: float | None) -> Schedule:
+    """``best`` (copies that delay no compute, in ``schedule``), or, where the copy stream falls behind the
+    forwards of a rank in ``short`` (a warm-up's back-to-back Fs make activations faster than
+    the host link takes them), that rank's eager copies with its Fs paced to the stream: each F
+    waits for the OFFLOAD ``pace`` offloads before it (``options["offload"]["waits"]``). A rank is
+    paced where that lowers its simulated peak; a pace of :data:`PACES` counts where the step grows
+    by at most :data:`PACE_COST` and the largest peak falls. Full keeps the lowest peak; selective
+    the quickest that reaches (1 - ``ratio``) of the largest peak without offload, else the lowest."""
+    before, span = _peaks(best, costs), _span(best, costs)
+    found = []
+    for pace in PACES:
+        trial = _peaks(_assemble(schedule, pairs, eager, _waits(schedule.ranks, eager, short, pace)), costs)
+        chosen = {r for r in short if trial[r] < before[r] - _slack(before[r])}
+        if not chosen:
+            continue
+        mixed = [eager[r] if r in chosen else entries[r] for r in range(schedule.pp)]
+        paced = _assemble(schedule, pairs, mixed, _waits(schedule.ranks, mixed, chosen, pace))
+        peak, time = max(_peaks(paced, costs)), _span(paced, costs)
+        if peak < max(before) - _slack(max(before)) and time <= (1 + PACE_COST) * span:
+            found.append((peak, time, pace, paced))
+    if not found:
+        return best
+    if ratio is not None:
+        target = (1 - ratio) * max(_peaks(pairs.schedule, costs))
+        reached = [f for f in found if f[0] <= target + _slack(target)]
+        if reached:
+            return min(reached, key=lambda f: (f[1], f[2]))[3]
+    return min(found, key=lambda f: (f[0], f[1], f[2]))[3]
+
+
+def _waits(ranks, entries: list[list[tuple]], paced: set, pace: int) -> list[list[int]]:
+    """Each F of a ``paced`` rank after ``pace`` offloaded Fs, as ``[stage, microbatch, stage,
+    microbatch]``: it waits for the OFFLOAD of the pair ``pace`` offloads before it (the eager
+    copies put each OFFLOAD right after its F, so that OFFLOAD is earlier in the list)."""
+    waits = []
+    for r in sorted(paced):
+        copied = {pair for *_, pair, action in entries[r] if action.kind == OFFLOAD}
+        done = []
+        for a in ranks[r]:
+            if a.kind != F:
+                continue
+            if len(done) >= pace:
+                waits.append([a.stage, a.microbatch, *done[-pace]])
+            if (a.stage, a.microbatch) in copied:
+                done.append((a.stage, a.microbatch))
+    return waits
+
+
+def _span(schedule: Schedule, costs: StageCosts) -> float:
+    """The simulated step: the last action's end."""
+    return max(max(ends, default=0.0) for ends in asap(schedule, costs.duration, costs.transfer)[1])
 
 
 def _issued(schedule: Schedule, pairs: _Pairs, issue: dict) -> list[list[tuple]]:
@@ -512,16 +585,24 @@ def _reload_needs(action, deps):
     return (Action(OFFLOAD, action.stage, action.microbatch),)
 
 
+def paced(schedule: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
+    """The Fs that wait for an earlier pair's OFFLOAD (:func:`_waits`): pair -> that pair."""
+    return {(s, i): (t, j) for s, i, t, j in (schedule.options.get("offload") or {}).get("waits", ())}
+
+
 @register_inputs
-def _backward_inputs(schedule: Schedule):
-    """The backward of an offloaded pair after its RELOAD: in offloaded schedules."""
+def _copy_inputs(schedule: Schedule):
+    """In offloaded schedules, the backward of an offloaded pair after its RELOAD, and a paced F
+    after the OFFLOAD it waits for."""
     if not schedule.options.get("offload"):
         return None
 
     def rule(action, deps):
-        kind = action.kind
-        if (kind == B or kind == BW) and (action.stage, action.microbatch) in deps.fact("offload", _offloaded):
-            return (Action(RELOAD, action.stage, action.microbatch),)
+        kind, pair = action.kind, (action.stage, action.microbatch)
+        if (kind == B or kind == BW) and pair in deps.fact("offload", _offloaded):
+            return (Action(RELOAD, *pair),)
+        if kind == F and (waited := deps.fact("offload waits", paced).get(pair)) is not None:
+            return (Action(OFFLOAD, *waited),)
         return ()
     return rule
 
@@ -546,6 +627,11 @@ def check_copies(schedule: Schedule) -> None:
         have, missing = (OFFLOAD, RELOAD) if pair in offloads else (RELOAD, OFFLOAD)
         rank = schedule.placement[pair[0]]
         raise ScheduleError(f"rank {rank}: {have} {pair[0]}:{pair[1]} has no {missing} of the same stage and microbatch")
+    for pair, waited in paced(schedule).items():
+        rank = schedule.placement[pair[0]]
+        if offloads.get(waited) != rank:
+            raise ScheduleError(f"rank {rank}: F {pair[0]}:{pair[1]} waits for OFFLOAD {waited[0]}:{waited[1]}, "
+                                "which is not on its rank (options['offload']['waits'] names offloads of the F's rank)")
 
 
 register(Kind(OFFLOAD, "offload", needs=_offload_needs, memory=((-1.0, "m_b"),), host=((1.0, "m_b"),),

@@ -13,7 +13,7 @@ from __future__ import annotations
 from .. import deps as _deps
 from ..ir import BW, B, F, Action, Schedule
 from ..kinds import KINDS
-from .offload import OFFLOAD, RELOAD, _offloaded
+from .offload import OFFLOAD, RELOAD, _offloaded, paced
 
 
 def with_copies(schedule: Schedule, base: Schedule) -> None:
@@ -21,9 +21,10 @@ def with_copies(schedule: Schedule, base: Schedule) -> None:
     (:func:`~..deps.asap`'s) derived from ``base``'s: each base action keeps its inputs (the copies,
     on a side stream, never advance a rank's clock), each copy waits for its rank's clock at its
     place in the list, the stream's previous copy and its pair's F or OFFLOAD, each reloaded pair's
-    backward for its RELOAD too; the order runs each copy as its rank's list reaches it. What
-    compiling ``schedule`` gives, in a fraction of its time (the placement times each of its
-    attempts); anything else, and the program is compiled as usual."""
+    backward for its RELOAD too, and each paced F for the OFFLOAD it waits for; the order runs each
+    copy as its rank's list reaches it. What compiling ``schedule`` gives, in a fraction of its
+    time (the placement times each of its attempts); anything else, and the program is compiled
+    as usual."""
     registry = (tuple(KINDS.values()), tuple(_deps.INPUT_RULES))
     entry = _deps._programs.get(id(schedule))
     if entry is not None and entry[0] == registry:
@@ -79,7 +80,7 @@ def _derive(schedule: Schedule, base: Schedule):
             return None
         copies.append(mine)
     old_keys = old.steps[2]
-    offloaded = _offloaded(schedule)
+    offloaded, waits = _offloaded(schedule), paced(schedule)
     reloads = {}  # pair -> slot of its RELOAD
     forwards = {}  # pair -> slot of its F
     copied = {}  # pair -> slot of its OFFLOAD
@@ -120,7 +121,10 @@ def _derive(schedule: Schedule, base: Schedule):
             if a != Action(F, a.stage, a.microbatch):
                 return None
             forwards[a.stage, a.microbatch] = slot
-            sides.append(None)
+            waited = waits.get((a.stage, a.microbatch))
+            if waited is not None and waited not in copied:
+                return None  # its OFFLOAD comes later in the list: compiling says so
+            sides.append(None if waited is None else (r, (zero, copied[waited])))
         elif a.kind in backward and (a.stage, a.microbatch) in offloaded:
             waited = reloads.get((a.stage, a.microbatch))
             if waited is None:
