@@ -121,12 +121,9 @@ def _json_batches(path: Path, field: str) -> Iterator[list[str]]:
             if not isinstance(record, dict):
                 raise PipeloomError(f"--data {path}, line {number}: a JSON {type(record).__name__}, not an "
                                     "object; JSON lines hold one object per line")
-            if field not in record:
-                _check_field(f"{path}, line {number},", field, list(record))
-            text = record[field]
-            if text is not None and not isinstance(text, str):
-                raise PipeloomError(f"--data {path}, line {number}: field {field!r} holds a "
-                                    f"{type(text).__name__}, not text; choose a text field with --text-field")
+            text = record.get(field)
+            if field not in record or not isinstance(text, (str, type(None))):
+                _check_field(f"{path}, line {number}", field, list(record), type(text).__name__)
             batch.append(text)
             if len(batch) == BATCH:
                 yield batch
@@ -150,7 +147,7 @@ def _parquet_batches(path: Path, field: str) -> Iterator[list[str]]:
 def _check_field(where, field: str, fields: list[str], dtype: str | None = None) -> None:
     """Refuse a dataset without a text field ``field`` in one line, naming the fields it has."""
     if field not in fields:
-        raise PipeloomError(f"--data {where} has no field {field!r}; its fields: {', '.join(map(str, fields)) or 'none'}; "
+        raise PipeloomError(f"--data {where}: no field {field!r}; its fields: {', '.join(map(str, fields)) or 'none'}; "
                             "choose the text with --text-field")
     if dtype not in (None, "string", "large_string", "string_view"):
         raise PipeloomError(f"--data {where}: field {field!r} holds {dtype}, not text; "
