@@ -231,40 +231,45 @@ def _tokenized(texts: _TextFiles | Documents, source: str, tokenizer: str, vocab
     eos = end_of_text(tokenizer_path if tokenizer == "bpe" else tokenizer) if documents else None
     vocab = BYTE_VOCAB if tokenizer == "bytes" else tokenizers.Tokenizer.from_file(named).get_vocab_size()
     if not tokens_path.is_file():
-        _write_tokens(tokens_path, texts, named, _dtype(vocab), eos, _progress_bar(progress, texts, source), source)
+        _write_tokens(tokens_path, texts, source, named, _dtype(vocab), eos, progress)
     tokens = np.memmap(tokens_path, dtype=_dtype(vocab), mode="r")
     kind = "bytes" if tokenizer == "bytes" else f"BPE {vocab} tokens"
     return TokenData(tokens, vocab, f"{source}, {kind} ({len(tokens)} tokens)", named, eos)
 
 
-def _write_tokens(path: Path, texts, tokenizer: str, dtype, eos: int | None, bar, source: str) -> None:
-    """Tokenize ``texts`` a batch at a time into ``path``, each text followed by ``eos`` unless None
-    (or it ends so already: a tokenizer that appends it itself); empty ones left out."""
+def _write_tokens(path: Path, texts, source: str, tokenizer: str, dtype, eos: int | None, progress: bool) -> None:
+    """Tokenize ``texts`` a batch at a time into ``path``, empty ones left out, each followed by ``eos``
+    unless None (or it ends so already: a tokenizer that appends it itself)."""
     if tokenizer == "bytes":
         def encode(batch):
-            return [t.encode("utf-8") for t in batch]
+            return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in batch]
     else:
         import tokenizers
 
         model = tokenizers.Tokenizer.from_file(tokenizer)
 
         def encode(batch):
-            return [e.ids for e in model.encode_batch(batch)]
-    written = 0
-    with _atomic(path) as out:
-        for batch in texts.batches():
-            for ids in encode([t for t in batch if t]):
-                ids = np.asarray(list(ids), dtype=dtype)
-                if eos is not None and (not len(ids) or ids[-1] != eos):
-                    ids = np.append(ids, np.array(eos, dtype=dtype))
-                out.write(ids.tobytes())
-                written += len(ids)
-            if bar is not None:
-                bar.update(len(batch))
+            return [np.asarray(e.ids, dtype=dtype) for e in model.encode_batch(batch)]
+    end = None if eos is None else np.array([eos], dtype=dtype)
+    written, bar = 0, _progress_bar(progress, texts, source)
+    try:
+        with _atomic(path) as out:
+            for batch in texts.batches():
+                pieces = []
+                for ids in encode([t for t in batch if t]):
+                    pieces.append(ids)
+                    if end is not None and (not len(ids) or ids[-1] != eos):
+                        pieces.append(end)
+                chunk = np.concatenate(pieces).astype(dtype) if pieces else np.array([], dtype=dtype)
+                out.write(chunk.tobytes())
+                written += len(chunk)
+                if bar is not None:
+                    bar.update(len(batch))
+            if not written:
+                raise PipeloomError(f"{source}: no text to train on")
+    finally:
         if bar is not None:
             bar.close()
-        if not written:
-            raise PipeloomError(f"{source}: no text to train on")
 
 
 def _progress_bar(enabled: bool, texts, source: str):

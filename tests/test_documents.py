@@ -241,3 +241,15 @@ def test_training_on_json_lines_end_to_end(tmp_path):
     refused = train_forked("--data", "corpus.jsonl", "--text-field", "body", "--steps", "3", cwd=tmp_path)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
     assert "corpus.jsonl, line 1: no field 'body'; its fields: id, text" in refused.stderr
+
+
+def test_a_missing_package_stops_the_command_before_launch(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    from launching import train_forked
+
+    write_parquet(tmp_path / "corpus.parquet", DOCS)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    done = train_forked("--data", "corpus.parquet", "--steps", "3", cwd=tmp_path,
+                        env={"PIPELOOM_CACHE": str(tmp_path / "cache")})
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "corpus.parquet is Parquet, which needs the pyarrow package: pip install 'pipeloom[data]'" in done.stderr
