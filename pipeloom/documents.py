@@ -52,8 +52,7 @@ class Documents:
             return self._dataset().num_rows
         if any(f.suffix != PARQUET_SUFFIX for f in self.files):
             return None
-        parquet = _package("pyarrow.parquet", self.path, "Parquet", "pyarrow")
-        return sum(parquet.ParquetFile(f).metadata.num_rows for f in self.files)
+        return sum(_parquet_file(f).metadata.num_rows for f in self.files)
 
     def batches(self) -> Iterator[list[str]]:
         """The texts (a null one as None), in order, up to :data:`BATCH` at a time."""
@@ -132,12 +131,16 @@ def _json_batches(path: Path, field: str) -> Iterator[list[str]]:
         yield batch
 
 
-def _parquet_batches(path: Path, field: str) -> Iterator[list[str]]:
+def _parquet_file(path: Path):
     parquet = _package("pyarrow.parquet", path, "Parquet", "pyarrow")
     try:
-        table = parquet.ParquetFile(path)
+        return parquet.ParquetFile(path)
     except Exception as err:  # noqa: BLE001 -- pyarrow's own errors
         raise PipeloomError(f"--data {path}: not a Parquet file that can be read: {err}") from None
+
+
+def _parquet_batches(path: Path, field: str) -> Iterator[list[str]]:
+    table = _parquet_file(path)
     schema = table.schema_arrow
     _check_field(path, field, schema.names, str(schema.field(field).type) if field in schema.names else None)
     for batch in table.iter_batches(batch_size=BATCH, columns=[field]):
