@@ -1,20 +1,23 @@
 """Training data for ``pipeloom train``: a token stream and deterministic batches from it.
 
-Three sources, all one flat stream of token ids:
+Four sources, all one flat stream of token ids:
 
 - the built-in corpus (no path): the Python standard library's own source
   files, present on every machine;
 - a text file, or a directory of them (every file without NUL bytes, in
   sorted path order);
+- a dataset of documents (:mod:`pipeloom.documents`: JSON lines, Parquet, a
+  ``datasets`` directory): each document's text, tokenized, then the
+  tokenizer's end-of-text token (:func:`end_of_text`), packed one after another;
 - a binary token file (``*.bin``, or any file with ``token_dtype``): token ids
   as ``uint16`` or ``uint32``, memory-mapped, never read whole.
 
 Text is tokenized by bytes (one token per byte, vocabulary 256) or by BPE:
 a byte-level BPE tokenizer of the ``tokenizers`` package, trained on the text
-itself to ``vocab_size`` tokens or loaded from a ``tokenizer.json``. A BPE
-tokenizer and the token stream it makes are cached (``$PIPELOOM_CACHE``,
-default ``~/.cache/pipeloom``), keyed by the files, their sizes and times,
-and the tokenizer.
+itself to ``vocab_size`` tokens (``<|endoftext|>`` among them) or loaded from
+a ``tokenizer.json``. A BPE tokenizer and the token stream it makes, and a
+dataset's stream, are cached (``$PIPELOOM_CACHE``, default ``~/.cache/pipeloom``),
+keyed by the files, their sizes and times, the tokenizer and the text field.
 
 Batches are drawn at random positions from a generator seeded by (seed, step),
 so step ``n`` sees the same batch in an uninterrupted run and after a resume.
@@ -28,15 +31,23 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import sysconfig
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
+from .documents import Documents, open_documents
 from .errors import PipeloomError
 
 BYTE_VOCAB = 256
+BYTE_EOS = 0  # the byte tokenizer's end of text: see end_of_text
+#: End-of-text tokens by their usual names (GPT-2's, Llama 3's, Llama 2's and Mistral's, Gemma's).
+EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+LARGE = 64 << 20  # bytes of data above which tokenizing shows its progress even where stderr is no terminal
+_CACHE_FORMAT = 2  # bumped when the cached streams or tokenizers change their meaning
 BPE_VOCAB = 32_000  # the default size of a trained BPE vocabulary
 TOKEN_DTYPES = ("uint16", "uint32")
 # Library code only: the test suites and the IDE are left out of the default corpus.
@@ -47,12 +58,13 @@ _SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "
 class TokenData:
     """A stream of token ids below ``vocab_size``, and where it came from. ``tokenizer``
     made the ids from text: ``"bytes"``, the path of a BPE ``tokenizer.json``, or None
-    (a token file: ids from elsewhere)."""
+    (a token file: ids from elsewhere); ``eos`` ends each document of a dataset (else None)."""
 
     tokens: np.ndarray
     vocab_size: int
     source: str
     tokenizer: str | None = "bytes"
+    eos: int | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -83,13 +95,18 @@ class TokenData:
 
 
 def load_data(path: str | os.PathLike | None = None, token_dtype: str | None = None,
-              vocab_size: int | None = None, tokenizer: str = "bytes") -> TokenData:
+              vocab_size: int | None = None, tokenizer: str = "bytes", text_field: str | None = None,
+              progress: bool = False) -> TokenData:
     """The token stream at ``path`` (see the module docstring); the built-in corpus if None.
 
-    ``token_dtype`` reads ``path`` as a token file; ``vocab_size`` declares a
-    token file's vocabulary (by default its largest id plus one), or the size
-    of a BPE vocabulary to train. ``tokenizer`` ("bytes", "bpe", or the path
-    of a ``tokenizer.json``) tokenizes text.
+    Args:
+        token_dtype: read ``path`` as a token file of this type.
+        vocab_size: a token file's vocabulary (by default its largest id plus one),
+            or the size of a BPE vocabulary to train.
+        tokenizer: "bytes", "bpe" (trained on the text), or the path of a ``tokenizer.json``.
+        text_field: the field of a dataset's documents that holds their text (default ``text``).
+        progress: show a bar on stderr while tokenizing, when stderr is a terminal or the
+            corpus is over :data:`LARGE` bytes (and ``tqdm`` is installed).
     """
     if path is None:
         files, source = stdlib_sources(), "the built-in corpus (Python standard library sources)"
@@ -97,6 +114,14 @@ def load_data(path: str | os.PathLike | None = None, token_dtype: str | None = N
         path = Path(path)
         if not path.exists():
             raise PipeloomError(f"--data {path}: no such file or directory")
+        documents = open_documents(path, text_field or "text")
+        if documents is not None:
+            if token_dtype is not None:
+                raise PipeloomError(f"--data {path} is a dataset of documents, not a token file; drop --token-dtype")
+            return _tokenized(documents, documents.source, tokenizer, vocab_size, progress)
+        if text_field is not None:
+            raise PipeloomError(f"--text-field {text_field}: --data {path} is not a dataset of documents "
+                                "(JSON lines, Parquet or a datasets directory)")
         if path.is_dir():
             files = _text_files(path)
             source = f"{path} ({len(files)} text files)"
@@ -112,7 +137,36 @@ def load_data(path: str | os.PathLike | None = None, token_dtype: str | None = N
             files, source = [path], str(path)
     if tokenizer == "bytes":
         return _bytes_data(files, source)
-    return _bpe_data(files, source, tokenizer, vocab_size or BPE_VOCAB)
+    return _tokenized(_TextFiles(tuple(files)), source, tokenizer, vocab_size, progress)
+
+
+def end_of_text(tokenizer: str | os.PathLike) -> int:
+    """The id that ends each document of a dataset tokenized by ``tokenizer``.
+
+    - ``"bytes"``: 0, the NUL byte. The 256 byte ids leave no spare one; NUL is a single token
+      that text hardly ever holds (a file with one is skipped as binary here), where the
+      other candidate, a blank line, is two tokens that most documents hold within them.
+    - the path of a ``tokenizer.json``: the ``eos_token`` of the ``tokenizer_config.json``
+      beside it (a Hugging Face model directory's), else the first of :data:`EOS_NAMES` in its
+      vocabulary (pipeloom's trained BPE reserves ``<|endoftext|>``).
+    """
+    if str(tokenizer) == "bytes":
+        return BYTE_EOS
+    import tokenizers
+
+    model = tokenizers.Tokenizer.from_file(str(tokenizer))
+    config = Path(tokenizer).with_name("tokenizer_config.json")
+    eos = json.loads(config.read_text()).get("eos_token") if config.is_file() else None
+    if eos is not None:
+        name = eos["content"] if isinstance(eos, dict) else eos
+        if model.token_to_id(name) is None:
+            raise PipeloomError(f"--tokenizer {tokenizer}: the eos_token {name!r} of {config} is not in its vocabulary")
+        return model.token_to_id(name)
+    for name in EOS_NAMES:
+        if model.token_to_id(name) is not None:
+            return model.token_to_id(name)
+    raise PipeloomError(f"--tokenizer {tokenizer} has no end-of-text token to end each document with: no eos_token "
+                        f"in a tokenizer_config.json beside it, and none of {', '.join(EOS_NAMES)} in its vocabulary")
 
 
 def stdlib_sources() -> list[Path]:
@@ -132,43 +186,118 @@ def _bytes_data(files: list[Path], source: str) -> TokenData:
     return TokenData(data, BYTE_VOCAB, source, "bytes")
 
 
-def _bpe_data(files: list[Path], source: str, tokenizer: str, vocab_size: int) -> TokenData:
-    """``files`` as BPE tokens: a tokenizer trained on them (``tokenizer == "bpe"``) or
-    loaded from ``tokenizer``; both it and the tokens are cached."""
-    try:
-        import tokenizers
-    except ImportError:
-        raise PipeloomError("--tokenizer needs the tokenizers package: pip install 'pipeloom[bpe]'") from None
-    if tokenizer != "bpe" and not Path(tokenizer).is_file():
-        raise PipeloomError(f"--tokenizer {tokenizer}: no such file; use bytes, bpe, or the path of a tokenizer.json")
-    if tokenizer == "bpe" and vocab_size < BYTE_VOCAB:
-        raise PipeloomError(f"--vocab-size {vocab_size}: a byte-level BPE vocabulary needs at least {BYTE_VOCAB}")
-    key = hashlib.sha1(json.dumps([
-        tokenizers.__version__, tokenizer, vocab_size if tokenizer == "bpe" else _stamp(Path(tokenizer)),
-        [_stamp(f) for f in files]]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("PIPELOOM_CACHE", Path.home() / ".cache" / "pipeloom")) / "bpe"
+@dataclass(frozen=True)
+class _TextFiles:
+    """Text files, each one text (bytes that are not UTF-8 replaced); :class:`Documents`' interface."""
+
+    files: tuple[Path, ...]
+
+    def count(self) -> int:
+        return len(self.files)
+
+    def batches(self):
+        for f in self.files:
+            yield [f.read_bytes().decode("utf-8", errors="replace")]
+
+
+def _tokenized(texts: _TextFiles | Documents, source: str, tokenizer: str, vocab_size: int | None,
+               progress: bool) -> TokenData:
+    """``texts`` as tokens of ``tokenizer`` ("bytes", "bpe": a BPE trained on them, or the path of a
+    ``tokenizer.json``), each document followed by the end-of-text token; the stream and a BPE
+    tokenizer are cached."""
+    documents = isinstance(texts, Documents)
+    if tokenizer == "bytes":
+        made_by = None
+    else:
+        try:
+            import tokenizers
+        except ImportError:
+            raise PipeloomError("--tokenizer needs the tokenizers package: pip install 'pipeloom[bpe]'") from None
+        if tokenizer != "bpe" and not Path(tokenizer).is_file():
+            raise PipeloomError(f"--tokenizer {tokenizer}: no such file; use bytes, bpe, or the path of a tokenizer.json")
+        vocab_size = vocab_size or BPE_VOCAB
+        if tokenizer == "bpe" and vocab_size < BYTE_VOCAB:
+            raise PipeloomError(f"--vocab-size {vocab_size}: a byte-level BPE vocabulary needs at least {BYTE_VOCAB}")
+        made_by = [tokenizers.__version__, vocab_size if tokenizer == "bpe" else _stamp(Path(tokenizer))]
+    key = hashlib.sha1(json.dumps([_CACHE_FORMAT, tokenizer, made_by, documents and texts.field,
+                                   [_stamp(f) for f in texts.files]]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("PIPELOOM_CACHE", Path.home() / ".cache" / "pipeloom")) / "tokens"
+    cache.mkdir(parents=True, exist_ok=True)
     tokens_path, tokenizer_path = cache / f"{key}.tokens", cache / f"{key}.tokenizer.json"
-    if not tokens_path.is_file():
-        model = _train_bpe(files, vocab_size) if tokenizer == "bpe" else tokenizers.Tokenizer.from_file(tokenizer)
-        texts = [f.read_bytes().decode("utf-8", errors="replace") for f in files]
-        ids = np.concatenate([np.asarray(e.ids, dtype=np.uint32) for e in model.encode_batch(texts)])
-        vocab = model.get_vocab_size()
-        cache.mkdir(parents=True, exist_ok=True)
+    if tokenizer != "bytes" and not tokenizer_path.is_file():
+        model = _train_bpe(texts, vocab_size) if tokenizer == "bpe" else tokenizers.Tokenizer.from_file(tokenizer)
         _write_atomically(tokenizer_path, model.to_str().encode())
-        _write_atomically(tokens_path, ids.astype(np.uint16 if vocab <= 1 << 16 else np.uint32).tobytes())
-    vocab = tokenizers.Tokenizer.from_file(str(tokenizer_path)).get_vocab_size()
-    tokens = np.memmap(tokens_path, dtype=np.uint16 if vocab <= 1 << 16 else np.uint32, mode="r")
-    return TokenData(tokens, vocab, f"{source}, BPE {vocab} tokens ({len(tokens)} tokens)", str(tokenizer_path))
+    named = "bytes" if tokenizer == "bytes" else str(tokenizer_path)
+    eos = end_of_text(tokenizer_path if tokenizer == "bpe" else tokenizer) if documents else None
+    vocab = BYTE_VOCAB if tokenizer == "bytes" else tokenizers.Tokenizer.from_file(named).get_vocab_size()
+    if not tokens_path.is_file():
+        _write_tokens(tokens_path, texts, source, named, _dtype(vocab), eos, progress)
+    tokens = np.memmap(tokens_path, dtype=_dtype(vocab), mode="r")
+    kind = "bytes" if tokenizer == "bytes" else f"BPE {vocab} tokens"
+    return TokenData(tokens, vocab, f"{source}, {kind} ({len(tokens)} tokens)", named, eos)
 
 
-def _train_bpe(files: list[Path], vocab_size: int):
+def _write_tokens(path: Path, texts, source: str, tokenizer: str, dtype, eos: int | None, progress: bool) -> None:
+    """Tokenize ``texts`` a batch at a time into ``path``, empty ones left out, each followed by ``eos``
+    unless None (or it ends so already: a tokenizer that appends it itself)."""
+    if tokenizer == "bytes":
+        def encode(batch):
+            return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in batch]
+    else:
+        import tokenizers
+
+        model = tokenizers.Tokenizer.from_file(tokenizer)
+
+        def encode(batch):
+            return [np.asarray(e.ids, dtype=dtype) for e in model.encode_batch(batch)]
+    end = None if eos is None else np.array([eos], dtype=dtype)
+    written, bar = 0, _progress_bar(progress, texts, source)
+    try:
+        with _atomic(path) as out:
+            for batch in texts.batches():
+                pieces = []
+                for ids in encode([t for t in batch if t]):
+                    pieces.append(ids)
+                    if end is not None and (not len(ids) or ids[-1] != eos):
+                        pieces.append(end)
+                chunk = np.concatenate(pieces).astype(dtype) if pieces else np.array([], dtype=dtype)
+                out.write(chunk.tobytes())
+                written += len(chunk)
+                if bar is not None:
+                    bar.update(len(batch))
+            if not written:
+                raise PipeloomError(f"{source}: no text to train on")
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _progress_bar(enabled: bool, texts, source: str):
+    """A tqdm bar on stderr counting the texts tokenized, or None: only when ``enabled``, ``tqdm`` is
+    installed and stderr is a terminal or the data is over :data:`LARGE` bytes."""
+    if not enabled or not (sys.stderr.isatty() or sum(f.stat().st_size for f in texts.files) > LARGE):
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=texts.count(), desc=f"tokenizing {source}", unit=" texts", file=sys.stderr,
+                mininterval=0.5 if sys.stderr.isatty() else 30)
+
+
+def _dtype(vocab: int):
+    return np.uint8 if vocab <= BYTE_VOCAB else np.uint16 if vocab <= 1 << 16 else np.uint32
+
+
+def _train_bpe(texts, vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     model = Tokenizer(models.BPE())
     model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     model.decoder = decoders.ByteLevel()
-    model.train([str(f) for f in files], trainers.BpeTrainer(
-        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    model.train_from_iterator((t for batch in texts.batches() for t in batch if t), trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[EOS_NAMES[0]],
+        show_progress=False))
     return model
 
 
@@ -177,11 +306,22 @@ def _stamp(path: Path) -> list:
     return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a concurrent reader (another rank) never sees half of it."""
+@contextmanager
+def _atomic(path: Path):
+    """A file to write ``path`` through, so that a concurrent reader (another rank) never sees half of it:
+    it becomes ``path`` when the block ends without an error, and is removed when it raises."""
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    partial.write_bytes(data)
-    os.replace(partial, path)
+    try:
+        with partial.open("wb") as out:
+            yield out
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    with _atomic(path) as out:
+        out.write(data)
 
 
 def _text_files(root: Path) -> list[Path]:

@@ -101,7 +101,7 @@ def test_bpe_is_trained_on_the_text_cached_and_decodes_back(tmp_path, monkeypatc
     data = load_data(tmp_path / "code.py", vocab_size=300, tokenizer="bpe")
     assert 256 < data.vocab_size <= 300 and "BPE" in data.source
     assert len(data) < len(text.encode()) / 2  # merges learned from the text compress it
-    (saved,) = (tmp_path / "cache" / "bpe").glob("*.tokenizer.json")
+    (saved,) = (tmp_path / "cache" / "tokens").glob("*.tokenizer.json")
     assert tokenizers.Tokenizer.from_file(str(saved)).decode(data.tokens.tolist()) == text
     again = load_data(tmp_path / "code.py", vocab_size=300, tokenizer="bpe")  # from the cache
     assert np.array_equal(again.tokens, data.tokens)

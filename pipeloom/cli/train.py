@@ -39,8 +39,12 @@ def add_parser(sub) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches (default 0)")
     g = p.add_argument_group("data")
     g.add_argument("--data", metavar="PATH",
-                   help="a text file, a directory of text files, or a token file (*.bin); "
-                        "default: the Python standard library's sources, byte-level")
+                   help="a text file, a directory of text files, a token file (*.bin), or a dataset of documents: "
+                        "JSON lines (*.jsonl, *.json), Parquet (*.parquet), a datasets save_to_disk directory, or a "
+                        "directory of JSON lines and Parquet files (each document ends with the end-of-text token; "
+                        "cached); default: the Python standard library's sources, byte-level")
+    g.add_argument("--text-field", metavar="NAME",
+                   help="the field of --data's documents that holds their text (default: text)")
     g.add_argument("--token-dtype", choices=("uint16", "uint32"), help="read --data as a token file of this type (*.bin: uint16)")
     g.add_argument("--tokenizer", default="bytes", metavar="bytes|bpe|FILE.json",
                    help="tokenize text by bytes (default), by a byte-level BPE trained on the data "

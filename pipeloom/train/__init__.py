@@ -28,8 +28,8 @@ import sys
 
 from ..builder import build_run
 from ..cli.flags import spec_of
-from ..data import load_data
-from .config import TrainConfig, check, check_resume, check_steps, learning_rate, split_data, with_vocab
+from .config import (TrainConfig, check, check_resume, check_steps, learning_rate, split_data, training_data,
+                     with_vocab)
 from .loop import Trainer
 from .report import dry_run, report
 
@@ -51,7 +51,7 @@ def run(args) -> int:
         return worker(lambda: spec_of(args), config)
     spec = spec_of(args).check_runnable()
     check(config, spec)
-    data = load_data(config.data, config.token_dtype, config.vocab_size, config.tokenizer)  # a bad path stops here
+    data = training_data(config, progress=not config.json)  # a bad path stops here; tokenized (and cached) once
     spec = with_vocab(spec, data.vocab_size)
     if config.dry_run:
         return dry_run(config, spec)

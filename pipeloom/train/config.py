@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from ..data import TokenData, load_data
 from ..errors import PipeloomError
 from ..paths import prepare_output, prepare_output_dir
 from ..presets import SIZES
@@ -34,6 +35,7 @@ class TrainConfig:
     data: str | None = None
     token_dtype: str | None = None
     tokenizer: str = "bytes"
+    text_field: str | None = None
     vocab_size: int | None = None
     val_fraction: float = 0.05
     eval_every: int | None = None
@@ -164,6 +166,11 @@ def model_vocab(spec: RunSpec) -> int:
 def positions(spec: RunSpec) -> dict:
     """The context length of a preset that has none (a simulator-sized model): --seq."""
     return {} if SIZES[spec.model].block_size else {"block_size": spec.seq}
+
+
+def training_data(config: TrainConfig, progress: bool) -> TokenData:
+    """The run's token stream, from its data flags; ``progress``: a bar on stderr while tokenizing."""
+    return load_data(config.data, config.token_dtype, config.vocab_size, config.tokenizer, config.text_field, progress)
 
 
 def split_data(data, config: TrainConfig, seq: int):

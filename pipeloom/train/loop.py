@@ -12,11 +12,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..builder import build_run, costs_of
-from ..data import load_data
 from ..errors import PipeloomError, first_line
 from ..spec import RunSpec
 from ..techniques import TECHNIQUES
-from .config import check, check_resume, check_steps, learning_rate, model_vocab, positions, split_data, with_vocab
+from .config import (check, check_resume, check_steps, learning_rate, model_vocab, positions, split_data,
+                     training_data, with_vocab)
 from .report import report
 
 
@@ -124,7 +124,7 @@ class Trainer:
         self.config, self.device, self.stop = config, device, stop
         self.last_saved: Path | None = None  # the newest checkpoint this run saved or resumed from
         self.rank = dist.get_rank()
-        self.data = load_data(config.data, config.token_dtype, config.vocab_size, config.tokenizer)
+        self.data = training_data(config, progress=self.rank == 0)
         self.spec = spec = with_vocab(spec, self.data.vocab_size)
         costs = costs_of(spec)
         runtime = tuple(t.name for t in TECHNIQUES.values() if t.placed_by_runtime)  # the pipeline places their work
