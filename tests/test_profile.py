@@ -6,7 +6,10 @@ import pytest
 
 from pipeloom.cli import main
 from pipeloom.errors import PipeloomError
+from pipeloom.schedule import Action
+from pipeloom.schedule.transforms.kfac import KFAC_INV
 from pipeloom.sim import MODELS, costs_from_model, get_device, layer_flops
+from pipeloom.sim.formulas import kfac_unit_weights
 from pipeloom.sim.profile import FORMAT, LAYER_FIELDS, Profile, load_profile
 
 try:
@@ -236,6 +239,23 @@ def test_kfac_pieces_cost_what_was_measured():
         Profile.from_dict(bad)
 
 
+def test_kfac_units_weigh_what_was_measured():
+    """Measured shares of a layer's units weigh its pieces (the share times the count); a profile
+    without shares weighs them by the formulas' sizes; shares of the wrong length are named."""
+    data = profile_dict()
+    data["kfac"]["shares"] = {"a": [0.1, 0.1, 0.1, 0.7], "g": [0.25] * 4, "inv": [0.05, 0.05, 0.5, 0.4]}
+    costs = costs_from_model(TINY, 2, 64, 8, "cpu", profile=Profile.from_dict(data), kfac=True)
+    assert costs.extra["kfac_unit_a"] == pytest.approx((0.4, 0.4, 0.4, 2.8))
+    assert costs.extra["kfac_unit_inv"] == pytest.approx((0.2, 0.2, 2.0, 1.6))
+    per_stage = costs.per_stage(2, 1)
+    assert per_stage.duration(Action(KFAC_INV, 0, 0, (2,))) == pytest.approx(2.0 * 2.0 / 4)  # 50% of 2.0 ms
+    assert costs_from_model(TINY, 2, 64, 8, "cpu", profile=Profile.from_dict(profile_dict()), kfac=True
+                            ).extra["kfac_unit_inv"] == pytest.approx(kfac_unit_weights(TINY)["kfac_unit_inv"])
+    data["kfac"]["shares"]["g"] = [0.5, 0.5]
+    with pytest.raises(PipeloomError, match="field kfac.shares.g is \\[0.5, 0.5\\]; expected 4 non-negative"):
+        Profile.from_dict(data)
+
+
 def test_without_a_profile_the_formulas_are_used():
     assert costs_from_model(TINY, 2, 64, 2, "cpu") == costs_from_model(TINY, 2, 64, 2, "cpu", profile=None)
 
@@ -264,6 +284,9 @@ def test_measured_times_and_the_bw_split(measured):
     assert profile.link_bandwidth is None and profile.link_reason and profile.host_bandwidth is None
     kfac = profile.kfac  # K-FAC's pieces on the layer's four linear layers
     assert kfac["units"] == 4 and min(kfac["inv"], kfac["pre"], *kfac["a"].values(), *kfac["g"].values()) > 0
+    shares = kfac["shares"]  # each linear layer's share: the MLP's output layer has the widest inputs
+    assert all(len(shares[k]) == 4 and sum(shares[k]) == pytest.approx(1) for k in ("a", "g", "inv"))
+    assert shares["a"][3] == max(shares["a"])
 
 
 @needs_torch

@@ -145,7 +145,7 @@ def _profile_table(profile, preset) -> str:
 
 def _kfac_table(profile, preset) -> list[str]:
     """K-FAC's pieces on one layer, measured, beside what the formulas give on ``preset``."""
-    from ..sim.formulas import kfac_costs
+    from ..sim.formulas import kfac_costs, kfac_unit_weights
 
     kfac, model, seq = profile.kfac, profile.model, profile.seq
     lines = [f"K-FAC on one layer ({kfac['units']} linear layers): ms measured ({preset.name} preset's formulas)",
@@ -157,4 +157,11 @@ def _kfac_table(profile, preset) -> list[str]:
     formula = kfac_costs(model, seq, 1, preset)
     lines.append(f"inverses {kfac['inv']:.4g} ({formula['kfac_inv']:.4g}), preconditioning {kfac['pre']:.4g} "
                  f"({formula['kfac_pre']:.4g}), every step")
+    if "shares" in kfac:
+        sized = kfac_unit_weights(model)
+        lines.append("each linear layer's share, measured (by the formulas' sizes):")
+        for key in ("a", "g", "inv"):
+            units = len(kfac["shares"][key])
+            lines.append(f"{key:>4} " + "  ".join(f"{x:6.1%} ({w / units:6.1%})" for x, w in
+                                                 zip(kfac["shares"][key], sized[f"kfac_unit_{key}"])))
     return lines

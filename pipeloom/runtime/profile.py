@@ -376,31 +376,34 @@ def optimizer_ns_per_param(module: nn.Module, timer: Timer, repeats: int, warmup
 
 def kfac_ms(run: _Runner, sizes, seq: int) -> dict:
     """K-FAC's pieces (:mod:`pipeloom.optim.kfac`) on the profiled layer, summed over its linear
-    layers (ms, the median over the repeats): per microbatch size the curvature of one
-    microbatch's inputs (``a``) and output gradients (``g``), then both factors' damped inverses
-    (``inv``) and the preconditioning of the layer's gradients (``pre``)."""
+    layers, each timed on its own (ms, the median over the repeats): per microbatch size the
+    curvature of one microbatch's inputs (``a``) and output gradients (``g``), then both factors'
+    damped inverses (``inv``) and the preconditioning of the layer's gradients (``pre``); and
+    ``shares``, each linear layer's share of ``a`` and ``g`` (at the largest size) and of ``inv``."""
     from ..optim.kfac import KFAC
 
     kfac = KFAC(run.layer, None)
     names = list(kfac.layers)
     timed = run.timer
     curvature: dict[str, dict[str, float]] = {"a": {}, "g": {}}
+    shares = {}
     for b in sizes:
         x = torch.randn(b, seq, run.hidden, device=run.device, dtype=run.dtype)
         grad = torch.randn_like(x)
-        times: dict[str, list[float]] = {"a": [], "g": []}
+        times: dict[str, list[list[float]]] = {"a": [], "g": []}  # per repeat, per linear layer
         for k in range(run.warmup + run.repeats):
             torch.autograd.backward(run._forward(run.layer, run._leaf(x)), grad)  # captures, untimed
             for key, factor in (("a", "A"), ("g", "G")):
-                ms = timed(lambda: [kfac.curvature(name, factor, 0) for name in names])
+                each = [timed(lambda: kfac.curvature(name, factor, 0)) for name in names]
                 if k >= run.warmup:
-                    times[key].append(ms)
+                    times[key].append(each)
             for name in names:
                 kfac.reduce(name, "A")
                 kfac.reduce(name, "G")
-        for key in times:
-            curvature[key][str(b)] = statistics.median(times[key])
-    inverse = [timed(lambda: [kfac.invert(name) for name in names]) for _ in range(run.warmup + run.repeats)]
+        for key, runs in times.items():
+            curvature[key][str(b)] = statistics.median(sum(each) for each in runs)
+            shares[key] = _shares(runs)
+    inverse = [[timed(lambda: kfac.invert(name)) for name in names] for _ in range(run.warmup + run.repeats)]
     kfac.publish()
     grads = [p.grad.clone() for p in run.layer.parameters()]
     precondition = []
@@ -410,8 +413,16 @@ def kfac_ms(run: _Runner, sizes, seq: int) -> dict:
         precondition.append(timed(kfac.precondition))
     for p in run.layer.parameters():
         p.grad = None
-    return {**curvature, "inv": statistics.median(inverse[run.warmup:]),
-            "pre": statistics.median(precondition[run.warmup:]), "units": len(names)}
+    return {**curvature, "inv": statistics.median(sum(each) for each in inverse[run.warmup:]),
+            "pre": statistics.median(precondition[run.warmup:]), "units": len(names),
+            "shares": {**shares, "inv": _shares(inverse[run.warmup:])}}
+
+
+def _shares(runs: list[list[float]]) -> list[float]:
+    """Each unit's share of the total: its median time over ``runs`` (per run, per unit) over their sum."""
+    medians = [statistics.median(times) for times in zip(*runs)]
+    total = sum(medians)
+    return [m / total if total > 0 else 1 / len(medians) for m in medians]
 
 
 def measure_link(message_bytes, repeats: int = 10, timeout: float = 120.0) -> dict:

@@ -21,7 +21,9 @@ Value = Union[float, Sequence[float]]
 @dataclass(frozen=True)
 class CostField:
     """A cost field: ``per`` "stage" (one value per virtual stage; a number for a
-    full stage is split over the chunks when ``split``) or "rank" (one per rank)."""
+    full stage is split over the chunks when ``split``), "rank" (one per rank) or
+    "unit" (weights of a stage's units, cycled over them: a :class:`~.kinds.Kind`'s
+    ``weight``; none given, every unit weighs 1)."""
 
     name: str
     per: str = "stage"
@@ -34,8 +36,8 @@ COST_FIELDS: dict[str, CostField] = {}
 
 def register_field(name: str, per: str = "stage", split: bool = True) -> CostField:
     """Declare cost field ``name`` (a technique's: given in ``Costs(extra={name: ...})``)."""
-    if per not in ("stage", "rank"):
-        raise PipeloomError(f"cost field {name}: per={per!r}; choose 'stage' or 'rank'")
+    if per not in ("stage", "rank", "unit"):
+        raise PipeloomError(f"cost field {name}: per={per!r}; choose 'stage', 'rank' or 'unit'")
     COST_FIELDS[name] = CostField(name, per, split and per == "stage")
     return COST_FIELDS[name]
 
@@ -112,8 +114,19 @@ class Costs:
         ranks = stages // chunks
 
         def expand(spec: CostField) -> tuple[float, ...]:
-            count, unit = (stages, "stages") if spec.per == "stage" else (ranks, "ranks")
             value = self.value(spec.name)
+            if spec.per == "unit":
+                if isinstance(value, (int, float)) and not value:
+                    return ()  # not given: every unit weighs 1
+                try:
+                    weights = tuple(float(v) for v in value)
+                except (TypeError, ValueError):
+                    weights = ()
+                if not weights or min(weights) < 0:
+                    raise PipeloomError(f"costs: {spec.name} weighs a stage's units: give a list of numbers >= 0, "
+                                        f"not {value!r}")
+                return weights
+            count, unit = (stages, "stages") if spec.per == "stage" else (ranks, "ranks")
             if isinstance(value, (int, float)):
                 return (float(value) / (chunks if spec.split else 1),) * count
             value = tuple(float(v) for v in value)
@@ -174,7 +187,9 @@ class StageCosts:
             if not 0.0 <= hidden <= 1.0:
                 raise PipeloomError(f"costs: {kind.overlap}={hidden:g} is a share of time; give a number in [0, 1]")
             return max(times) + (1.0 - hidden) * (sum(times) - max(times))
-        return sum(values[name][s] for name in kind.cost)
+        time = sum(values[name][s] for name in kind.cost)
+        weights = values[kind.weight] if kind.weight else ()
+        return time * weights[action.payload[0] % len(weights)] if weights else time
 
     def transfer(self, producer) -> float:
         """Time from ``producer``'s end until a consumer on another rank (or

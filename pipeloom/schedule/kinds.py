@@ -76,6 +76,9 @@ class Kind:
     on every schedule.
     ``forward``: the action is part of computing the loss, without gradients: a
     forward-only schedule (:func:`~.forward.forward_only`, for evaluation) keeps it.
+    ``weight``: a cost field of per-unit weights (``per="unit"``) scaling the
+    action's time by its unit, the payload's first entry (weights cycled over a
+    stage's units; none given, 1).
     ``compound``: the action stands for its parts (see the module docstring);
     its time is the longest part's plus ``1 - overlap`` of the others' (the
     cost field ``overlap`` names the share of them hidden: 0 runs the parts
@@ -101,6 +104,7 @@ class Kind:
     forward: bool = False
     compound: bool = False
     overlap: str | None = None
+    weight: str | None = None
 
     def __post_init__(self):
         if self.owner not in (STAGE, RANK):

@@ -224,6 +224,18 @@ def kfac_costs(model: ModelSpec | str, seq: int, microbatch_size: int, device: D
     }
 
 
+def kfac_unit_weights(model: ModelSpec | str) -> dict[str, tuple[float, ...]]:
+    """Each of one layer's :data:`KFAC_UNITS_PER_LAYER` linear layers' share of the layer's K-FAC pieces
+    against the average (the cost fields ``kfac_unit_a``, ``kfac_unit_g``, ``kfac_unit_inv``): by d_A²,
+    d_G² (a factor's curvature FLOPs and its sync's bytes) and d_A³ + d_G³ (its inversions)."""
+    shapes = kfac_shapes(get_model(model))
+
+    def shares(sizes):
+        return tuple(len(sizes) * x / sum(sizes) for x in sizes)
+    return {"kfac_unit_a": shares([a * a for a, _ in shapes]), "kfac_unit_g": shares([g * g for _, g in shapes]),
+            "kfac_unit_inv": shares([a ** 3 + g ** 3 for a, g in shapes])}
+
+
 def kfac_shapes(model: ModelSpec) -> list[tuple[int, int]]:
     """(d_A, d_G) of each of one layer's :data:`KFAC_UNITS_PER_LAYER` linear layers (q/k/v, the attention's
     output, the MLP's two; a gated MLP's gate and up projections are one; a bias adds one to d_A)."""

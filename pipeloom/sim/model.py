@@ -43,7 +43,7 @@ from ..schedule import build
 from ..schedule.costs import Costs
 from .formulas import (
     ATTENTIONS, FUSED, INVERSION_EFFICIENCY, KFAC_UNITS_PER_LAYER, SequenceParallelCosts, _collective_ms, _layer_bytes,
-    kfac_costs, layer_flops, sequence_parallel_costs,
+    kfac_costs, kfac_unit_weights, layer_flops, sequence_parallel_costs,
 )
 from .memory import (
     BYTES_PER_PARAM, GRAD_BYTES_PER_PARAM, VERSION_BYTES_PER_PARAM, peak_memory_bytes, state_bytes_per_param,
@@ -164,8 +164,9 @@ def costs_from_model(
     attention, ``sdpa``) add sequence parallelism as :mod:`.formulas` says: the
     ring's transfers that compute does not hide are in ``f`` and ``b``
     (:func:`sequence_parallel_costs` has them apart). ``kfac`` adds the
-    K-FAC pieces' times (:func:`kfac_costs`, one unit a layer, the syncs over
-    ``dp`` replicas; the preconditioning per stage).
+    K-FAC pieces' times (:func:`kfac_costs`: a unit per linear layer, the
+    average unit's time and each unit's weight, :func:`kfac_unit_weights`; the
+    syncs over ``dp`` replicas; the preconditioning per stage).
 
     ``profile`` (a :class:`~pipeloom.sim.profile.Profile` of this model's sizes
     and ``seq``) replaces the formulas' compute times, activation bytes and
@@ -173,7 +174,8 @@ def costs_from_model(
     fused backward costs its measured time, the cost field ``fused``);
     ``device`` still gives the rest (the link when the profile measured none,
     sequence parallelism's ring, vocabulary passes, K-FAC's syncs, and its other
-    pieces where the profile has no ``kfac``: :meth:`~pipeloom.sim.profile.Profile.kfac_costs`).
+    pieces where the profile has no ``kfac``: :meth:`~pipeloom.sim.profile.Profile.kfac_costs`, and
+    the units' weights where it measured no units apart).
     """
     model, device = get_model(model), get_device(device)
     _positive(pp=pp, seq=seq, microbatch_size=microbatch_size, chunks=chunks)
@@ -218,11 +220,13 @@ def costs_from_model(
     )
     if kfac:
         pieces = kfac_costs(model, seq, microbatch_size, device, dp, sp)
+        weights = kfac_unit_weights(model)
         if profile is not None and profile.kfac is not None:
             pieces.update(profile.kfac_costs(model, seq, microbatch_size, sp))  # the syncs stay the links'
+            weights.update(profile.kfac_unit_weights())
         pre = pieces.pop("kfac_pre")
         unit = {name: value / KFAC_UNITS_PER_LAYER for name, value in pieces.items()}
-        costs = replace(costs, extra={**costs.extra, **unit, "kfac_pre": [n * pre for n in split]})
+        costs = replace(costs, extra={**costs.extra, **unit, **weights, "kfac_pre": [n * pre for n in split]})
     if not mode.splits:
         return costs
     shard = -(-v // pp)

@@ -13,7 +13,8 @@ measured on one machine (a CPU, or one GPU) with the runtime's own modules
      "bytes_per_param": float,
      "cast_bytes_per_param": float,
      "optimizer_ns_per_param": float|null,
-     "kfac": {"a": {"1": float, ...}, "g": {"1": float, ...}, "inv": float, "pre": float, "units": int}|null,
+     "kfac": {"a": {"1": float, ...}, "g": {"1": float, ...}, "inv": float, "pre": float, "units": int,
+              "shares": {"a": [float, ...], "g": [...], "inv": [...]}}|null,
      "link": {"bandwidth": float|null, "latency_ms": float|null, "reason": str|null},
      "host_bandwidth": float|null,
      "microbatch_sizes": {
@@ -50,7 +51,9 @@ bandwidth times it then); ``kfac``: K-FAC's pieces on one layer, summed over
 its ``units`` linear layers (:func:`~pipeloom.runtime.profile.kfac_ms`): per
 microbatch size the curvature of one microbatch's inputs (``a``) and output
 gradients (``g``), and the damped inverses of both factors (``inv``) and the
-preconditioning of the layer's gradients (``pre``); null or absent in older
+preconditioning of the layer's gradients (``pre``), and each linear layer's
+share of ``a``, ``g`` and ``inv`` (``shares``, in module order; absent in older
+profiles: shares by the layers' sizes then); null or absent in older
 profiles: the formulas then. ``link``: a stage-to-stage transfer, ``latency_ms + bytes
 / bandwidth``, fitted to timed sends between two processes; null (with
 ``reason``) where it could not be measured, and then the device preset's
@@ -341,6 +344,14 @@ class Profile:
         return {"kfac_a": self.kfac["a"][str(size)] * rows, "kfac_g": self.kfac["g"][str(size)] * rows,
                 "kfac_inv": self.kfac["inv"], "kfac_pre": self.kfac["pre"]}
 
+    def kfac_unit_weights(self) -> dict[str, tuple[float, ...]]:
+        """The measured weights of a layer's K-FAC units (:func:`~pipeloom.sim.formulas.kfac_unit_weights`'
+        names: each linear layer's share times their count), or {} where the profile has no shares."""
+        shares = (self.kfac or {}).get("shares")
+        if not shares:
+            return {}
+        return {f"kfac_unit_{key}": tuple(len(values) * x for x in values) for key, values in shares.items()}
+
     def stages(self, model: ModelSpec, seq: int, microbatch_size: int, split, sp: int = 1,
                recompute: bool | str = False, vocab_split: bool = False) -> ProfiledStages:
         """:meth:`costs` summed over stages of ``split`` layers: the embedding on the first, the
@@ -378,7 +389,17 @@ def _kfac(read: _Reader, data: dict, samples: dict) -> dict:
         read.get(data, ("kfac", key), dict)
         for size in samples:
             read.number(data, ("kfac", key, str(size)))
-    return {key: data["kfac"][key] for key in ("a", "g", "inv", "pre", "units")}
+    kept = {key: data["kfac"][key] for key in ("a", "g", "inv", "pre", "units")}
+    if data["kfac"].get("shares") is not None:
+        shares, units = read.get(data, ("kfac", "shares"), dict), kept["units"]
+        for key in ("a", "g", "inv"):
+            values = shares.get(key)
+            if not (isinstance(values, list) and len(values) == units and all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf for x in values)):
+                raise PipeloomError(f"{read.where}: field kfac.shares.{key} is {values!r}; expected {units} "
+                                    "non-negative numbers, one per unit")
+        kept["shares"] = {key: [float(x) for x in shares[key]] for key in ("a", "g", "inv")}
+    return kept
 
 
 class _Reader:

@@ -65,11 +65,17 @@ KFAC_PRE = "KFAC_PRE"
 PIECES = (KFAC_A, KFAC_G, KFAC_SYNC_A, KFAC_SYNC_G, KFAC_INV)
 _PRIORITY = {kind: n for n, kind in enumerate(PIECES)}
 
-# Times of one unit's piece (one microbatch's curvature, one sync, one inversion): never split
-# over chunks; the preconditioning is a full stage's, split like F.
+# Times of a unit's piece (one microbatch's curvature, one sync, one inversion) on average over a
+# stage's units: never split over chunks; the preconditioning is a full stage's, split like F.
 for _name in ("kfac_a", "kfac_g", "kfac_sync_a", "kfac_sync_g", "kfac_inv"):
     register_field(_name, split=False)
 register_field("kfac_pre")
+#: Each unit's share of those times against the average, cycled over a stage's units (a layer's
+#: linear layers differ in size: an MLP's factors hold most of a layer's inversion work); the
+#: curvature weights time its sync too. None given, every unit costs the average.
+UNIT_WEIGHTS = ("kfac_unit_a", "kfac_unit_g", "kfac_unit_inv")
+for _name in UNIT_WEIGHTS:
+    register_field(_name, per="unit")
 
 #: The refresh interval's upper end when it is chosen by the bubbles.
 MAX_EVERY = 20
@@ -90,7 +96,7 @@ class Kfac:
 
     name = "kfac"
     kinds = (*PIECES, KFAC_PRE)
-    cost_fields = ("kfac_a", "kfac_g", "kfac_sync_a", "kfac_sync_g", "kfac_inv", "kfac_pre")
+    cost_fields = ("kfac_a", "kfac_g", "kfac_sync_a", "kfac_sync_g", "kfac_inv", "kfac_pre", *UNIT_WEIGHTS)
     room = 0
 
     def __init__(self, units=1, every: int | None = None, margin: float = 0.05):
@@ -390,13 +396,15 @@ def check_kfac(schedule: Schedule) -> None:
 
 
 _COMMON = dict(torch_csv=None, check=check_kfac)
-register(Kind(KFAC_A, "K-FAC A", needs=_a_needs, cost=("kfac_a",), colour="#e5ae38", letter="a", **_COMMON))
-register(Kind(KFAC_G, "K-FAC G", needs=_g_needs, cost=("kfac_g",), colour="#bcbd22", letter="g", **_COMMON))
+register(Kind(KFAC_A, "K-FAC A", needs=_a_needs, cost=("kfac_a",), colour="#e5ae38", letter="a",
+              weight="kfac_unit_a", **_COMMON))
+register(Kind(KFAC_G, "K-FAC G", needs=_g_needs, cost=("kfac_g",), colour="#bcbd22", letter="g",
+              weight="kfac_unit_g", **_COMMON))
 register(Kind(KFAC_SYNC_A, "K-FAC sync A", needs=_sync_needs(KFAC_A), cost=("kfac_sync_a",), colour="#8c564b",
-              letter="y", **_COMMON))
+              letter="y", weight="kfac_unit_a", **_COMMON))
 register(Kind(KFAC_SYNC_G, "K-FAC sync G", needs=_sync_needs(KFAC_G), cost=("kfac_sync_g",), colour="#8c564b",
-              letter="y", **_COMMON))
+              letter="y", weight="kfac_unit_g", **_COMMON))
 register(Kind(KFAC_INV, "K-FAC inverse", needs=_inv_needs, cost=("kfac_inv",), colour="#17becf", letter="i",
-              **_COMMON))
+              weight="kfac_unit_inv", **_COMMON))
 register(Kind(KFAC_PRE, "K-FAC precondition", needs=_pre_needs, cost=("kfac_pre",), colour="#810f7c",
               letter="p", **_COMMON))
