@@ -402,7 +402,7 @@ def test_cheap_recompute_rebuilds_the_norms_and_silu_and_keeps_no_unturned_queri
     x = torch.randn(2, 32, 64)
 
     def run(cheap):
-        context = SimpleNamespace(schedule=SimpleNamespace(ranks=[(Action(FORWARD, 0, 0),)]), step=None,
+        context = SimpleNamespace(schedule=SimpleNamespace(ranks=[(Action(FORWARD, 0, 0),)], options={}), step=None,
                                   mesh=SimpleNamespace(pp_rank=0), device=torch.device("cpu"), extras={})
         offloader = Offloader(context, cheap)
         leaf = x.clone().requires_grad_()

@@ -38,8 +38,8 @@ Policies (:class:`Offload`), per rank:
   cannot reach (1 - r). Where it stops short, the eager placement (each
   OFFLOAD right after its F, the stream left to order the copies,
   :func:`_eager`) is tried too, and the rank keeps the lower simulated peak;
-  then the eager copies with paced Fs (:func:`_paced`: full keeps the lowest
-  peak, selective the quickest pace that reaches (1 - r)).
+  then the eager copies with paced Fs (:func:`_paced`: full keeps the
+  tightest pace within its cost, selective the loosest that reaches (1 - r)).
 
 Dependencies: OFFLOAD(s,i) after F(s,i); RELOAD(s,i) after OFFLOAD(s,i);
 the backward (B or BW) of an offloaded pair after its RELOAD; a paced F
@@ -127,8 +127,12 @@ class Offload:
         kept = [1 if r in short and peaks[1][r] < peaks[0][r] else 0 for r in range(schedule.pp)]
         entries = [(timed, eager)[k][r] for r, k in enumerate(kept)]
         best = assembled[kept[0]] if len(set(kept)) == 1 else _assemble(schedule, pairs, entries)
+        behind = _behind(eagerly, per_stage, short)
+        if not behind:
+            return best
+        before = [peaks[k][r] for r, k in enumerate(kept)]  # a rank's copies touch no other rank
         ratio = None if self.policy == "full" else self.ratio
-        return _paced(best, schedule, pairs, per_stage, entries, eager, short, ratio)
+        return _paced(best, schedule, pairs, per_stage, entries, eager, behind, before, ratio)
 
 
 class _Pairs:
@@ -441,11 +445,28 @@ def _assemble(schedule: Schedule, pairs: _Pairs, entries: list[list[tuple]], wai
 
 def _peaks(schedule: Schedule, costs: StageCosts) -> list[float]:
     """Each rank's activation peak on the simulated timeline."""
+    return _timed(schedule, costs)[0]
+
+
+def _timed(schedule: Schedule, costs: StageCosts) -> tuple[list[float], float]:
+    """Each rank's activation peak on the simulated timeline, and the step's time (the last end)."""
     starts, ends = asap(schedule, costs.duration, costs.transfer)
-    peaks = []
+    return _levels(schedule, costs, starts, ends), max((max(e, default=0.0) for e in ends), default=0.0)
+
+
+def _levels(schedule: Schedule, costs: StageCosts, starts, ends) -> list[float]:
+    """Each rank's activation peak on the timeline ``starts``, ``ends``."""
+    peaks, deltas = [], {}
+
+    def delta(a) -> float:  # an action's change depends on its kind, stage and payload alone
+        key = a.kind, a.stage, a.payload
+        found = deltas.get(key)
+        if found is None:
+            found = deltas[key] = costs.memory_delta(a)
+        return found
     for rank, actions in enumerate(schedule.ranks):
         events = sorted((starts[rank][k] if d > 0 else ends[rank][k], d)
-                        for k, a in enumerate(actions) if (d := costs.memory_delta(a)))
+                        for k, a in enumerate(actions) if (d := delta(a)))
         level = peak = 0.0
         for _, d in events:
             level += d
@@ -487,35 +508,51 @@ PACES = (1, 2)
 PACE_COST = 0.02
 
 
+def _behind(schedule: Schedule, costs: StageCosts, ranks: set) -> set:
+    """The ``ranks`` (of eager copies: each OFFLOAD right after its F) where an F starts before the
+    previous pair's OFFLOAD ends on the simulated timeline: their offload stream falls behind."""
+    starts, ends = asap(schedule, costs.duration, costs.transfer)
+    found = set()
+    for r in ranks:
+        copied = None  # the end of the last OFFLOAD so far
+        for k, a in enumerate(schedule.ranks[r]):
+            if a.kind == OFFLOAD:
+                copied = ends[r][k]
+            elif a.kind == F and copied is not None and starts[r][k] < copied - _slack(copied):
+                found.add(r)
+                break
+    return found
+
+
 def _paced(best: Schedule, schedule: Schedule, pairs: _Pairs, costs: StageCosts, entries: list, eager: list,
-           short: set, ratio: float | None) -> Schedule:
-    """``best`` (copies that delay no compute, in ``schedule``), or, where the copy stream falls behind the
-    forwards of a rank in ``short`` (a warm-up's back-to-back Fs make activations faster than
-    the host link takes them), that rank's eager copies with its Fs paced to the stream: each F
-    waits for the OFFLOAD ``pace`` offloads before it (``options["offload"]["waits"]``). A rank is
-    paced where that lowers its simulated peak; a pace of :data:`PACES` counts where the step grows
-    by at most :data:`PACE_COST` and the largest peak falls. Full keeps the lowest peak; selective
-    the quickest that reaches (1 - ``ratio``) of the largest peak without offload, else the lowest."""
-    before, span = _peaks(best, costs), _span(best, costs)
+           behind: set, before: list[float], ratio: float | None) -> Schedule:
+    """``best`` (copies that delay no compute, in ``schedule``; ``before``: its ranks' peaks), or,
+    on the ranks ``behind`` (whose offload stream falls behind their forwards: a warm-up's
+    back-to-back Fs make activations faster than the host link takes them), the eager copies with
+    the Fs paced to the stream: each F waits for the OFFLOAD ``pace`` offloads before it
+    (``options["offload"]["waits"]``). A rank is paced where that lowers its simulated peak; a pace
+    of :data:`PACES` counts where the step grows by at most :data:`PACE_COST` and the largest peak
+    falls. Full keeps the tightest pace that counts; selective the loosest that reaches
+    (1 - ``ratio``) of the largest peak without offload, else the lowest peak."""
+    span = max((max(e, default=0.0) for e in pairs.ends), default=0.0)  # best delays no compute
+    target = None if ratio is None else (1 - ratio) * max(_levels(pairs.schedule, costs, pairs.starts, pairs.ends))
     found = []
-    for pace in PACES:
-        trial = _peaks(_assemble(schedule, pairs, eager, _waits(schedule.ranks, eager, short, pace)), costs)
-        chosen = {r for r in short if trial[r] < before[r] - _slack(before[r])}
-        if not chosen:
+    for pace in PACES if ratio is None else PACES[::-1]:
+        paced, chosen = None, set(behind)
+        while chosen:  # the ranks behind paced, then only those whose peak that lowered
+            mixed = [eager[r] if r in chosen else entries[r] for r in range(schedule.pp)]
+            paced = _assemble(schedule, pairs, mixed, _waits(schedule.ranks, mixed, chosen, pace))
+            peaks, time = _timed(paced, costs)
+            lower = {r for r in chosen if peaks[r] < before[r] - _slack(before[r])}
+            if lower == chosen:
+                break
+            chosen = lower
+        if not chosen or max(peaks) >= max(before) - _slack(max(before)) or time > (1 + PACE_COST) * span:
             continue
-        mixed = [eager[r] if r in chosen else entries[r] for r in range(schedule.pp)]
-        paced = _assemble(schedule, pairs, mixed, _waits(schedule.ranks, mixed, chosen, pace))
-        peak, time = max(_peaks(paced, costs)), _span(paced, costs)
-        if peak < max(before) - _slack(max(before)) and time <= (1 + PACE_COST) * span:
-            found.append((peak, time, pace, paced))
-    if not found:
-        return best
-    if ratio is not None:
-        target = (1 - ratio) * max(_peaks(pairs.schedule, costs))
-        reached = [f for f in found if f[0] <= target + _slack(target)]
-        if reached:
-            return min(reached, key=lambda f: (f[1], f[2]))[3]
-    return min(found, key=lambda f: (f[0], f[1], f[2]))[3]
+        if target is None or max(peaks) <= target + _slack(target):
+            return paced
+        found.append((max(peaks), paced))
+    return min(found, key=lambda f: f[0])[1] if found else best
 
 
 def _waits(ranks, entries: list[list[tuple]], paced: set, pace: int) -> list[list[int]]:
@@ -534,11 +571,6 @@ def _waits(ranks, entries: list[list[tuple]], paced: set, pace: int) -> list[lis
             if (a.stage, a.microbatch) in copied:
                 done.append((a.stage, a.microbatch))
     return waits
-
-
-def _span(schedule: Schedule, costs: StageCosts) -> float:
-    """The simulated step: the last action's end."""
-    return max(max(ends, default=0.0) for ends in asap(schedule, costs.duration, costs.transfer)[1])
 
 
 def _issued(schedule: Schedule, pairs: _Pairs, issue: dict) -> list[list[tuple]]:
