@@ -17,7 +17,7 @@ from pipeloom.sim import (
 )
 
 #: the families that make room, so build(..., vocab_parallel=...) accepts them
-DELAYABLE = ("1f1b", "2bw", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "v-min", "v-half", "v-zb")
+DELAYABLE = ("1f1b", "2bw", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "v-min", "v-half", "v-zb", "zb-auto")
 MODES = ("none", "redis", "naive", "vocab-1", "vocab-2")
 PAPER = {"model": "4b", "pp": 8, "seq": 2048, "device": "a100"}  # the paper's 8-GPU 1F1B setting
 
@@ -176,9 +176,21 @@ def test_the_transform_fits_any_order(name):
 
 
 def test_families_that_cannot_delay_are_refused_clearly():
-    with pytest.raises(PipeloomError, match=r"^zb-auto cannot take vocabulary passes \(vocab-2\).*families that can: "
-                                            r"gpipe, 1f1b, 2bw, interleaved-1f1b"):
-        build("zb-auto", 4, 8, vocab_parallel="vocab-2")
+    with pytest.raises(PipeloomError, match=r"^dualpipev cannot take vocabulary passes \(vocab-2\).*families that "
+                                            r"can: gpipe, 1f1b, 2bw, interleaved-1f1b.*zb-auto"):
+        build("dualpipev", 4, 8, vocab_parallel="vocab-2")
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_zb_auto_searches_with_the_room_the_passes_ask_for(algorithm):
+    """zb-auto under real costs leaves the room (the last stage's B that many intervals after its F):
+    with the passes it is no slower than ZB-H1 or ZB-H2 with them, and 1F1B is slower."""
+    costs = Costs(f=1, b=1.2, w=0.8, comm=0.1, s=0.3, t=0.3)
+    for p, m in ((4, 8), (4, 16), (8, 32)):
+        auto = simulate(build("zb-auto", p, m, costs=costs, vocab_parallel=algorithm), costs).makespan
+        others = {name: simulate(build(name, p, m, vocab_parallel=algorithm), costs).makespan
+                  for name in ("zb-h1", "zb-h2", "1f1b")}
+        assert auto <= min(others["zb-h1"], others["zb-h2"]) + 1e-9 and auto < others["1f1b"]
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

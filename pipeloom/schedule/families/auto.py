@@ -37,6 +37,7 @@ p = 64, m = 512 with real costs on a 2-core VM.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from ...errors import PipeloomError
 from ..costs import Costs, StageCosts
@@ -85,11 +86,15 @@ def policies(pp: int, costs: StageCosts, memory: float) -> list[Policy]:
 
 @register("zb-auto", "automatic zero bubble: searches the F/B/W order under real costs and a memory limit")
 def zb_auto(
-    pp: int, microbatches: int, chunks: int, costs: Costs | None = None, memory_limit: float | None = None
+    pp: int, microbatches: int, chunks: int, costs: Costs | None = None, memory_limit: float | None = None,
+    room: int = 0,
 ) -> Schedule:
     """``costs`` (default unit costs) are the real per-stage costs; ``memory_limit``
     is the most activation memory per rank, in the unit of ``costs.m_b`` (default:
-    what ZB-H2 holds under these costs, (2p-1)·M_B for uniform stages).
+    what ZB-H2 holds under these costs, (2p-1)·M_B for uniform stages). ``room``:
+    intervals by which the last stage's B follows its F (room for vocabulary
+    passes): every candidate admits that many more forwards on each rank, and
+    the last stage's B waits that many times its F + B + W.
 
     ZB-H1's and ZB-H2's orders (built with unit costs) are timed by the
     simulator, the searched ones by the scheduler's own clock (never earlier
@@ -100,13 +105,16 @@ def zb_auto(
         raise PipeloomError(f"zb-auto: costs={costs!r} must be a pipeloom.schedule.Costs")
     stage, unit = costs.per_stage(pp, 1), Costs().per_stage(pp, 1)
     placement = looped_placement(pp, pp)
-    fixed = [list_schedule(placement, microbatches, unit, policy) for policy in (h1_policy(pp), h2_policy(pp))]
+    fixed = [list_schedule(placement, microbatches, unit, policy.delayed(room, 1))
+             for policy in (h1_policy(pp), h2_policy(pp))]
     if stage != unit:  # real costs: peaks now, times once they fit (unit costs: the lists' own are the simulator's)
         fixed = [lists._replace(peak=_peak(lists.ranks, stage)) for lists in fixed]
     limit = _limit(memory_limit, stage, fixed[1].peak)
     floor = _lower_bounds(microbatches, stage)
+    interval = stage.f[-1] + stage.b[-1] + stage.w[-1]  # the last stage's
+    searched = [replace(policy.delayed(room, 1), room=room * interval) for policy in policies(pp, stage, limit)]
     best = None
-    for candidate in [*(lists for lists in fixed if lists.peak <= limit + _EPS), *policies(pp, stage, limit)]:
+    for candidate in [*(lists for lists in fixed if lists.peak <= limit + _EPS), *searched]:
         if isinstance(candidate, Policy):
             candidate = list_schedule(placement, microbatches, stage, candidate, best.span if best else math.inf)
         elif stage != unit:
