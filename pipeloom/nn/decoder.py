@@ -206,8 +206,9 @@ class Decoder(nn.Module):
         self.config = config
         self.init_seed = int(torch.randint(2**32, (), device="cpu"))
         #: where the weights that do not start random come from: unsplit name -> a function
-        #: giving the tensor (on the CPU, any dtype), read when the weight gets storage
-        self.sources: dict[str, Callable[[], torch.Tensor]] = {}
+        #: giving the tensor (on the CPU, any dtype), or with (start, end) only those rows of
+        #: it, read when the weight gets storage
+        self.sources: dict[str, Callable[..., torch.Tensor]] = {}
         with torch.device("meta"):
             self.wte = nn.Embedding(config.vocab_size, config.n_embd)
             inputs = self.inputs(config)
@@ -308,16 +309,26 @@ class Decoder(nn.Module):
         embedding (the first stage's ``wte``, the last's LM head; see :class:`DecoderStage`)."""
         return self.config.tie_embeddings and n_stages > 1 and not vocab_parallel
 
-    def parameter_value(self, name: str, device: str | torch.device | None = None) -> torch.Tensor:
+    def parameter_value(self, name: str, device: str | torch.device | None = None,
+                        rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The unsplit parameter ``name`` (such as ``"wte.weight"``) on ``device``: its
         data if it has storage, else a new tensor (default: on torch's default device)
-        initialised as the model built with the same seed has it."""
+        initialised as the model built with the same seed has it. ``rows`` (start, end):
+        only those rows (a vocabulary shard), read alone from a weight's :attr:`sources`."""
         param = self.get_parameter(name)
+        start, end = rows or (0, param.shape[0])
         if not param.is_meta:
-            return param.detach() if device is None else param.detach().to(device)
+            value = param.detach() if rows is None else param.detach()[start:end]
+            return value if device is None else value.to(device)
+        key = self._unsplit_name(param)
+        if key in self.sources:
+            value = torch.empty((end - start, *param.shape[1:]), dtype=param.dtype, device=device)
+            with torch.no_grad():
+                value.copy_(self.sources[key](rows))
+            return value
         value = torch.empty(param.shape, dtype=param.dtype, device=device)
-        self._initialise(self._unsplit_name(param), value)
-        return value
+        self._initialise(key, value)
+        return value if rows is None else value[start:end]
 
     def _unsplit_name(self, param: nn.Parameter) -> str:
         """The name under which ``named_parameters`` lists ``param`` (a tied LM head: ``wte.weight``)."""
@@ -325,12 +336,8 @@ class Decoder(nn.Module):
 
     @torch.no_grad()
     def _initialise(self, name: str, value: torch.Tensor) -> None:
-        """Fill ``value`` as parameter ``name`` starts: from :attr:`sources`, or drawn from a CPU
-        generator seeded by (``init_seed``, name), so that every device and every rank draws
-        the same numbers."""
-        if name in self.sources:
-            value.copy_(self.sources[name]())
-            return
+        """Fill ``value`` as parameter ``name`` starts, drawn from a CPU generator seeded by
+        (``init_seed``, name), so that every device and every rank draws the same numbers."""
         owner, _, kind = name.rpartition(".")
         if isinstance(self.get_submodule(owner), NORMS):
             value.fill_(1.0 if kind == "weight" else 0.0)

@@ -28,13 +28,16 @@ from .recompute import mark
 __all__ = ["PRESETS", "GPT", "GPTConfig", "GPTStage", "Block", "MLP", "CausalSelfAttention", "SequenceParallel",
            "set_sequence_parallel"]
 
+
+def config_fields(size) -> dict:
+    """The :class:`GPTConfig` fields of a GPT-family :class:`~pipeloom.presets.ModelSize`."""
+    return dict(n_layer=size.layers, n_embd=size.hidden, n_head=size.heads, vocab_size=size.vocab,
+                block_size=size.block_size, tie_embeddings=size.tied)
+
+
 #: Config presets by name: every GPT size of :data:`pipeloom.presets.SIZES` (``block_size`` None where
 #: the preset sets no context length: give one, as `pipeloom train` does with --seq).
-PRESETS: dict[str, dict] = {
-    name: dict(n_layer=size.layers, n_embd=size.hidden, n_head=size.heads, vocab_size=size.vocab,
-               block_size=size.block_size, tie_embeddings=size.tied)
-    for name, size in SIZES.items() if size.family == "gpt"
-}
+PRESETS: dict[str, dict] = {name: config_fields(size) for name, size in SIZES.items() if size.family == "gpt"}
 
 #: A GPT's pipeline stage: every decoder's (see :class:`~pipeloom.nn.decoder.DecoderStage`).
 GPTStage = DecoderStage

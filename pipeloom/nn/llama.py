@@ -33,18 +33,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import PipeloomError
+from ..hf import INDEX, weight_files
 from ..presets import SIZES
 from .decoder import CausalSelfAttention, Decoder, DecoderConfig, PreNormBlock
 from .linear import Linear
 from .recompute import mark
 
+def config_fields(size) -> dict:
+    """The :class:`LlamaConfig` fields of a Llama-family :class:`~pipeloom.presets.ModelSize`."""
+    return dict(n_layer=size.layers, n_embd=size.hidden, n_head=size.heads, n_kv_head=size.kv_heads,
+                ffn_hidden=size.ffn_hidden, vocab_size=size.vocab, block_size=size.block_size,
+                tie_embeddings=size.tied, rope_theta=size.rope_theta, rope_scaling=size.rope_scaling,
+                norm_eps=size.norm_eps)
+
+
 #: Config presets by name: every Llama size of :data:`pipeloom.presets.SIZES`.
-PRESETS: dict[str, dict] = {
-    name: dict(n_layer=size.layers, n_embd=size.hidden, n_head=size.heads, n_kv_head=size.kv_heads,
-               ffn_hidden=size.ffn_hidden, vocab_size=size.vocab, block_size=size.block_size,
-               tie_embeddings=size.tied, rope_theta=size.rope_theta, rope_scaling=size.rope_scaling)
-    for name, size in SIZES.items() if size.family == "llama"
-}
+PRESETS: dict[str, dict] = {name: config_fields(size) for name, size in SIZES.items() if size.family == "llama"}
 
 
 @dataclass(frozen=True)
@@ -219,7 +223,10 @@ class Llama(Decoder):
         file's ``lm_head.weight``, and rotary tables some checkpoints hold."""
         safe_open = _safetensors().safe_open
         path = Path(path)
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        if (path / INDEX).is_file():
+            files = weight_files(path)
+        else:
+            files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
         if not files or not all(f.is_file() for f in files):
             raise PipeloomError(f"load_safetensors: {path} is not a safetensors file or a directory holding some")
         shapes, where = {}, {}
@@ -247,7 +254,7 @@ class Llama(Decoder):
                 raise PipeloomError(f"load_safetensors: {hf} in {where[hf]} has shape {list(shapes[hf])}; this model's "
                                     f"is {list(shape)}")
         for name, parts in names.items():
-            self.sources[name] = partial(_read, [(where[hf], hf) for hf, _ in parts])
+            self.sources[name] = partial(_read, [(where[hf], hf, rows) for hf, rows in parts])
             param = self.get_parameter(name)
             if not param.is_meta:
                 with torch.no_grad():
@@ -256,27 +263,40 @@ class Llama(Decoder):
     def save_safetensors(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
         """Write the model's weights to the safetensors file ``path`` by Hugging Face's Llama
         names (:meth:`hf_names`), in ``dtype`` (default: the weights' own)."""
-        save_file = _safetensors().torch.save_file
-        tensors = {}
-        for name, parts in self.hf_names().items():
+        weights = {}
+        for name in self.hf_names():
             param = self.get_parameter(name)
             if param.is_meta:
                 raise PipeloomError(f"save_safetensors: {name} is on the meta device; build the model on a "
                                     "device (or every stage of it) first")
-            value = param.detach().to("cpu", dtype or param.dtype)
-            for (hf, _), piece in zip(parts, value.split([rows for _, rows in parts])):
-                tensors[hf] = piece.contiguous()
-        save_file(tensors, str(path), metadata={"format": "pt"})
+            weights[name] = param.detach().to("cpu", dtype or param.dtype)
+        save_hf(self, weights, path)
 
 
-def _read(parts: list[tuple[Path, str]]) -> torch.Tensor:
-    """The tensors ``parts`` ((file, name) each) read and stacked by rows."""
+def save_hf(model: Llama, weights: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Write ``weights`` (CPU tensors by ``model``'s unsplit names, as
+    :meth:`~pipeloom.runtime.Pipeline.gather_weights` gives them) to the safetensors file ``path``
+    by Hugging Face's Llama names (:meth:`Llama.hf_names`)."""
+    tensors = {}
+    for name, parts in model.hf_names().items():
+        for (hf, _), piece in zip(parts, weights[name].split([rows for _, rows in parts])):
+            tensors[hf] = piece.contiguous()
+    _safetensors().torch.save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _read(parts: list[tuple[Path, str, int]], rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """The tensors ``parts`` ((file, name, rows) each) stacked by rows, or only the rows
+    ``rows`` (start, end) of that stack: each file is read lazily, those rows alone."""
     safe_open = _safetensors().safe_open
-    tensors = []
-    for file, key in parts:
-        with safe_open(file, framework="pt") as handle:
-            tensors.append(handle.get_tensor(key))
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+    start, end = rows or (0, sum(n for *_, n in parts))
+    pieces, offset = [], 0
+    for file, key, n in parts:
+        low, high = max(start - offset, 0), min(end - offset, n)
+        if low < high or (not pieces and offset + n >= end):  # an empty range: an empty first piece
+            with safe_open(file, framework="pt") as handle:
+                pieces.append(handle.get_slice(key)[low:max(low, high)])
+        offset += n
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def _safetensors():

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from ..errors import PipeloomError
 from ..paths import prepare_output, prepare_output_dir
-from ..presets import SIZES
 from ..sim.plot import SUFFIXES
 from ..spec import RunSpec
 from ..techniques import TECHNIQUES
@@ -147,23 +146,32 @@ def installed(package: str, flag: str) -> None:
 
 def with_vocab(spec: RunSpec, data_vocab: int) -> RunSpec:
     """``spec`` with the model's vocabulary: ``--vocab``, else the preset's, grown to the data's
-    when its tokens need more; a ``--vocab`` the data's tokens do not fit is refused."""
+    when its tokens need more; a ``--vocab`` (or an ``--init-from`` model's) that the data's tokens
+    do not fit is refused."""
+    if spec.init_from is not None and spec.size.vocab < data_vocab:
+        raise PipeloomError(f"the data's vocabulary of {data_vocab} tokens is larger than the {spec.size.vocab} of "
+                            f"--init-from {spec.init_from}; tokenize the data with its tokenizer.json")
     if spec.vocab is not None and spec.vocab < data_vocab:
         raise PipeloomError(f"--vocab {spec.vocab} is smaller than the data's vocabulary of {data_vocab} tokens; "
                             f"use --vocab {data_vocab} or more, or leave it out")
-    if spec.vocab is None and data_vocab > SIZES[spec.model].vocab:
+    if spec.vocab is None and data_vocab > spec.size.vocab:
         return spec.replace(vocab=data_vocab)
     return spec
 
 
 def model_vocab(spec: RunSpec) -> int:
-    """The vocabulary of the model ``spec`` trains: ``vocab``, else its preset's."""
-    return spec.vocab or SIZES[spec.model].vocab
+    """The vocabulary of the model ``spec`` trains: ``vocab``, else its preset's (or config's)."""
+    return spec.vocab or spec.size.vocab
 
 
-def positions(spec: RunSpec) -> dict:
-    """The context length of a preset that has none (a simulator-sized model): --seq."""
-    return {} if SIZES[spec.model].block_size else {"block_size": spec.seq}
+def model_config(spec: RunSpec):
+    """The config of the model ``spec`` trains (its ``build`` makes it): the preset's, or the
+    ``--init-from`` directory's, with the run's vocabulary; a preset without a context length
+    takes --seq."""
+    from ..nn.models import size_config
+
+    positions = {} if spec.size.block_size else {"block_size": spec.seq}
+    return size_config(spec.size, vocab_size=model_vocab(spec), **positions)
 
 
 def split_data(data, config: TrainConfig, seq: int):
@@ -184,7 +192,6 @@ def check_resume(config: TrainConfig, spec: RunSpec) -> tuple[Path, int]:
     tensor files), and the step it holds."""
     import torch
 
-    from ..nn import preset_config
     from ..runtime import checkpoint
 
     directory = checkpoint.latest(config.checkpoint_dir) if config.resume == "latest" else Path(config.resume)
@@ -194,10 +201,10 @@ def check_resume(config: TrainConfig, spec: RunSpec) -> tuple[Path, int]:
     hint = f"with --model {saved.get('model')}, vocabulary {saved.get('vocab_size')}"
     vocab = model_vocab(spec)
     if (saved.get("model"), saved.get("vocab_size")) != (spec.model, vocab):
-        raise PipeloomError(f"--resume {directory}: it was saved {hint}; this run has --model {spec.model}, "
+        raise PipeloomError(f"--resume {directory}: it was saved {hint}; this run has {spec.model_flag}, "
                             f"vocabulary {vocab} (--vocab, else the preset's or its data's); resume with those")
     with torch.device("meta"):
-        model = preset_config(spec.model, vocab_size=vocab, **positions(spec)).build()
+        model = model_config(spec).build()
     checkpoint.check_fits(directory, model, hint)
     return directory, saved.get("step", 0)
 

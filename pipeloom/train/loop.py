@@ -16,7 +16,7 @@ from ..data import load_data
 from ..errors import PipeloomError, first_line
 from ..spec import RunSpec
 from ..techniques import TECHNIQUES
-from .config import check, check_resume, check_steps, learning_rate, model_vocab, positions, split_data, with_vocab
+from .config import check, check_resume, check_steps, learning_rate, model_config, split_data, with_vocab
 from .report import report
 
 
@@ -117,7 +117,6 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        from ..nn import preset_config
         from ..runtime import Pipeline
         from ..runtime.memory import PeakMemory
 
@@ -131,12 +130,14 @@ class Trainer:
         schedule = build_run(spec, costs, without=runtime)
         check_steps(config, schedule)
         self.memory = PeakMemory(device)  # from here: what the model and its training add
-        self.model_config = preset_config(spec.model, vocab_size=model_vocab(spec), **positions(spec))
+        self.model_config = model_config(spec)
         dp = layout.dp
         torch.manual_seed(config.seed)  # the same weights on every rank
         precision = spec.precision or ("bf16" if device.type == "cuda" else "fp32")
         autocast = torch.bfloat16 if precision == "bf16" else None
         model = self.model_config.build(device="meta")  # each rank materialises only its own stages
+        if spec.init_from is not None:  # and reads only their tensors
+            model.load_safetensors(spec.init_from)
         self.n_params = sum(p.numel() for p in model.parameters())
         options = {k: v for t in TECHNIQUES.values() for k, v in t.pipeline_options(spec, costs).items()}
         self.pipe = Pipeline(model, schedule, dp=dp, timeout=config.timeout, autocast=autocast, device=device, **options)
@@ -153,7 +154,7 @@ class Trainer:
         if self.rank == 0:
             techniques = "".join(t.describe(spec, self.pipe) for t in TECHNIQUES.values())
             micro = f"{spec.microbatches} microbatch{'es' if spec.microbatches > 1 else ''}"
-            print(f"pipeloom train: {spec.model} ({_count(self.n_params)} parameters, vocabulary "
+            print(f"pipeloom train: {spec.model or spec.init_from} ({_count(self.n_params)} parameters, vocabulary "
                   f"{self.model_config.vocab_size}), {spec.schedule}, pp={spec.pp}, dp={dp}{techniques}, "
                   f"{micro} of {spec.microbatch_size} x {spec.seq} tokens, {precision} on {device.type}; "
                   f"data: {self.data.source}", file=sys.stderr, flush=True)
