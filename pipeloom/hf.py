@@ -21,6 +21,8 @@ from .errors import PipeloomError
 from .presets import ModelSize
 
 CONFIG, WEIGHTS, INDEX, TOKENIZER = "config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json"
+#: The tokenizer's settings besides tokenizer.json that transformers reads, copied into an exported directory.
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 #: The model types pipeloom reads, and the rotary scalings it runs (None: plain rotary positions).
 MODEL_TYPES, ROPE_TYPES = ("llama",), (None, "default", "llama3")
 #: transformers' defaults for the fields a Llama config.json may leave out.
@@ -28,37 +30,38 @@ _DEFAULTS = {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_em
              "rope_theta": 10000.0, "hidden_act": "silu"}
 
 
-def read_config(directory: str | Path) -> dict:
-    """The ``config.json`` of the model directory ``directory``, checked to be one pipeloom reads."""
+def read_config(directory: str | Path, flag: str = "--init-from") -> dict:
+    """The ``config.json`` of the model directory ``directory``, checked to be one pipeloom reads
+    (``flag``: how messages name the directory)."""
     path = Path(directory)
     if not path.is_dir():
-        raise PipeloomError(f"--init-from {directory}: no such directory (give a Hugging Face model directory "
+        raise PipeloomError(f"{flag} {directory}: no such directory (give a Hugging Face model directory "
                             f"holding {CONFIG})")
     file = path / CONFIG
     if not file.is_file():
-        raise PipeloomError(f"--init-from {directory}: no {CONFIG} there (a Hugging Face model directory holds "
+        raise PipeloomError(f"{flag} {directory}: no {CONFIG} there (a Hugging Face model directory holds "
                             f"{CONFIG} and {WEIGHTS})")
     try:
         config = json.loads(file.read_text())
     except (ValueError, UnicodeDecodeError) as err:
-        raise PipeloomError(f"--init-from {directory}: {CONFIG} is not JSON ({err})") from None
+        raise PipeloomError(f"{flag} {directory}: {CONFIG} is not JSON ({err})") from None
     kind = config.get("model_type")
     if kind not in MODEL_TYPES:
-        raise PipeloomError(f"--init-from {directory}: model_type {kind!r} is not supported; pipeloom reads "
+        raise PipeloomError(f"{flag} {directory}: model_type {kind!r} is not supported; pipeloom reads "
                             f"Llama-family models (model_type {', '.join(MODEL_TYPES)})")
     return config
 
 
-def read_size(directory: str | Path) -> ModelSize:
+def read_size(directory: str | Path, flag: str = "--init-from") -> ModelSize:
     """The sizes of the Llama model in ``directory`` (see :func:`read_config`), read once per version of its config."""
     file = Path(directory) / CONFIG
-    return _size(str(directory), file.stat().st_mtime_ns if file.is_file() else None)
+    return _size(str(directory), flag, file.stat().st_mtime_ns if file.is_file() else None)
 
 
 @lru_cache(maxsize=None)
-def _size(directory: str, _stamp) -> ModelSize:
-    config = {**_DEFAULTS, **read_config(directory)}
-    where = f"--init-from {directory}: {CONFIG}"
+def _size(directory: str, flag: str, _stamp) -> ModelSize:
+    config = {**_DEFAULTS, **read_config(directory, flag)}
+    where = f"{flag} {directory}: {CONFIG}"
     missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
                            "vocab_size") if not isinstance(config.get(k), int)]
     if missing:
@@ -98,7 +101,7 @@ def _rope(config: dict, where: str) -> tuple[float, tuple | None]:
         raise PipeloomError(f"{where}: its llama3 rotary scaling gives no {err.args[0]}") from None
 
 
-def weight_files(directory: str | Path) -> list[Path]:
+def weight_files(directory: str | Path, flag: str = "--init-from") -> list[Path]:
     """The safetensors files of the model in ``directory``: the shards its index lists, or its one file."""
     path = Path(directory)
     index = path / INDEX
@@ -106,18 +109,18 @@ def weight_files(directory: str | Path) -> list[Path]:
         try:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, AttributeError, UnicodeDecodeError):
-            raise PipeloomError(f"--init-from {directory}: {INDEX} holds no weight_map of tensor names to "
+            raise PipeloomError(f"{flag} {directory}: {INDEX} holds no weight_map of tensor names to "
                                 "files") from None
         files = [path / name for name in names]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
-            raise PipeloomError(f"--init-from {directory}: {INDEX} names {absent[0]}, which is not there"
+            raise PipeloomError(f"{flag} {directory}: {INDEX} names {absent[0]}, which is not there"
                                 + (f" (nor {len(absent) - 1} more)" if len(absent) > 1 else ""))
         return files
     if (path / WEIGHTS).is_file():
         return [path / WEIGHTS]
     bins = " (its pytorch_model.bin weights: convert them to safetensors)" if any(path.glob("*.bin")) else ""
-    raise PipeloomError(f"--init-from {directory}: no {WEIGHTS} nor {INDEX} there{bins}")
+    raise PipeloomError(f"{flag} {directory}: no {WEIGHTS} nor {INDEX} there{bins}")
 
 
 def tokenizer_file(directory: str | Path) -> str | None:
@@ -143,7 +146,7 @@ def config_json(config, template: dict | None = None) -> dict:
                vocab_size=config.vocab_size, max_position_embeddings=config.block_size,
                rms_norm_eps=config.norm_eps, tie_word_embeddings=config.tie_embeddings, rope_theta=config.rope_theta,
                rope_parameters={**rope, "rope_theta": config.rope_theta}, hidden_act="silu", attention_bias=False,
-               mlp_bias=False, torch_dtype="float32")
+               mlp_bias=False, dtype="float32", torch_dtype="float32")
     if config.rope_scaling is not None:
         out["rope_scaling"] = rope
     return out

@@ -184,6 +184,21 @@ class Llama(Decoder):
     the weights of a safetensors file (:meth:`load_safetensors`).
     """
 
+    @classmethod
+    def from_hf(cls, directory: str | Path, device: str | torch.device | None = None) -> Llama:
+        """The model of a Hugging Face Llama directory (:mod:`pipeloom.hf`): built from its
+        ``config.json`` on ``device``, its weights read from its safetensors files
+        (:meth:`load_safetensors`). On ``"meta"`` nothing is read yet: a pipeline's ranks each
+        read their own stages' tensors (and vocabulary shards' rows) as they build them."""
+        from ..hf import read_size
+        from .models import size_config
+
+        model = cls(size_config(read_size(directory, "from_hf:")), device="meta")
+        model.load_safetensors(directory)
+        if device is None or torch.device(device).type != "meta":
+            model.build_stages(1, [0], device=device)
+        return model
+
     @staticmethod
     def block(config: LlamaConfig) -> LlamaBlock:
         return LlamaBlock(config)
@@ -273,15 +288,15 @@ class Llama(Decoder):
         save_hf(self, weights, path)
 
 
-def save_hf(model: Llama, weights: dict[str, torch.Tensor], path: str | Path) -> None:
+def save_hf(model: Llama, weights: dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None) -> None:
     """Write ``weights`` (CPU tensors by ``model``'s unsplit names, as
     :meth:`~pipeloom.runtime.Pipeline.gather_weights` gives them) to the safetensors file ``path``
-    by Hugging Face's Llama names (:meth:`Llama.hf_names`)."""
+    by Hugging Face's Llama names (:meth:`Llama.hf_names`), with ``metadata`` (str to str) in its header."""
     tensors = {}
     for name, parts in model.hf_names().items():
         for (hf, _), piece in zip(parts, weights[name].split([rows for _, rows in parts])):
             tensors[hf] = piece.contiguous()
-    _safetensors().torch.save_file(tensors, str(path), metadata={"format": "pt"})
+    _safetensors().torch.save_file(tensors, str(path), metadata={**(metadata or {}), "format": "pt"})
 
 
 def _read(parts: list[tuple[Path, str, int]], rows: tuple[int, int] | None = None) -> torch.Tensor:

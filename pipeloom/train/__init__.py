@@ -29,7 +29,8 @@ import sys
 from ..builder import build_run
 from ..cli.flags import spec_of
 from ..data import load_data
-from .config import TrainConfig, check, check_resume, check_steps, learning_rate, split_data, with_vocab
+from .config import (TrainConfig, check, check_resume, check_steps, check_weights, learning_rate, split_data,
+                     with_vocab)
 from .loop import Trainer
 from .report import dry_run, report
 
@@ -55,6 +56,8 @@ def run(args) -> int:
     spec = with_vocab(spec, data.vocab_size)
     if config.dry_run:
         return dry_run(config, spec)
+    if spec.init_from is not None:
+        check_weights(spec)
     schedule = build_run(spec)
     check_steps(config, schedule)
     split_data(data, config, spec.seq)

@@ -41,6 +41,7 @@ class TrainConfig:
     checkpoint_every: int | None = None
     resume: str | None = None
     save: str | None = None
+    save_hf: str | None = None
     metrics: str | None = None
     tensorboard: str | None = None
     trace: str | None = None
@@ -54,9 +55,14 @@ class TrainConfig:
 
     @classmethod
     def of(cls, args) -> TrainConfig:
-        """The settings in a parsed ``pipeloom train`` command line."""
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if f.name != "argv"},
-                   argv=tuple(args.argv))
+        """The settings in a parsed ``pipeloom train`` command line; without --tokenizer, text is
+        tokenized by the --init-from directory's tokenizer.json if it has one, else by bytes."""
+        from ..hf import tokenizer_file
+
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if f.name not in ("argv", "tokenizer")}
+        text = args.token_dtype is None and not str(args.data or "").endswith(".bin")  # not a token file
+        tokenizer = args.tokenizer or (text and args.init_from and tokenizer_file(args.init_from)) or "bytes"
+        return cls(**given, tokenizer=tokenizer, argv=tuple(args.argv))
 
 
 def check(config: TrainConfig, spec: RunSpec) -> None:
@@ -79,6 +85,8 @@ def check(config: TrainConfig, spec: RunSpec) -> None:
     for technique in TECHNIQUES.values():
         if technique.active(spec):
             technique.check_training(spec, config)
+    if spec.init_from is not None:
+        installed("safetensors", "--init-from")
     if config.json and not config.dry_run:
         raise PipeloomError("--json goes with --dry-run (a run's metrics go to --metrics)")
     if config.eval_every is not None and config.eval_every < 1:
@@ -112,6 +120,12 @@ def check(config: TrainConfig, spec: RunSpec) -> None:
     if config.save:
         installed("safetensors", "--save")
         prepare_output("--save", config.save, (".safetensors",))
+    if config.save_hf:
+        if spec.size.family != "llama":
+            raise PipeloomError(f"--save-hf writes Llama-family models; {spec.model_flag} is a {spec.size.family} "
+                                "model (--save writes its weights by pipeloom's names)")
+        installed("safetensors", "--save-hf")
+        prepare_output_dir("--save-hf", config.save_hf)
     if config.tensorboard:
         installed("tensorboard", "--tensorboard")
         prepare_output_dir("--tensorboard", config.tensorboard)
@@ -172,6 +186,16 @@ def model_config(spec: RunSpec):
 
     positions = {} if spec.size.block_size else {"block_size": spec.seq}
     return size_config(spec.size, vocab_size=model_vocab(spec), **positions)
+
+
+def check_weights(spec: RunSpec) -> None:
+    """The tensors of the --init-from directory checked against the model its config describes:
+    every one there, of its shape, none left over (from the files' headers; no weight is read)."""
+    import torch
+
+    with torch.device("meta"):
+        model = model_config(spec).build()
+    model.load_safetensors(spec.init_from)
 
 
 def split_data(data, config: TrainConfig, seq: int):

@@ -6,6 +6,7 @@ import gc
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from contextlib import contextmanager
@@ -135,7 +136,7 @@ class Trainer:
         torch.manual_seed(config.seed)  # the same weights on every rank
         precision = spec.precision or ("bf16" if device.type == "cuda" else "fp32")
         autocast = torch.bfloat16 if precision == "bf16" else None
-        model = self.model_config.build(device="meta")  # each rank materialises only its own stages
+        self.model = model = self.model_config.build(device="meta")  # each rank materialises its own stages
         if spec.init_from is not None:  # and reads only their tensors
             model.load_safetensors(spec.init_from)
         self.n_params = sum(p.numel() for p in model.parameters())
@@ -216,7 +217,7 @@ class Trainer:
                 progress.close()
         if stopped:
             return self._stopped(stopped, done)
-        if config.save:
+        if config.save or config.save_hf:
             self._save_weights(done)
         if self.start < config.steps:
             self._write_timeline()
@@ -296,21 +297,45 @@ class Trainer:
         return sum(self.pipe.evaluate(b[:, :-1], b[:, 1:]) for b in self.val_batches) / len(self.val_batches)
 
     def _save_weights(self, step: int) -> None:
-        """--save: the model's weights by their unsplit names, gathered from every rank and
-        written by rank 0 with the run's metadata (and a BPE run's tokenizer)."""
+        """--save and --save-hf: the model's weights by their unsplit names, gathered from every rank
+        once and written by rank 0 with the run's metadata (and a BPE run's tokenizer)."""
         from ..generate import META_KEY, TOKENIZER_KEY
 
         weights = self.pipe.gather_weights(to=0)
         if self.rank != 0:
             return
-        from safetensors.torch import save_file
-
         extra = {META_KEY: json.dumps(self._meta(step))}
         if self._tokenizer() == "bpe":
             extra[TOKENIZER_KEY] = Path(self.data.tokenizer).read_text()
-        with _output("--save", self.config.save, True):
-            save_file(weights, self.config.save, metadata=extra)
-            _Progress.note(f"saved the weights of step {step} to {self.config.save}")
+        if self.config.save:
+            from safetensors.torch import save_file
+
+            with _output("--save", self.config.save, True):
+                save_file(weights, self.config.save, metadata=extra)
+                _Progress.note(f"saved the weights of step {step} to {self.config.save}")
+        if self.config.save_hf:
+            with _output("--save-hf", self.config.save_hf, True):
+                self._save_hf(weights, extra)
+                _Progress.note(f"saved the model of step {step} to {self.config.save_hf} (Hugging Face's layout)")
+
+    def _save_hf(self, weights: dict, extra: dict) -> None:
+        """Write --save-hf's directory: config.json (the --init-from directory's, with this model's
+        sizes), model.safetensors by Hugging Face's names (the run's metadata in its header), and
+        the tokenizer: a BPE run's tokenizer.json, with the --init-from directory's other tokenizer files."""
+        from .. import hf
+        from ..generate import TOKENIZER_KEY
+        from ..nn.llama import save_hf
+
+        out, source = Path(self.config.save_hf), self.spec.init_from
+        template = hf.read_config(source) if source else None
+        (out / hf.CONFIG).write_text(json.dumps(hf.config_json(self.model_config, template), indent=2) + "\n")
+        save_hf(self.model, weights, out / hf.WEIGHTS, {k: v for k, v in extra.items() if k != TOKENIZER_KEY})
+        if self._tokenizer() == "bpe":
+            (out / hf.TOKENIZER).write_text(extra[TOKENIZER_KEY])
+            if source and self.config.tokenizer == hf.tokenizer_file(source):  # the directory's own tokenizer
+                for name in hf.TOKENIZER_FILES:
+                    if (Path(source) / name).is_file():
+                        shutil.copyfile(Path(source) / name, out / name)
 
     def _tokenizer(self) -> str | None:
         """How the run's text became tokens: bytes, bpe (its tokenizer.json), or None (a token file)."""
