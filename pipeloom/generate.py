@@ -2,8 +2,10 @@
 
 The model comes from a checkpoint (``--checkpoint``: a ``step_*`` directory,
 or a ``--checkpoint-dir`` whose latest is taken), loaded without a process
-group (:func:`pipeloom.runtime.checkpoint.load_weights`), or from the weights
-``train --save`` wrote (``--weights FILE.safetensors``). Either carries the
+group (:func:`pipeloom.runtime.checkpoint.load_weights`), from the weights
+``train --save`` wrote (``--weights FILE.safetensors``), or from a Hugging Face
+Llama directory (``--hf DIR``: ``train --save-hf``'s, or any, with its
+``tokenizer.json``). Either carries the
 run's metadata (model preset, vocabulary, context length, tokenizer): a
 checkpoint in its ``pipeloom.json`` (and a BPE run's ``tokenizer.json``
 beside it), a weights file in its safetensors metadata. The prompt is encoded
@@ -83,13 +85,15 @@ def load(args, device):
     its BPE tokenizer's JSON, or None for bytes; where they came from)."""
     if args.checkpoint:
         model, meta, tokenizer, source = _from_checkpoint(args.checkpoint, device)
+    elif args.hf:
+        model, meta, tokenizer, source = _from_hf(args.hf, device)
     else:
         model, meta, tokenizer, source = _from_weights(args.weights, device)
     if args.tokenizer:
         tokenizer = Path(args.tokenizer).read_text()
-    elif meta.get("tokenizer", "bytes") is None:
-        raise PipeloomError(f"{source} was trained on token ids from a token file, whose tokenizer pipeloom does not "
-                            "know: give it with --tokenizer FILE.json")
+    elif tokenizer is None and meta.get("tokenizer", "bytes") is None:
+        raise PipeloomError(f"{source} holds no tokenizer pipeloom knows (a run on a token file's ids, or a Hugging "
+                            "Face directory without tokenizer.json): give it with --tokenizer FILE.json")
     return model.eval(), meta, tokenizer, source
 
 
@@ -155,6 +159,25 @@ def _from_weights(path: str, device):
     model = _model(meta, f"--weights {path}", device)
     load_tensors(model, tensors, f"--weights {path}")
     return model, meta, extra.get(TOKENIZER_KEY), str(file)
+
+
+def _from_hf(path: str, device):
+    """A Hugging Face Llama directory (``train --save-hf``'s, or any): the model of its config.json
+    with its weights; its tokenizer.json, else (a byte-level pipeloom run) bytes."""
+    from . import hf
+    from .nn import Llama
+
+    size = hf.read_size(path, "--hf")
+    files = hf.weight_files(path, "--hf")
+    model = Llama.from_hf(path, device)  # without safetensors: the pip line
+    from safetensors import safe_open
+
+    with safe_open(str(files[0]), framework="pt", device="cpu") as f:
+        extra = f.metadata() or {}
+    run = json.loads(extra[META_KEY]) if META_KEY in extra else {"tokenizer": None}  # not pipeloom's: no bytes
+    meta = {**run, "model": run.get("model") or path, "vocab_size": size.vocab}
+    tokenizer = hf.tokenizer_file(path)
+    return model, meta, Path(tokenizer).read_text() if tokenizer else None, path
 
 
 def load_tensors(model, tensors: dict, where: str) -> None:

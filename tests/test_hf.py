@@ -33,7 +33,17 @@ SEQ, MICROBATCH, MICROBATCHES = 16, 2, 4
 
 def hf_model(directory: Path, shard: str | None = None, **overrides) -> Path:
     """A random transformers Llama of :data:`TINY` sizes with ``overrides``, saved to ``directory``
-    (in shards of at most ``shard``); its norms away from one, so that a misplaced weight shows."""
+    (in shards of at most ``shard``); its norms away from one, so that a misplaced weight shows; with
+    a byte-level BPE tokenizer.json of its vocabulary, trained on :func:`corpus`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train([str(corpus(directory.parent))], trainers.BpeTrainer(
+        vocab_size=TINY["vocab_size"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    directory.mkdir()
+    tokenizer.save(str(directory / "tokenizer.json"))
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY, **overrides}))
     with torch.no_grad():
@@ -52,9 +62,9 @@ def hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits
 
 
-def first_batch(corpus: Path):
-    """The tokens and targets of ``pipeloom train``'s first step on ``corpus`` (bytes, seed 0, pp's dp 1)."""
-    train, _ = load_data(corpus).split(0.05)
+def first_batch(corpus: Path, tokenizer: Path):
+    """The tokens and targets of ``pipeloom train``'s first step on ``corpus`` (by ``tokenizer``, seed 0, dp 1)."""
+    train, _ = load_data(corpus, tokenizer=str(tokenizer)).split(0.05)
     batch = torch.from_numpy(train.batch(0, MICROBATCH * MICROBATCHES, SEQ, 0))
     return batch[:, :-1], batch[:, 1:]
 
@@ -92,12 +102,13 @@ CASES = {  # label: (config overrides, max_shard_size, pipeline flags)
 
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("case", list(CASES))
-def test_init_from_trains_from_transformers_loss_and_saves_what_transformers_reloads(tmp_path, case):
+def test_init_from_trains_from_transformers_loss_and_saves_what_transformers_reloads(tmp_path, monkeypatch, case):
+    monkeypatch.setenv("PIPELOOM_CACHE", str(tmp_path / "cache"))
     overrides, shard, flags = CASES[case]
     source = hf_model(tmp_path / "source", shard, **overrides)
     if shard:
         assert (source / "model.safetensors.index.json").is_file() and len(list(source.glob("*.safetensors"))) > 2
-    tokens, targets = first_batch(corpus(tmp_path))
+    tokens, targets = first_batch(corpus(tmp_path), source / "tokenizer.json")  # the run's: --init-from's
     want = loss_of(hf_logits(source, tokens), targets)
     rows = run(tmp_path, source, "--steps", "3", "--lr", "1e-2", "--warmup", "0", "--save", "w.safetensors",
                "--save-hf", "out", *flags)
@@ -117,6 +128,22 @@ def test_init_from_trains_from_transformers_loss_and_saves_what_transformers_rel
     theirs = hf_logits(tmp_path / "out", tokens)
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(theirs, hf_logits(source, tokens), atol=1e-3)  # the trained weights, not the start
+    # pipeloom generate reads the directory: greedy tokens as transformers' own
+    import contextlib
+    import io
+
+    from pipeloom.cli import main
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["generate", "--hf", str(tmp_path / "out"), "--prompt", "def ", "--temperature", "0",
+                     "--max-new-tokens", "6", "--json"]) == 0
+    sampled = json.loads(printed.getvalue())
+    ids = list(sampled["prompt_tokens"])
+    assert ids == transformers.AutoTokenizer.from_pretrained(tmp_path / "out")("def ")["input_ids"]
+    for _ in range(6):
+        ids.append(int(hf_logits(tmp_path / "out", torch.tensor([ids]))[0, -1].argmax()))
+    assert sampled["tokens"] == ids[-6:]
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
     assert saved["tie_word_embeddings"] == overrides.get("tie_word_embeddings", False)
     assert read_size(tmp_path / "out") == read_size(source)
@@ -183,7 +210,7 @@ def test_each_rank_reads_only_its_own_stages(tmp_path):
         assert total - 16_000 < sum(r[k][0] for r in results) <= total
 
 
-def test_refusals_are_one_line_before_launch(tmp_path):
+def test_refusals_are_one_line_before_launch(tmp_path, monkeypatch):
     from launching import train_forked
 
     def refused(*flags):
@@ -214,7 +241,9 @@ def test_refusals_are_one_line_before_launch(tmp_path):
     assert "holds model.layers.3.input_layernorm.weight, which this model (3 layers) has no place for" in \
         refused("--init-from", "m", "--pp", "1")
     (source / "config.json").write_text(json.dumps({**config, "vocab_size": 200}))
-    assert "larger than the 200 of --init-from m" in refused("--init-from", "m", "--data", str(corpus(tmp_path)))
+    monkeypatch.setenv("PIPELOOM_CACHE", str(tmp_path / "cache"))
+    assert "vocabulary of 301 tokens is larger than the 200 of --init-from m" in \
+        refused("--init-from", "m", "--data", str(corpus(tmp_path)))
 
 
 def test_missing_safetensors_is_the_pip_line(tmp_path, monkeypatch):

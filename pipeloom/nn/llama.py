@@ -193,7 +193,7 @@ class Llama(Decoder):
         from ..hf import read_size
         from .models import size_config
 
-        model = cls(size_config(read_size(directory, "from_hf:")), device="meta")
+        model = cls(size_config(read_size(directory, "Llama.from_hf")), device="meta")
         model.load_safetensors(directory)
         if device is None or torch.device(device).type != "meta":
             model.build_stages(1, [0], device=device)
