@@ -98,17 +98,19 @@ def load(args, device):
 
 
 def _model(meta: dict, where: str, device):
-    """The run's model on ``device`` (its weights to be loaded): its preset, vocabulary and
-    context length from ``meta``."""
-    from .nn import preset_config
+    """The run's model on ``device`` (its weights to be loaded): its preset (or its --init-from
+    directory's config), vocabulary and context length from ``meta``."""
+    from .hf import read_size
+    from .nn.models import size_config
     from .presets import SIZES
 
-    name = meta.get("model")
-    if name not in SIZES or not isinstance(meta.get("vocab_size"), int):
+    name, init_from = meta.get("model"), (meta.get("spec") or {}).get("init_from")
+    size = SIZES.get(name) if init_from is None else read_size(init_from, f"{where}: the run's --init-from")
+    if size is None or not isinstance(meta.get("vocab_size"), int):
         raise PipeloomError(f"{where}: it holds model {name!r} with vocabulary {meta.get('vocab_size')!r}, which this "
                             f"pipeloom cannot build; presets: {', '.join(SIZES)}")
-    positions = {} if SIZES[name].block_size else {"block_size": meta.get("seq")}
-    return preset_config(name, vocab_size=meta["vocab_size"], **positions).build(device=device)
+    positions = {} if size.block_size else {"block_size": meta.get("seq")}
+    return size_config(size, vocab_size=meta["vocab_size"], **positions).build(device=device)
 
 
 def _from_checkpoint(path: str, device):

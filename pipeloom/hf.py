@@ -68,7 +68,8 @@ def _size(directory: str, flag: str, _stamp) -> ModelSize:
         raise PipeloomError(f"{where} gives no whole number {missing[0]}" +
                             (f" (nor {', '.join(missing[1:])})" if missing[1:] else ""))
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    unsupported = {"hidden_act": (config["hidden_act"], "silu"), "attention_bias": (config.get("attention_bias"), False),
+    unsupported = {"hidden_act": (config["hidden_act"], "silu"),
+                   "attention_bias": (config.get("attention_bias"), False),
                    "mlp_bias": (config.get("mlp_bias"), False),
                    "head_dim": (config.get("head_dim"), hidden // heads)}
     for field, (value, fits) in unsupported.items():

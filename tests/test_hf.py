@@ -118,13 +118,14 @@ def test_init_from_trains_from_transformers_loss_and_saves_what_transformers_rel
     # read by pipeloom's own names from --save's file
     from safetensors.torch import load_file
 
-    from pipeloom.generate import load_tensors
+    from pipeloom.generate import _from_weights, load_tensors
     from pipeloom.nn.models import size_config
 
     trained = Llama(size_config(read_size(source)))
     load_tensors(trained, load_file(tmp_path / "w.safetensors"), "--save")
     with torch.no_grad():
         ours = trained(tokens)
+        torch.testing.assert_close(_from_weights(str(tmp_path / "w.safetensors"), "cpu")[0](tokens), ours)
     theirs = hf_logits(tmp_path / "out", tokens)
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(theirs, hf_logits(source, tokens), atol=1e-3)  # the trained weights, not the start
@@ -147,6 +148,22 @@ def test_init_from_trains_from_transformers_loss_and_saves_what_transformers_rel
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
     assert saved["tie_word_embeddings"] == overrides.get("tie_word_embeddings", False)
     assert read_size(tmp_path / "out") == read_size(source)
+
+
+def test_the_run_spec_takes_the_directory_as_its_model(tmp_path):
+    from pipeloom.builder import Priced
+    from pipeloom.cli import _parser
+    from pipeloom.cli.flags import spec_of
+    from pipeloom.sim.specs import size_spec
+
+    source = hf_model(tmp_path / "m", **GQA_ROPE)
+    spec = spec_of(_parser().parse_args(["train", "--init-from", str(source), "--seq", "32"]))
+    assert spec.model is None and spec.init_from == str(source) and spec.size == read_size(source)
+    assert spec_of(_parser().parse_args(["train", *spec.flags()])) == spec
+    assert Priced(spec).model == size_spec(str(source), read_size(source))  # simulate prices the directory's model
+    assert Priced(spec).model.kv_heads == 2 and Priced(spec).model.vocab == 301
+    with pytest.raises(PipeloomError, match=r"--vocab 512: the vocabulary of --init-from .* is its config.json's"):
+        spec_of(_parser().parse_args(["train", "--init-from", str(source), "--vocab", "512"]))
 
 
 def test_config_sizes_and_the_model_match_transformers(tmp_path):
@@ -234,6 +251,8 @@ def test_refusals_are_one_line_before_launch(tmp_path, monkeypatch):
     assert "rotary scaling 'yarn'" in refused("--init-from", "m")
     (source / "config.json").write_text(json.dumps(config))
     assert "--model or --init-from" in refused("--init-from", "m", "--model", "llama-tiny")
+    assert "--save-hf writes Llama-family models; --model tiny is a gpt model" in \
+        refused("--model", "tiny", "--save-hf", "out")
     (source / "model.safetensors").rename(source / "other.safetensors")
     assert "no model.safetensors nor model.safetensors.index.json" in refused("--init-from", "m")
     (source / "other.safetensors").rename(source / "model.safetensors")

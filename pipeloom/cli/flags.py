@@ -16,8 +16,8 @@ from ..techniques import flags as technique_flags
 
 
 def add_run_flags(p, *, model_default: str | None, lists: bool = False) -> None:
-    """Add the run's flags to parser ``p``. ``model_default``: the model without ``--model``
-    (None: no model, costs given); ``lists``: the compared technique flags read comma lists
+    """Add the run's flags to parser ``p``. ``model_default``: the model without ``--model`` or
+    ``--init-from`` (None: no model, costs given); ``lists``: the compared technique flags read comma lists
     (``simulate``). Each flag's default is :class:`~pipeloom.spec.RunSpec`'s (argparse's None: not given)."""
     from ..presets import SIZES
     from ..schedule import FAMILIES
@@ -26,7 +26,7 @@ def add_run_flags(p, *, model_default: str | None, lists: bool = False) -> None:
     g = p.add_argument_group("the run: model, layout, schedule, where it runs (the same in simulate and train)")
     g.add_argument("--model", metavar="PRESET",
                    help=f"model preset: {', '.join(SIZES)}"
-                        + (f" (default {model_default})" if model_default else
+                        + (f" (default {model_default}, unless --init-from)" if model_default else
                            " (default: none; the costs come from --costs)"))
     g.add_argument("--init-from", metavar="DIR",
                    help="instead of --model: a Hugging Face Llama directory (config.json, model.safetensors or its "
@@ -77,7 +77,8 @@ def spec_of(args, **changes) -> RunSpec:
     values.update(changes)
     if values["model"] is None and values["init_from"] is None:
         values["model"] = args.model_default
-    if values["profile"] is not None and (values["model"] or values["init_from"]) and None in (values["seq"], values["hardware"]):
+    modelled = values["model"] is not None or values["init_from"] is not None
+    if values["profile"] is not None and modelled and None in (values["seq"], values["hardware"]):
         from ..sim.profile import load_profile
 
         profile = load_profile(values["profile"])
