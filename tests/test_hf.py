@@ -260,9 +260,11 @@ def test_refusals_are_one_line_before_launch(tmp_path, monkeypatch):
     assert "holds model.layers.3.input_layernorm.weight, which this model (3 layers) has no place for" in \
         refused("--init-from", "m", "--pp", "1")
     (source / "config.json").write_text(json.dumps({**config, "vocab_size": 200}))
+    assert "model.embed_tokens.weight in" in refused("--init-from", "m")  # before the data is tokenized
+    hf_model(tmp_path / "small", vocab_size=280)  # its tokenizer.json has 301 tokens
     monkeypatch.setenv("PIPELOOM_CACHE", str(tmp_path / "cache"))
-    assert "vocabulary of 301 tokens is larger than the 200 of --init-from m" in \
-        refused("--init-from", "m", "--data", str(corpus(tmp_path)))
+    assert "vocabulary of 301 tokens is larger than the 280 of --init-from small" in \
+        refused("--init-from", "small", "--data", str(corpus(tmp_path)))
 
 
 def test_missing_safetensors_is_the_pip_line(tmp_path, monkeypatch):

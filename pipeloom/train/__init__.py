@@ -52,12 +52,12 @@ def run(args) -> int:
         return worker(lambda: spec_of(args), config)
     spec = spec_of(args).check_runnable()
     check(config, spec)
+    if spec.init_from is not None and not config.dry_run:
+        check_weights(spec)  # before the data is tokenized
     data = load_data(config.data, config.token_dtype, config.vocab_size, config.tokenizer)  # a bad path stops here
     spec = with_vocab(spec, data.vocab_size)
     if config.dry_run:
         return dry_run(config, spec)
-    if spec.init_from is not None:
-        check_weights(spec)
     schedule = build_run(spec)
     check_steps(config, schedule)
     split_data(data, config, spec.seq)
