@@ -14,8 +14,9 @@ Parameter names are pipeloom's (``wte``, ``blocks.{i}.attn.qkv``, ...), the
 q/k/v projections fused into one ``qkv`` and the MLP's gate and up
 projections into one ``gate_up``, as GPT fuses q/k/v (one GEMM, one saved
 input). :meth:`Llama.load_safetensors` and :meth:`Llama.save_safetensors`
-read and write Hugging Face's names (``model.layers.{i}.self_attn.q_proj.weight``,
-...). Rotary runs in Hugging Face's "rotate_half" layout (a head's dimension
+(:func:`save_hf` for weights gathered from a pipeline) read and write Hugging
+Face's names (``model.layers.{i}.self_attn.q_proj.weight``, ...);
+:meth:`Llama.from_hf` builds the model of a Hugging Face directory. Rotary runs in Hugging Face's "rotate_half" layout (a head's dimension
 i pairs with i + head_dim/2), the layout its checkpoints store q and k in, so
 they load without permuting any row (Meta's original checkpoints pair
 dimensions 2i and 2i+1 instead; Hugging Face's conversion permutes them).
@@ -38,6 +39,7 @@ from ..presets import SIZES
 from .decoder import CausalSelfAttention, Decoder, DecoderConfig, PreNormBlock
 from .linear import Linear
 from .recompute import mark
+
 
 def config_fields(size) -> dict:
     """The :class:`LlamaConfig` fields of a Llama-family :class:`~pipeloom.presets.ModelSize`."""
@@ -229,8 +231,9 @@ class Llama(Decoder):
         return names
 
     def load_safetensors(self, path: str | Path) -> None:
-        """Take the weights of the safetensors file ``path`` (or of every ``*.safetensors`` file
-        in the directory ``path``, a sharded checkpoint) by Hugging Face's Llama names
+        """Take the weights of the safetensors file ``path`` (or, in the directory ``path``, of
+        the shards its ``model.safetensors.index.json`` lists, else of every ``*.safetensors``
+        file) by Hugging Face's Llama names
         (:meth:`hf_names`). Weights with storage are overwritten now; weights on the meta
         device read theirs when they get storage (:meth:`build_stages`), so each rank of a
         pipeline reads only its own stages' tensors. Stops with one line if a tensor is
