@@ -55,7 +55,8 @@ def read_config(directory: str | Path, flag: str = "--init-from") -> dict:
 def read_size(directory: str | Path, flag: str = "--init-from") -> ModelSize:
     """The sizes of the Llama model in ``directory`` (see :func:`read_config`), read once per version of its config."""
     file = Path(directory) / CONFIG
-    return _size(str(directory), flag, file.stat().st_mtime_ns if file.is_file() else None)
+    stamp = (file.stat().st_mtime_ns, file.stat().st_size) if file.is_file() else None
+    return _size(str(directory), flag, stamp)
 
 
 @lru_cache(maxsize=None)
