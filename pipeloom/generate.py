@@ -32,7 +32,7 @@ def run(args) -> int:
     check(args)
     import torch
 
-    from .data import TextCodec
+    from .data import BYTE_VOCAB, TextCodec
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -46,7 +46,8 @@ def run(args) -> int:
     if max(prompt) >= vocab:
         raise PipeloomError(f"--prompt encodes to token {max(prompt)}, outside this model's vocabulary of {vocab}: "
                             f"the tokenizer ({codec.name}) is not the run's")
-    tokens = sample(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    decodable = BYTE_VOCAB if codec.name == "bytes" else None  # a bytes run's model may have more tokens
+    tokens = sample(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed, decodable)
     if args.json:
         new = list(tokens)
         print(json.dumps({"model": meta["model"], "source": source, "step": meta.get("step"), "prompt": args.prompt,
@@ -94,7 +95,8 @@ def load(args, device):
     elif tokenizer is None and meta.get("tokenizer", "bytes") is None:
         raise PipeloomError(f"{source} holds no tokenizer pipeloom knows (a run on a token file's ids, or a Hugging "
                             "Face directory without tokenizer.json): give it with --tokenizer FILE.json")
-    return model.eval(), meta, tokenizer, source
+    model_name = meta.get("model") or (meta.get("spec") or {}).get("init_from")  # an --init-from run: its directory
+    return model.eval(), {**meta, "model": model_name}, tokenizer, source
 
 
 def _model(meta: dict, where: str, device):
@@ -197,11 +199,13 @@ def load_tensors(model, tensors: dict, where: str) -> None:
             p.copy_(value)
 
 
-def sample(model, prompt: list[int], count: int, temperature: float, top_k: int | None, seed: int):
+def sample(model, prompt: list[int], count: int, temperature: float, top_k: int | None, seed: int,
+           vocab: int | None = None):
     """``count`` tokens after ``prompt`` from ``model`` (``model(ids)`` gives logits [1, T, V];
     ``model.config.block_size`` the longest context: a longer text is seen through its last
     ``block_size`` tokens), each drawn from the softmax of the last logits over ``temperature``
-    among the ``top_k`` largest (temperature 0: the largest); yielded as each is drawn."""
+    among the ``top_k`` largest (temperature 0: the largest), of the first ``vocab`` tokens only
+    if given (those the tokenizer can decode); yielded as each is drawn."""
     import torch
 
     device = next(model.parameters()).device
@@ -210,7 +214,7 @@ def sample(model, prompt: list[int], count: int, temperature: float, top_k: int 
     block = model.config.block_size
     with torch.no_grad():
         for _ in range(count):
-            logits = model(ids[:, -block:])[0, -1].float()
+            logits = model(ids[:, -block:])[0, -1, :vocab].float()
             if temperature == 0:
                 token = int(logits.argmax())
             else:

@@ -282,3 +282,25 @@ def test_missing_safetensors_is_the_pip_line(tmp_path, monkeypatch):
 def test_python_api_from_hf_refuses_in_one_line(tmp_path):
     with pytest.raises(PipeloomError, match=r"no config.json there"):
         Llama.from_hf(tmp_path)
+
+
+def test_sampling_for_bytes_draws_only_bytes():
+    """A model trained on bytes from a checkpoint of a larger vocabulary: generate draws among the 256 bytes."""
+    from types import SimpleNamespace
+
+    from pipeloom.generate import sample
+
+    class PastTheBytes(torch.nn.Module):  # the tokens past the bytes the likeliest by far
+        config = SimpleNamespace(block_size=8)
+
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(300))
+
+        def forward(self, ids):
+            return (self.weight + 10 * (torch.arange(300) >= 256)).expand(1, ids.shape[1], 300)
+
+    model = PastTheBytes()
+    assert all(t >= 256 for t in sample(model, [1, 2], 5, 0.0, None, 0))
+    drawn = list(sample(model, [1, 2], 20, 1.0, None, 0, vocab=256)) + list(sample(model, [1, 2], 5, 0.0, None, 0, 256))
+    assert all(t < 256 for t in drawn)
