@@ -166,14 +166,14 @@ def _from_weights(path: str, device):
 
 
 def _from_hf(path: str, device):
-    """A Hugging Face Llama directory (``train --save-hf``'s, or any): the model of its config.json
+    """A Hugging Face directory (``train --save-hf``'s, or any): the model of its config.json
     with its weights; its tokenizer.json, else (a byte-level pipeloom run) bytes."""
     from . import hf
-    from .nn import Llama
+    from .nn import from_hf
 
     size = hf.read_size(path, "--hf")
     files = hf.weight_files(path, "--hf")
-    model = Llama.from_hf(path, device)  # without safetensors: the pip line
+    model = from_hf(path, device)  # without safetensors: the pip line
     from safetensors import safe_open
 
     with safe_open(str(files[0]), framework="pt", device="cpu") as f:

@@ -17,7 +17,7 @@ from launching import train_forked  # noqa: E402
 from pipeloom.data import load_data  # noqa: E402
 from pipeloom.errors import PipeloomError  # noqa: E402
 from pipeloom.hf import read_size  # noqa: E402
-from pipeloom.nn import Llama  # noqa: E402
+from pipeloom.nn import from_hf  # noqa: E402
 from pipeloom.runtime.local import spawn  # noqa: E402
 
 TIMEOUT = 120
@@ -28,13 +28,15 @@ TINY = dict(vocab_size=301, hidden_size=32, intermediate_size=48, num_hidden_lay
 GQA_ROPE = dict(num_key_value_heads=2, rope_parameters={
     "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 16})
+#: A tiny GPT-2 of the same vocabulary.
+GPT2 = dict(vocab_size=301, n_embd=32, n_layer=4, n_head=4, n_positions=64)
 SEQ, MICROBATCH, MICROBATCHES = 16, 2, 4
 
 
-def hf_model(directory: Path, shard: str | None = None, **overrides) -> Path:
-    """A random transformers Llama of :data:`TINY` sizes with ``overrides``, saved to ``directory``
-    (in shards of at most ``shard``); its norms away from one, so that a misplaced weight shows; with
-    a byte-level BPE tokenizer.json of its vocabulary, trained on :func:`corpus`."""
+def hf_model(directory: Path, shard: str | None = None, gpt2: bool = False, **overrides) -> Path:
+    """A random transformers Llama of :data:`TINY` sizes (or a GPT-2 of :data:`GPT2`) with ``overrides``,
+    saved to ``directory`` (in shards of at most ``shard``); its norms away from one, so that a
+    misplaced weight shows; with a byte-level BPE tokenizer.json of its vocabulary, trained on :func:`corpus`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -45,7 +47,10 @@ def hf_model(directory: Path, shard: str | None = None, **overrides) -> Path:
     directory.mkdir()
     tokenizer.save(str(directory / "tokenizer.json"))
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY, **overrides}))
+    if gpt2:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**GPT2, **overrides}))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY, **overrides}))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:
@@ -87,7 +92,7 @@ def run(tmp_path, source, *flags):
     return [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
 
 
-CASES = {  # label: (config overrides, max_shard_size, pipeline flags)
+CASES = {  # label: (config overrides, max_shard_size, pipeline flags); "gpt2" in the label: a GPT-2
     "pp1": ({}, None, ["--pp", "1"]),
     "pp2": ({}, None, ["--pp", "2"]),
     "pp4": ({}, None, ["--pp", "4", "--schedule", "gpipe"]),
@@ -97,6 +102,8 @@ CASES = {  # label: (config overrides, max_shard_size, pipeline flags)
     "tied-pp2": ({"tie_word_embeddings": True}, None, ["--pp", "2"]),
     "tied-pp2-vocab-1": ({"tie_word_embeddings": True}, None, ["--pp", "2", "--vocab-parallel", "vocab-1"]),
     "gqa-rope-pp2": (GQA_ROPE, None, ["--pp", "2", "--schedule", "zb-h1"]),
+    "gpt2-pp2": ({}, None, ["--pp", "2"]),
+    "gpt2-untied-pp4-vocab-2": ({"tie_word_embeddings": False}, "40KB", ["--pp", "4", "--vocab-parallel", "vocab-2"]),
 }
 
 
@@ -105,7 +112,7 @@ CASES = {  # label: (config overrides, max_shard_size, pipeline flags)
 def test_init_from_trains_from_transformers_loss_and_saves_what_transformers_reloads(tmp_path, monkeypatch, case):
     monkeypatch.setenv("PIPELOOM_CACHE", str(tmp_path / "cache"))
     overrides, shard, flags = CASES[case]
-    source = hf_model(tmp_path / "source", shard, **overrides)
+    source = hf_model(tmp_path / "source", shard, "gpt2" in case, **overrides)
     if shard:
         assert (source / "model.safetensors.index.json").is_file() and len(list(source.glob("*.safetensors"))) > 2
     tokens, targets = first_batch(corpus(tmp_path), source / "tokenizer.json")  # the run's: --init-from's
@@ -121,7 +128,7 @@ def test_init_from_trains_from_transformers_loss_and_saves_what_transformers_rel
     from pipeloom.generate import _from_weights, load_tensors
     from pipeloom.nn.models import size_config
 
-    trained = Llama(size_config(read_size(source)))
+    trained = size_config(read_size(source)).build()
     load_tensors(trained, load_file(tmp_path / "w.safetensors"), "--save")
     with torch.no_grad():
         ours = trained(tokens)
@@ -146,8 +153,23 @@ def test_init_from_trains_from_transformers_loss_and_saves_what_transformers_rel
         ids.append(int(hf_logits(tmp_path / "out", torch.tensor([ids]))[0, -1].argmax()))
     assert sampled["tokens"] == ids[-6:]
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert saved["tie_word_embeddings"] == overrides.get("tie_word_embeddings", False)
+    assert saved["tie_word_embeddings"] == overrides.get("tie_word_embeddings", "gpt2" in case)
     assert read_size(tmp_path / "out") == read_size(source)
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("model", ["tiny", "llama-tiny"])
+def test_a_preset_saves_what_transformers_reloads(tmp_path, model):
+    """A GPT preset as a GPT-2, a Llama preset as a Llama, trained from scratch."""
+    from pipeloom.generate import _from_weights
+
+    done = train_forked("--model", model, "--data", str(corpus(tmp_path)), "--seq", str(SEQ), "--steps", "2",
+                        "--save", "w.safetensors", "--save-hf", "out", cwd=tmp_path, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tokens = torch.randint(0, 256, (2, SEQ))
+    with torch.no_grad():
+        ours = _from_weights(str(tmp_path / "w.safetensors"), "cpu")[0].eval()(tokens)
+    torch.testing.assert_close(hf_logits(tmp_path / "out", tokens), ours, rtol=1e-4, atol=1e-5)
 
 
 def test_the_run_spec_takes_the_directory_as_its_model(tmp_path):
@@ -174,7 +196,7 @@ def test_config_sizes_and_the_model_match_transformers(tmp_path):
     assert size.rope_theta == 500000.0 and size.rope_scaling == (8.0, 1.0, 4.0, 16) and size.norm_eps == 1e-5
     tokens = torch.randint(0, 301, (2, 40))  # past the original context of the scaling
     with torch.no_grad():
-        torch.testing.assert_close(Llama.from_hf(source)(tokens), hf_logits(source, tokens), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(from_hf(source)(tokens), hf_logits(source, tokens), rtol=1e-4, atol=1e-5)
     # the older config.json (transformers 4): rope_theta and rope_scaling beside the sizes
     config = json.loads((source / "config.json").read_text())
     rope = config.pop("rope_parameters")
@@ -189,9 +211,9 @@ def _reads(rank, source, pp):
     from ``source`` while the pipeline was built, and the bytes of the weights it holds (a
     vocabulary shard's padding rows aside)."""
     import pipeloom
-    from pipeloom.nn import llama
+    from pipeloom.nn import hf
 
-    original, out = llama._read, []
+    original, out = hf.read, []
     for vocab in (None, "vocab-1"):
         read = []
 
@@ -200,8 +222,8 @@ def _reads(rank, source, pp):
             read.append(tensor.numel() * tensor.element_size())
             return tensor
 
-        llama._read = counted
-        pipe = pipeloom.Pipeline(Llama.from_hf(source, device="meta"), "1f1b", pp=pp, microbatches=pp,
+        hf.read = counted
+        pipe = pipeloom.Pipeline(from_hf(source, device="meta"), "1f1b", pp=pp, microbatches=pp,
                                  vocab_parallel=vocab)
         padding = {}
         if vocab:
@@ -240,19 +262,22 @@ def test_refusals_are_one_line_before_launch(tmp_path, monkeypatch):
     assert "no such directory" in refused("--init-from", "nowhere")
     (tmp_path / "empty").mkdir()
     assert "no config.json there" in refused("--init-from", "empty")
-    gpt2 = tmp_path / "gpt2"
-    gpt2.mkdir()
-    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    assert "model_type 'gpt2' is not supported; pipeloom reads Llama-family models (model_type llama)" in \
-        refused("--init-from", "gpt2")
+    mistral = tmp_path / "mistral"
+    mistral.mkdir()
+    (mistral / "config.json").write_text(json.dumps({"model_type": "mistral"}))
+    assert "model_type 'mistral' is not supported; pipeloom reads Llama-family models (model_type llama) and " \
+           "GPT-2 (model_type gpt2)" in refused("--init-from", "mistral")
+    (mistral / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    assert "config.json gives no whole number n_embd (nor n_head, vocab_size)" in refused("--init-from", "mistral")
+    (mistral / "config.json").write_text(json.dumps({**GPT2, "model_type": "gpt2", "activation_function": "relu"}))
+    assert "has activation_function 'relu', which pipeloom's GPT does not run; it runs activation_function " \
+           "'gelu_new'" in refused("--init-from", "mistral")
     source = hf_model(tmp_path / "m")
     config = json.loads((source / "config.json").read_text())
     (source / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}))
     assert "rotary scaling 'yarn'" in refused("--init-from", "m")
     (source / "config.json").write_text(json.dumps(config))
     assert "--model or --init-from" in refused("--init-from", "m", "--model", "llama-tiny")
-    assert "--save-hf writes Llama-family models; --model tiny is a gpt model" in \
-        refused("--model", "tiny", "--save-hf", "out")
     (source / "model.safetensors").rename(source / "other.safetensors")
     assert "no model.safetensors nor model.safetensors.index.json" in refused("--init-from", "m")
     (source / "other.safetensors").rename(source / "model.safetensors")
@@ -281,7 +306,7 @@ def test_missing_safetensors_is_the_pip_line(tmp_path, monkeypatch):
 
 def test_python_api_from_hf_refuses_in_one_line(tmp_path):
     with pytest.raises(PipeloomError, match=r"no config.json there"):
-        Llama.from_hf(tmp_path)
+        from_hf(tmp_path)
 
 
 def test_sampling_for_bytes_draws_only_bytes():

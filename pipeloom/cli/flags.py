@@ -29,8 +29,9 @@ def add_run_flags(p, *, model_default: str | None, lists: bool = False) -> None:
                         + (f" (default {model_default}, unless --init-from)" if model_default else
                            " (default: none; the costs come from --costs)"))
     g.add_argument("--init-from", metavar="DIR",
-                   help="instead of --model: a Hugging Face Llama directory (config.json, model.safetensors or its "
-                        "shards' index, tokenizer.json if any); its config gives the model, its weights the start")
+                   help="instead of --model: a Hugging Face Llama or GPT-2 directory (config.json, model.safetensors "
+                        "or its shards' index, tokenizer.json if any); its config gives the model, its weights the "
+                        "start")
     p.set_defaults(model_default=model_default)
     g.add_argument("--vocab", type=int, metavar="V",
                    help="the model's vocabulary (default: the preset's; train grows it to the data's if that is larger)")

@@ -17,8 +17,8 @@ def add_parser(sub) -> None:
                         help="a checkpoint (a step_* directory), or a --checkpoint-dir: its latest checkpoint")
     source.add_argument("--weights", metavar="FILE.safetensors", help="the weights pipeloom train --save wrote")
     source.add_argument("--hf", metavar="DIR",
-                        help="a Hugging Face Llama directory (config.json, model.safetensors, tokenizer.json): "
-                             "pipeloom train --save-hf's, or a downloaded one")
+                        help="a Hugging Face Llama or GPT-2 directory (config.json, model.safetensors, "
+                             "tokenizer.json): pipeloom train --save-hf's, or a downloaded one")
     p.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help="tokens to sample, printed as they are drawn (default 200); beyond the model's "
                         "context each is drawn from the last context-length tokens")

@@ -65,7 +65,8 @@ def add_parser(sub) -> None:
                    help="at the end, write the model's weights by their unsplit names (safetensors; "
                         "pipeloom generate --weights reads them)")
     g.add_argument("--save-hf", metavar="DIR",
-                   help="at the end, write a Hugging Face directory of the (Llama-family) model: config.json, "
+                   help="at the end, write a Hugging Face directory of the model (a Llama, or a GPT as GPT-2): "
+                        "config.json, "
                         "model.safetensors and the tokenizer's files, which transformers' "
                         "AutoModelForCausalLM.from_pretrained and pipeloom generate --hf read")
     g.add_argument("--metrics", metavar="FILE.jsonl",

@@ -33,7 +33,8 @@ import itertools
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from pathlib import Path
+from typing import Callable, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -165,6 +166,16 @@ class PreNormBlock(nn.Module):
         return x + self.mlp(mark(self.ln_2(x), self.ln_2, x))
 
 
+class HFTensor(NamedTuple):
+    """A tensor of a Hugging Face checkpoint that is (part of) one of a decoder's weights:
+    ``rows`` of the weight, stacked with the weight's other parts by rows; ``transposed``:
+    stored as [in, out] (GPT-2's ``Conv1D``), where a linear layer's weight is [out, in]."""
+
+    name: str
+    rows: int
+    transposed: bool = False
+
+
 #: The norms whose weights start at one (and biases at zero).
 NORMS = (nn.LayerNorm, nn.RMSNorm)
 
@@ -195,7 +206,7 @@ class Decoder(nn.Module):
     ``torch.device("meta")``) the model is only described, no storage
     allocated, and :meth:`build_stages` materialises the stages a rank runs
     with the weights the whole model would have had. A family may give some
-    weights other values (:attr:`sources`: Llama's weights loaded from a file).
+    weights other values (:attr:`sources`: weights read from a Hugging Face checkpoint).
     """
 
     #: Set by a sequence-parallel runtime (see :class:`SequenceParallel`).
@@ -241,6 +252,13 @@ class Decoder(nn.Module):
         """Modules of the first stage besides the token embedding, by attribute name."""
         return {}
 
+    #: Suffixes of tensors a family's Hugging Face checkpoints hold that are not weights (ignored).
+    hf_extras: tuple[str, ...] = ()
+
+    def hf_names(self) -> dict[str, list[HFTensor]]:
+        """Each unsplit parameter's tensors in the family's Hugging Face checkpoints."""
+        raise NotImplementedError
+
     @staticmethod
     def add_positions(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``x`` [B, T, C] made the first layer's input by ``module`` (the
@@ -248,6 +266,34 @@ class Decoder(nn.Module):
         once the sequence is checked to fit ``block_size``."""
         sequence_length(module, x)
         return x
+
+    # -- Hugging Face's checkpoints -------------------------------------------------------
+    def load_safetensors(self, path: str | Path) -> None:
+        """Take the weights of the safetensors file ``path`` (or, in the directory ``path``, of
+        the shards its ``model.safetensors.index.json`` lists, else of every ``*.safetensors``
+        file) by Hugging Face's names (:meth:`hf_names`). Weights with storage are overwritten
+        now; weights on the meta device read theirs when they get storage (:meth:`build_stages`,
+        :meth:`parameter_value`), so each rank of a pipeline reads only its own stages' tensors,
+        and of a vocabulary shard only its rows. Stops with one line if a tensor is missing, has
+        another shape, or has no place in this model. A tied model ignores a file's
+        ``lm_head.weight``."""
+        from .hf import load
+
+        load(self, Path(path))
+
+    def save_safetensors(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+        """Write the model's weights to the safetensors file ``path`` by Hugging Face's names
+        (:meth:`hf_names`), in ``dtype`` (default: the weights' own)."""
+        from .hf import save
+
+        weights = {}
+        for name in self.hf_names():
+            param = self.get_parameter(name)
+            if param.is_meta:
+                raise PipeloomError(f"save_safetensors: {name} is on the meta device; build the model on a "
+                                    "device (or every stage of it) first")
+            weights[name] = param.detach().to("cpu", dtype or param.dtype)
+        save(self, weights, path)
 
     # -- the model --------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,8 +20,8 @@ from torch import nn
 
 from ..errors import PipeloomError
 from ..presets import SIZES
-from .decoder import (CausalSelfAttention, Decoder, DecoderConfig, DecoderStage, PreNormBlock, SequenceParallel,
-                      positions_of, sequence_length, set_sequence_parallel)
+from .decoder import (CausalSelfAttention, Decoder, DecoderConfig, DecoderStage, HFTensor, PreNormBlock,
+                      SequenceParallel, positions_of, sequence_length, set_sequence_parallel)
 from .linear import Linear
 from .recompute import mark
 
@@ -118,6 +118,26 @@ class GPT(Decoder):
     def norm(config: GPTConfig) -> nn.Module:
         return nn.LayerNorm(config.n_embd, bias=config.bias)
 
+    #: Tensors of GPT-2's checkpoints that are not weights: the causal masks older ones hold.
+    hf_extras = (".attn.bias", ".attn.masked_bias")
+
+    def hf_names(self) -> dict[str, list[HFTensor]]:
+        """Each unsplit parameter's tensor in Hugging Face's GPT-2 checkpoints (``GPT2LMHeadModel``):
+        the linear layers' weights are ``Conv1D``'s, stored transposed. A tied LM head has none."""
+        c = self.config
+        names = {"wte.weight": [HFTensor("transformer.wte.weight", c.vocab_size)],
+                 "wpe.weight": [HFTensor("transformer.wpe.weight", c.block_size)]}
+        if not c.tie_embeddings:
+            names["lm_head.weight"] = [HFTensor("lm_head.weight", c.vocab_size)]
+        for kind in ("weight", "bias") if c.bias else ("weight",):
+            names[f"ln_f.{kind}"] = [HFTensor(f"transformer.ln_f.{kind}", c.n_embd)]
+            for i in range(c.n_layer):
+                for ours, (theirs, width) in _GPT2_BLOCK.items():
+                    linear = kind == "weight" and not ours.startswith("ln_")
+                    names[f"blocks.{i}.{ours}.{kind}"] = [
+                        HFTensor(f"transformer.h.{i}.{theirs}.{kind}", width * c.n_embd, linear)]
+        return names
+
     @staticmethod
     def inputs(config: GPTConfig) -> dict[str, nn.Module]:
         """The learned position embeddings ``wpe`` and the embeddings' dropout ``drop``."""
@@ -131,3 +151,6 @@ class GPT(Decoder):
         return module.drop(x + module.wpe(positions_of(module, x)))
 
 
+#: A GPT block's modules: their names in GPT-2's checkpoints and their output width in n_embd.
+_GPT2_BLOCK = {"ln_1": ("ln_1", 1), "attn.qkv": ("attn.c_attn", 3), "attn.proj": ("attn.c_proj", 1),
+               "ln_2": ("ln_2", 1), "mlp.fc": ("mlp.c_fc", 4), "mlp.proj": ("mlp.c_proj", 1)}

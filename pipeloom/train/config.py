@@ -121,9 +121,6 @@ def check(config: TrainConfig, spec: RunSpec) -> None:
         installed("safetensors", "--save")
         prepare_output("--save", config.save, (".safetensors",))
     if config.save_hf:
-        if spec.size.family != "llama":
-            raise PipeloomError(f"--save-hf writes Llama-family models; {spec.model_flag} is a {spec.size.family} "
-                                "model (--save writes its weights by pipeloom's names)")
         installed("safetensors", "--save-hf")
         prepare_output_dir("--save-hf", config.save_hf)
     if config.tensorboard:

@@ -324,12 +324,13 @@ class Trainer:
         the tokenizer: a BPE run's tokenizer.json, with the --init-from directory's other tokenizer files."""
         from .. import hf
         from ..generate import TOKENIZER_KEY
-        from ..nn.llama import save_hf
+        from ..nn.hf import save
 
         out, source = Path(self.config.save_hf), self.spec.init_from
         template = hf.read_config(source) if source else None
-        (out / hf.CONFIG).write_text(json.dumps(hf.config_json(self.model_config, template), indent=2) + "\n")
-        save_hf(self.model, weights, out / hf.WEIGHTS, {k: v for k, v in extra.items() if k != TOKENIZER_KEY})
+        config = hf.config_json(self.spec.size.family, self.model_config, template)
+        (out / hf.CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        save(self.model, weights, out / hf.WEIGHTS, {k: v for k, v in extra.items() if k != TOKENIZER_KEY})
         if self._tokenizer() == "bpe":
             (out / hf.TOKENIZER).write_text(extra[TOKENIZER_KEY])
             if source and self.config.tokenizer == hf.tokenizer_file(source):  # the directory's own tokenizer
