@@ -194,7 +194,8 @@ class Decoder(nn.Module):
 
     A family subclasses it with :meth:`block` (one layer), :meth:`norm` (the
     final norm), :meth:`inputs` (modules the first stage holds besides the
-    token embedding) and :meth:`add_positions`.
+    token embedding), :meth:`add_positions` and :meth:`hf_names` (its weights
+    in Hugging Face's checkpoints, which :meth:`load_safetensors` reads).
 
     Initialisation is GPT-2's (normal, std 0.02; residual projections, the
     ``proj`` of attention and of the MLP, scaled by ``1/sqrt(2 * n_layer)``;
