@@ -29,12 +29,14 @@ class Priced:
 
     @cached_property
     def model(self):
-        """The :class:`~pipeloom.sim.model.ModelSpec` of the spec's preset and vocabulary, or None."""
-        if self.spec.model is None:
+        """The :class:`~pipeloom.sim.model.ModelSpec` of the spec's model (a preset, or the sizes
+        of its ``init_from`` directory) and vocabulary, or None."""
+        size = self.spec.size
+        if size is None:
             return None
-        from .sim.specs import get_model
+        from .sim.specs import get_model, size_spec
 
-        model = get_model(self.spec.model)
+        model = get_model(self.spec.model) if self.spec.init_from is None else size_spec(self.spec.init_from, size)
         return model if self.spec.vocab is None else replace(model, vocab=self.spec.vocab)
 
     @cached_property
@@ -60,7 +62,7 @@ class Priced:
     @property
     def source(self) -> str:
         """What the costs come from, as the reports say it."""
-        if self.spec.model is None:
+        if self.model is None:
             return "given"
         if not self.spec.profile:
             return f"formulas, device preset {self.device.name}"

@@ -2,8 +2,10 @@
 
 The model comes from a checkpoint (``--checkpoint``: a ``step_*`` directory,
 or a ``--checkpoint-dir`` whose latest is taken), loaded without a process
-group (:func:`pipeloom.runtime.checkpoint.load_weights`), or from the weights
-``train --save`` wrote (``--weights FILE.safetensors``). Either carries the
+group (:func:`pipeloom.runtime.checkpoint.load_weights`), from the weights
+``train --save`` wrote (``--weights FILE.safetensors``), or from a Hugging Face
+Llama directory (``--hf DIR``: ``train --save-hf``'s, or any, with its
+``tokenizer.json``). Either carries the
 run's metadata (model preset, vocabulary, context length, tokenizer): a
 checkpoint in its ``pipeloom.json`` (and a BPE run's ``tokenizer.json``
 beside it), a weights file in its safetensors metadata. The prompt is encoded
@@ -30,7 +32,7 @@ def run(args) -> int:
     check(args)
     import torch
 
-    from .data import TextCodec
+    from .data import BYTE_VOCAB, TextCodec
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -44,7 +46,8 @@ def run(args) -> int:
     if max(prompt) >= vocab:
         raise PipeloomError(f"--prompt encodes to token {max(prompt)}, outside this model's vocabulary of {vocab}: "
                             f"the tokenizer ({codec.name}) is not the run's")
-    tokens = sample(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    decodable = BYTE_VOCAB if codec.name == "bytes" else None  # a bytes run's model may have more tokens
+    tokens = sample(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed, decodable)
     if args.json:
         new = list(tokens)
         print(json.dumps({"model": meta["model"], "source": source, "step": meta.get("step"), "prompt": args.prompt,
@@ -83,28 +86,33 @@ def load(args, device):
     its BPE tokenizer's JSON, or None for bytes; where they came from)."""
     if args.checkpoint:
         model, meta, tokenizer, source = _from_checkpoint(args.checkpoint, device)
+    elif args.hf:
+        model, meta, tokenizer, source = _from_hf(args.hf, device)
     else:
         model, meta, tokenizer, source = _from_weights(args.weights, device)
     if args.tokenizer:
         tokenizer = Path(args.tokenizer).read_text()
-    elif meta.get("tokenizer", "bytes") is None:
-        raise PipeloomError(f"{source} was trained on token ids from a token file, whose tokenizer pipeloom does not "
-                            "know: give it with --tokenizer FILE.json")
-    return model.eval(), meta, tokenizer, source
+    elif tokenizer is None and meta.get("tokenizer", "bytes") is None:
+        raise PipeloomError(f"{source} holds no tokenizer pipeloom knows (a run on a token file's ids, or a Hugging "
+                            "Face directory without tokenizer.json): give it with --tokenizer FILE.json")
+    model_name = meta.get("model") or (meta.get("spec") or {}).get("init_from")  # an --init-from run: its directory
+    return model.eval(), {**meta, "model": model_name}, tokenizer, source
 
 
 def _model(meta: dict, where: str, device):
-    """The run's model on ``device`` (its weights to be loaded): its preset, vocabulary and
-    context length from ``meta``."""
-    from .nn import preset_config
+    """The run's model on ``device`` (its weights to be loaded): its preset (or its --init-from
+    directory's config), vocabulary and context length from ``meta``."""
+    from .hf import read_size
+    from .nn.models import size_config
     from .presets import SIZES
 
-    name = meta.get("model")
-    if name not in SIZES or not isinstance(meta.get("vocab_size"), int):
+    name, init_from = meta.get("model"), (meta.get("spec") or {}).get("init_from")
+    size = SIZES.get(name) if init_from is None else read_size(init_from, f"{where}: the run's --init-from")
+    if size is None or not isinstance(meta.get("vocab_size"), int):
         raise PipeloomError(f"{where}: it holds model {name!r} with vocabulary {meta.get('vocab_size')!r}, which this "
                             f"pipeloom cannot build; presets: {', '.join(SIZES)}")
-    positions = {} if SIZES[name].block_size else {"block_size": meta.get("seq")}
-    return preset_config(name, vocab_size=meta["vocab_size"], **positions).build(device=device)
+    positions = {} if size.block_size else {"block_size": meta.get("seq")}
+    return size_config(size, vocab_size=meta["vocab_size"], **positions).build(device=device)
 
 
 def _from_checkpoint(path: str, device):
@@ -157,6 +165,25 @@ def _from_weights(path: str, device):
     return model, meta, extra.get(TOKENIZER_KEY), str(file)
 
 
+def _from_hf(path: str, device):
+    """A Hugging Face directory (``train --save-hf``'s, or any): the model of its config.json
+    with its weights; its tokenizer.json, else (a byte-level pipeloom run) bytes."""
+    from . import hf
+    from .nn import from_hf
+
+    size = hf.read_size(path, "--hf")
+    files = hf.weight_files(path, "--hf")
+    model = from_hf(path, device)  # without safetensors: the pip line
+    from safetensors import safe_open
+
+    with safe_open(str(files[0]), framework="pt", device="cpu") as f:
+        extra = f.metadata() or {}
+    run = json.loads(extra[META_KEY]) if META_KEY in extra else {"tokenizer": None}  # not pipeloom's: no bytes
+    meta = {**run, "model": run.get("model") or path, "vocab_size": size.vocab}
+    tokenizer = hf.tokenizer_file(path)
+    return model, meta, Path(tokenizer).read_text() if tokenizer else None, path
+
+
 def load_tensors(model, tensors: dict, where: str) -> None:
     """Copy ``tensors`` (unsplit names, a tied weight once) into ``model``'s parameters;
     a missing weight or one of another shape is refused in one line."""
@@ -172,11 +199,13 @@ def load_tensors(model, tensors: dict, where: str) -> None:
             p.copy_(value)
 
 
-def sample(model, prompt: list[int], count: int, temperature: float, top_k: int | None, seed: int):
+def sample(model, prompt: list[int], count: int, temperature: float, top_k: int | None, seed: int,
+           vocab: int | None = None):
     """``count`` tokens after ``prompt`` from ``model`` (``model(ids)`` gives logits [1, T, V];
     ``model.config.block_size`` the longest context: a longer text is seen through its last
     ``block_size`` tokens), each drawn from the softmax of the last logits over ``temperature``
-    among the ``top_k`` largest (temperature 0: the largest); yielded as each is drawn."""
+    among the ``top_k`` largest (temperature 0: the largest), of the first ``vocab`` tokens only
+    if given (those the tokenizer can decode); yielded as each is drawn."""
     import torch
 
     device = next(model.parameters()).device
@@ -185,7 +214,7 @@ def sample(model, prompt: list[int], count: int, temperature: float, top_k: int 
     block = model.config.block_size
     with torch.no_grad():
         for _ in range(count):
-            logits = model(ids[:, -block:])[0, -1].float()
+            logits = model(ids[:, -block:])[0, -1, :vocab].float()
             if temperature == 0:
                 token = int(logits.argmax())
             else:

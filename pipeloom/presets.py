@@ -34,7 +34,7 @@ class ModelSize:
     of width ``ffn_hidden``, rotary positions of base ``rope_theta``, and
     ``rope_scaling``, Llama 3.1's stretch of the rotary frequencies for long
     contexts, as (factor, low-frequency factor, high-frequency factor, the
-    original context length), or None."""
+    original context length), or None, and RMSNorms of epsilon ``norm_eps``."""
 
     layers: int
     hidden: int
@@ -47,6 +47,7 @@ class ModelSize:
     ffn_hidden: int | None = None
     rope_theta: float = 10000.0
     rope_scaling: tuple[float, float, float, int] | None = None
+    norm_eps: float = 1e-5
 
     def __post_init__(self):
         if self.family not in FAMILIES:

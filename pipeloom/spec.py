@@ -30,8 +30,9 @@ PRECISIONS = ("fp32", "bf16")
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One run. ``model`` a preset name (None: the costs are ``costs``, per full stage, and
-    nothing can train); ``vocab`` the model's vocabulary (None: the preset's); ``seq`` tokens
+    """One run. ``model`` a preset name, or ``init_from`` a Hugging Face model directory whose
+    config gives the model and whose weights it starts from (neither: the costs are ``costs``, per
+    full stage, and nothing can train); ``vocab`` the model's vocabulary (None: the preset's); ``seq`` tokens
     per sequence; ``schedule`` a family name (or ``torch:CLASS``); ``pp``, ``dp``, ``sp``,
     ``chunks`` the layout; ``microbatches`` per step and replica of ``microbatch_size``
     sequences; ``schedule_steps`` steps per call of a family without a flush (2bw);
@@ -46,6 +47,7 @@ class RunSpec:
     ``link_bandwidth`` GB/s (None: the preset's; the planner sets a cluster's)."""
 
     model: str | None = "tiny"
+    init_from: str | None = None
     vocab: int | None = None
     seq: int = 128
     schedule: str = "1f1b"
@@ -74,6 +76,23 @@ class RunSpec:
     options: tuple[tuple[str, Any], ...] = ()
 
     # -- derived ---------------------------------------------------------
+    @property
+    def size(self):
+        """The model's :class:`~pipeloom.presets.ModelSize`: the preset's, or the config of the
+        ``init_from`` directory (:func:`pipeloom.hf.read_size`); None without a model."""
+        if self.init_from is not None:
+            from .hf import read_size
+
+            return read_size(self.init_from)
+        from .presets import SIZES
+
+        return None if self.model is None else SIZES.get(self.model)
+
+    @property
+    def model_flag(self) -> str:
+        """The flag that gives the model, as messages name it: ``--model NAME`` or ``--init-from DIR``."""
+        return f"--model {self.model}" if self.init_from is None else f"--init-from {self.init_from}"
+
     @property
     def world(self) -> int:
         """Processes the run needs: dp x pp x sp."""
@@ -137,7 +156,10 @@ class RunSpec:
         family = get_family(self.schedule)
         for technique in TECHNIQUES.values():
             technique.check(self)
-        if self.model is None:
+        if self.model is not None and self.init_from is not None:
+            raise PipeloomError(f"give either --model or --init-from (whose config.json gives the model), not both; "
+                                f"got --model {self.model}")
+        if self.model is None and self.init_from is None:
             return self._check_costs_only()
         if self.costs:
             raise PipeloomError("give either --costs or --model, not both")
@@ -159,14 +181,15 @@ class RunSpec:
     def _check_model(self, family) -> None:
         from .sim.specs import MODELS
 
-        if self.model not in MODELS:
+        if self.init_from is None and self.model not in MODELS:
             raise PipeloomError(f"unknown --model {self.model!r}; presets: {', '.join(MODELS)}")
-        from .presets import SIZES
-
-        size = SIZES[self.model]
+        if self.init_from is not None and self.vocab is not None:
+            raise PipeloomError(f"--vocab {self.vocab}: the vocabulary of --init-from {self.init_from} is its "
+                                "config.json's; leave --vocab out")
+        size = self.size
         stages = self.pp * (self.chunks or family.default_chunks)
         if stages > size.layers:
-            raise PipeloomError(f"--model {self.model} has {size.layers} layers, too few for the {stages} stages of "
+            raise PipeloomError(f"{self.model_flag} has {size.layers} layers, too few for the {stages} stages of "
                                 f"{self.schedule} at --pp {self.pp}; use a larger model or a smaller --pp")
 
     def check_seq_split(self) -> None:
@@ -179,14 +202,16 @@ class RunSpec:
     def check_runnable(self) -> RunSpec:
         """:meth:`check`, and what the runtime cannot run yet (``pipeloom train`` refuses it)."""
         self.check()
-        if self.model is None:
-            raise PipeloomError("pipeloom train needs --model")
+        if self.size is None:
+            raise PipeloomError("pipeloom train needs --model or --init-from")
         self.check_seq_split()  # the runtime splits every sequence in two, sp = 1 too
-        from .presets import SIZES
+        if self.init_from is not None:
+            from .hf import weight_files
 
-        block = SIZES[self.model].block_size
+            weight_files(self.init_from)
+        block = self.size.block_size
         if block is not None and self.seq > block:
-            raise PipeloomError(f"--seq {self.seq} is longer than the {block} positions --model {self.model} "
+            raise PipeloomError(f"--seq {self.seq} is longer than the {block} positions {self.model_flag} "
                                 f"learns; use --seq {block} or less")
         from .techniques import TECHNIQUES
 

@@ -16,18 +16,23 @@ from ..techniques import flags as technique_flags
 
 
 def add_run_flags(p, *, model_default: str | None, lists: bool = False) -> None:
-    """Add the run's flags to parser ``p``. ``model_default``: the model without ``--model``
-    (None: no model, costs given); ``lists``: the compared technique flags read comma lists
+    """Add the run's flags to parser ``p``. ``model_default``: the model without ``--model`` or
+    ``--init-from`` (None: no model, costs given); ``lists``: the compared technique flags read comma lists
     (``simulate``). Each flag's default is :class:`~pipeloom.spec.RunSpec`'s (argparse's None: not given)."""
     from ..presets import SIZES
     from ..schedule import FAMILIES
     from ..sim.specs import DEVICES as HARDWARE
 
     g = p.add_argument_group("the run: model, layout, schedule, where it runs (the same in simulate and train)")
-    g.add_argument("--model", default=model_default, metavar="PRESET",
+    g.add_argument("--model", metavar="PRESET",
                    help=f"model preset: {', '.join(SIZES)}"
-                        + (f" (default {model_default})" if model_default else
+                        + (f" (default {model_default}, unless --init-from)" if model_default else
                            " (default: none; the costs come from --costs)"))
+    g.add_argument("--init-from", metavar="DIR",
+                   help="instead of --model: a Hugging Face Llama or GPT-2 directory (config.json, model.safetensors "
+                        "or its shards' index, tokenizer.json if any); its config gives the model, its weights the "
+                        "start")
+    p.set_defaults(model_default=model_default)
     g.add_argument("--vocab", type=int, metavar="V",
                    help="the model's vocabulary (default: the preset's; train grows it to the data's if that is larger)")
     g.add_argument("--seq", type=int, help="tokens per sequence (default: a --profile's, else 128)")
@@ -71,7 +76,10 @@ def spec_of(args, **changes) -> RunSpec:
         elif value is not None:
             options.append((flag.name, value))
     values.update(changes)
-    if values["profile"] is not None and values["model"] is not None and None in (values["seq"], values["hardware"]):
+    if values["model"] is None and values["init_from"] is None:
+        values["model"] = args.model_default
+    modelled = values["model"] is not None or values["init_from"] is not None
+    if values["profile"] is not None and modelled and None in (values["seq"], values["hardware"]):
         from ..sim.profile import load_profile
 
         profile = load_profile(values["profile"])
@@ -85,7 +93,7 @@ def spec_of(args, **changes) -> RunSpec:
 
 #: The spec's fields; the core flags set those that no technique's flag does (``costs`` is simulate's own).
 _FIELDS = {f.name for f in fields(RunSpec)}
-_CORE = ("model", "vocab", "seq", "schedule", "pp", "dp", "chunks", "microbatches", "microbatch_size", "memory_limit",
-         "device", "precision", "hardware", "link_bandwidth", "profile")
-#: Fields whose None is a value of its own (no model: costs given).
+_CORE = ("model", "init_from", "vocab", "seq", "schedule", "pp", "dp", "chunks", "microbatches", "microbatch_size",
+         "memory_limit", "device", "precision", "hardware", "link_bandwidth", "profile")
+#: Fields whose None is a value of its own (no model: costs given, or the model of --init-from).
 _NULLABLE = ("model",)

@@ -8,13 +8,17 @@ from ..errors import PipeloomError
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "generate",
-        help="sample text from a model pipeloom train trained (a checkpoint, or --save's weights)",
+        help="sample text from a model pipeloom train trained (a checkpoint, --save's weights, --save-hf's "
+             "directory)",
         description="Load a trained model on one process and continue a prompt with sampled tokens.",
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", metavar="DIR",
                         help="a checkpoint (a step_* directory), or a --checkpoint-dir: its latest checkpoint")
     source.add_argument("--weights", metavar="FILE.safetensors", help="the weights pipeloom train --save wrote")
+    source.add_argument("--hf", metavar="DIR",
+                        help="a Hugging Face Llama or GPT-2 directory (config.json, model.safetensors, "
+                             "tokenizer.json): pipeloom train --save-hf's, or a downloaded one")
     p.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help="tokens to sample, printed as they are drawn (default 200); beyond the model's "
                         "context each is drawn from the last context-length tokens")

@@ -46,9 +46,10 @@ def add_parser(sub) -> None:
     g.add_argument("--text-field", metavar="NAME",
                    help="the field of --data's documents that holds their text (default: text)")
     g.add_argument("--token-dtype", choices=("uint16", "uint32"), help="read --data as a token file of this type (*.bin: uint16)")
-    g.add_argument("--tokenizer", default="bytes", metavar="bytes|bpe|FILE.json",
-                   help="tokenize text by bytes (default), by a byte-level BPE trained on the data "
-                        "(--vocab-size tokens, default 32000; cached), or by a saved tokenizers tokenizer.json")
+    g.add_argument("--tokenizer", metavar="bytes|bpe|FILE.json",
+                   help="tokenize text by bytes (default; with --init-from: its tokenizer.json, if it has one), by a "
+                        "byte-level BPE trained on the data (--vocab-size tokens, default 32000; cached), or by a "
+                        "saved tokenizers tokenizer.json")
     g.add_argument("--vocab-size", type=int,
                    help="the size of a BPE vocabulary to train, or the vocabulary of a token file (default: its largest id + 1)")
     g.add_argument("--val-fraction", type=float, default=0.05, metavar="F",
@@ -67,6 +68,11 @@ def add_parser(sub) -> None:
     g.add_argument("--save", metavar="FILE.safetensors",
                    help="at the end, write the model's weights by their unsplit names (safetensors; "
                         "pipeloom generate --weights reads them)")
+    g.add_argument("--save-hf", metavar="DIR",
+                   help="at the end, write a Hugging Face directory of the model (a Llama, or a GPT as GPT-2): "
+                        "config.json, "
+                        "model.safetensors and the tokenizer's files, which transformers' "
+                        "AutoModelForCausalLM.from_pretrained and pipeloom generate --hf read")
     g.add_argument("--metrics", metavar="FILE.jsonl",
                    help="one JSON object per step: step, loss, step_time, tokens_per_s, lr, grad_norm, val_loss")
     g.add_argument("--tensorboard", metavar="DIR",

@@ -4,6 +4,7 @@ stages (:class:`Stages`), and the Linear layer whose weight gradient a runtime c
 
 from .decoder import Decoder, DecoderStage
 from .gpt import PRESETS, GPT, GPTConfig, GPTStage
+from .hf import from_hf
 from .linear import Linear, WeightGradStore, defer_weight_grads, deferrable, plain_linears
 from .llama import PRESETS as LLAMA_PRESETS
 from .llama import Llama, LlamaConfig, Rotary
@@ -15,7 +16,7 @@ from .vocab import (VOCAB_ALGORITHMS, LMHeadState, VocabParallelEmbedding, Vocab
                     vocab_shard)
 
 __all__ = ["PRESETS", "GPT", "GPTConfig", "GPTStage", "LLAMA_PRESETS", "Llama", "LlamaConfig", "Rotary", "Decoder",
-           "DecoderStage", "preset_config", "Linear", "WeightGradStore", "defer_weight_grads",
+           "DecoderStage", "from_hf", "preset_config", "Linear", "WeightGradStore", "defer_weight_grads",
            "deferrable", "plain_linears", "Stage", "Stages",
            "VOCAB_ALGORITHMS", "LMHeadState", "VocabParallelEmbedding", "VocabParallelLMHead", "VocabShard",
            "vocab_shard", "SP_ATTENTION_KINDS", "SequenceLayout", "ring_attention", "rsa_attention",

@@ -33,7 +33,8 @@ import itertools
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from pathlib import Path
+from typing import Callable, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -165,6 +166,16 @@ class PreNormBlock(nn.Module):
         return x + self.mlp(mark(self.ln_2(x), self.ln_2, x))
 
 
+class HFTensor(NamedTuple):
+    """A tensor of a Hugging Face checkpoint that is (part of) one of a decoder's weights:
+    ``rows`` of the weight, stacked with the weight's other parts by rows; ``transposed``:
+    stored as [in, out] (GPT-2's ``Conv1D``), where a linear layer's weight is [out, in]."""
+
+    name: str
+    rows: int
+    transposed: bool = False
+
+
 #: The norms whose weights start at one (and biases at zero).
 NORMS = (nn.LayerNorm, nn.RMSNorm)
 
@@ -183,7 +194,8 @@ class Decoder(nn.Module):
 
     A family subclasses it with :meth:`block` (one layer), :meth:`norm` (the
     final norm), :meth:`inputs` (modules the first stage holds besides the
-    token embedding) and :meth:`add_positions`.
+    token embedding), :meth:`add_positions` and :meth:`hf_names` (its weights
+    in Hugging Face's checkpoints, which :meth:`load_safetensors` reads).
 
     Initialisation is GPT-2's (normal, std 0.02; residual projections, the
     ``proj`` of attention and of the MLP, scaled by ``1/sqrt(2 * n_layer)``;
@@ -195,7 +207,7 @@ class Decoder(nn.Module):
     ``torch.device("meta")``) the model is only described, no storage
     allocated, and :meth:`build_stages` materialises the stages a rank runs
     with the weights the whole model would have had. A family may give some
-    weights other values (:attr:`sources`: Llama's weights loaded from a file).
+    weights other values (:attr:`sources`: weights read from a Hugging Face checkpoint).
     """
 
     #: Set by a sequence-parallel runtime (see :class:`SequenceParallel`).
@@ -206,8 +218,9 @@ class Decoder(nn.Module):
         self.config = config
         self.init_seed = int(torch.randint(2**32, (), device="cpu"))
         #: where the weights that do not start random come from: unsplit name -> a function
-        #: giving the tensor (on the CPU, any dtype), read when the weight gets storage
-        self.sources: dict[str, Callable[[], torch.Tensor]] = {}
+        #: giving the tensor (on the CPU, any dtype), or with (start, end) only those rows of
+        #: it, read when the weight gets storage
+        self.sources: dict[str, Callable[..., torch.Tensor]] = {}
         with torch.device("meta"):
             self.wte = nn.Embedding(config.vocab_size, config.n_embd)
             inputs = self.inputs(config)
@@ -240,6 +253,13 @@ class Decoder(nn.Module):
         """Modules of the first stage besides the token embedding, by attribute name."""
         return {}
 
+    #: Suffixes of tensors a family's Hugging Face checkpoints hold that are not weights (ignored).
+    hf_extras: tuple[str, ...] = ()
+
+    def hf_names(self) -> dict[str, list[HFTensor]]:
+        """Each unsplit parameter's tensors in the family's Hugging Face checkpoints."""
+        raise NotImplementedError
+
     @staticmethod
     def add_positions(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``x`` [B, T, C] made the first layer's input by ``module`` (the
@@ -247,6 +267,34 @@ class Decoder(nn.Module):
         once the sequence is checked to fit ``block_size``."""
         sequence_length(module, x)
         return x
+
+    # -- Hugging Face's checkpoints -------------------------------------------------------
+    def load_safetensors(self, path: str | Path) -> None:
+        """Take the weights of the safetensors file ``path`` (or, in the directory ``path``, of
+        the shards its ``model.safetensors.index.json`` lists, else of every ``*.safetensors``
+        file) by Hugging Face's names (:meth:`hf_names`). Weights with storage are overwritten
+        now; weights on the meta device read theirs when they get storage (:meth:`build_stages`,
+        :meth:`parameter_value`), so each rank of a pipeline reads only its own stages' tensors,
+        and of a vocabulary shard only its rows. Stops with one line if a tensor is missing, has
+        another shape, or has no place in this model. A tied model ignores a file's
+        ``lm_head.weight``."""
+        from .hf import load
+
+        load(self, Path(path))
+
+    def save_safetensors(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+        """Write the model's weights to the safetensors file ``path`` by Hugging Face's names
+        (:meth:`hf_names`), in ``dtype`` (default: the weights' own)."""
+        from .hf import save
+
+        weights = {}
+        for name in self.hf_names():
+            param = self.get_parameter(name)
+            if param.is_meta:
+                raise PipeloomError(f"save_safetensors: {name} is on the meta device; build the model on a "
+                                    "device (or every stage of it) first")
+            weights[name] = param.detach().to("cpu", dtype or param.dtype)
+        save(self, weights, path)
 
     # -- the model --------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -308,16 +356,26 @@ class Decoder(nn.Module):
         embedding (the first stage's ``wte``, the last's LM head; see :class:`DecoderStage`)."""
         return self.config.tie_embeddings and n_stages > 1 and not vocab_parallel
 
-    def parameter_value(self, name: str, device: str | torch.device | None = None) -> torch.Tensor:
+    def parameter_value(self, name: str, device: str | torch.device | None = None,
+                        rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The unsplit parameter ``name`` (such as ``"wte.weight"``) on ``device``: its
         data if it has storage, else a new tensor (default: on torch's default device)
-        initialised as the model built with the same seed has it."""
+        initialised as the model built with the same seed has it. ``rows`` (start, end):
+        only those rows (a vocabulary shard), read alone from a weight's :attr:`sources`."""
         param = self.get_parameter(name)
+        start, end = rows or (0, param.shape[0])
         if not param.is_meta:
-            return param.detach() if device is None else param.detach().to(device)
+            value = param.detach() if rows is None else param.detach()[start:end]
+            return value if device is None else value.to(device)
+        key = self._unsplit_name(param)
+        if key in self.sources:
+            value = torch.empty((end - start, *param.shape[1:]), dtype=param.dtype, device=device)
+            with torch.no_grad():
+                value.copy_(self.sources[key](rows))
+            return value
         value = torch.empty(param.shape, dtype=param.dtype, device=device)
-        self._initialise(self._unsplit_name(param), value)
-        return value
+        self._initialise(key, value)
+        return value if rows is None else value[start:end]
 
     def _unsplit_name(self, param: nn.Parameter) -> str:
         """The name under which ``named_parameters`` lists ``param`` (a tied LM head: ``wte.weight``)."""
@@ -325,12 +383,8 @@ class Decoder(nn.Module):
 
     @torch.no_grad()
     def _initialise(self, name: str, value: torch.Tensor) -> None:
-        """Fill ``value`` as parameter ``name`` starts: from :attr:`sources`, or drawn from a CPU
-        generator seeded by (``init_seed``, name), so that every device and every rank draws
-        the same numbers."""
-        if name in self.sources:
-            value.copy_(self.sources[name]())
-            return
+        """Fill ``value`` as parameter ``name`` starts, drawn from a CPU generator seeded by
+        (``init_seed``, name), so that every device and every rank draws the same numbers."""
         owner, _, kind = name.rpartition(".")
         if isinstance(self.get_submodule(owner), NORMS):
             value.fill_(1.0 if kind == "weight" else 0.0)

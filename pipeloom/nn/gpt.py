@@ -20,21 +20,24 @@ from torch import nn
 
 from ..errors import PipeloomError
 from ..presets import SIZES
-from .decoder import (CausalSelfAttention, Decoder, DecoderConfig, DecoderStage, PreNormBlock, SequenceParallel,
-                      positions_of, sequence_length, set_sequence_parallel)
+from .decoder import (CausalSelfAttention, Decoder, DecoderConfig, DecoderStage, HFTensor, PreNormBlock,
+                      SequenceParallel, positions_of, sequence_length, set_sequence_parallel)
 from .linear import Linear
 from .recompute import mark
 
 __all__ = ["PRESETS", "GPT", "GPTConfig", "GPTStage", "Block", "MLP", "CausalSelfAttention", "SequenceParallel",
            "set_sequence_parallel"]
 
+
+def config_fields(size) -> dict:
+    """The :class:`GPTConfig` fields of a GPT-family :class:`~pipeloom.presets.ModelSize`."""
+    return dict(n_layer=size.layers, n_embd=size.hidden, n_head=size.heads, vocab_size=size.vocab,
+                block_size=size.block_size, tie_embeddings=size.tied)
+
+
 #: Config presets by name: every GPT size of :data:`pipeloom.presets.SIZES` (``block_size`` None where
 #: the preset sets no context length: give one, as `pipeloom train` does with --seq).
-PRESETS: dict[str, dict] = {
-    name: dict(n_layer=size.layers, n_embd=size.hidden, n_head=size.heads, vocab_size=size.vocab,
-               block_size=size.block_size, tie_embeddings=size.tied)
-    for name, size in SIZES.items() if size.family == "gpt"
-}
+PRESETS: dict[str, dict] = {name: config_fields(size) for name, size in SIZES.items() if size.family == "gpt"}
 
 #: A GPT's pipeline stage: every decoder's (see :class:`~pipeloom.nn.decoder.DecoderStage`).
 GPTStage = DecoderStage
@@ -115,6 +118,26 @@ class GPT(Decoder):
     def norm(config: GPTConfig) -> nn.Module:
         return nn.LayerNorm(config.n_embd, bias=config.bias)
 
+    #: Tensors of GPT-2's checkpoints that are not weights: the causal masks older ones hold.
+    hf_extras = (".attn.bias", ".attn.masked_bias")
+
+    def hf_names(self) -> dict[str, list[HFTensor]]:
+        """Each unsplit parameter's tensor in Hugging Face's GPT-2 checkpoints (``GPT2LMHeadModel``):
+        the linear layers' weights are ``Conv1D``'s, stored transposed. A tied LM head has none."""
+        c = self.config
+        names = {"wte.weight": [HFTensor("transformer.wte.weight", c.vocab_size)],
+                 "wpe.weight": [HFTensor("transformer.wpe.weight", c.block_size)]}
+        if not c.tie_embeddings:
+            names["lm_head.weight"] = [HFTensor("lm_head.weight", c.vocab_size)]
+        for kind in ("weight", "bias") if c.bias else ("weight",):
+            names[f"ln_f.{kind}"] = [HFTensor(f"transformer.ln_f.{kind}", c.n_embd)]
+            for i in range(c.n_layer):
+                for ours, (theirs, width) in _GPT2_BLOCK.items():
+                    linear = kind == "weight" and not ours.startswith("ln_")
+                    names[f"blocks.{i}.{ours}.{kind}"] = [
+                        HFTensor(f"transformer.h.{i}.{theirs}.{kind}", width * c.n_embd, linear)]
+        return names
+
     @staticmethod
     def inputs(config: GPTConfig) -> dict[str, nn.Module]:
         """The learned position embeddings ``wpe`` and the embeddings' dropout ``drop``."""
@@ -128,3 +151,6 @@ class GPT(Decoder):
         return module.drop(x + module.wpe(positions_of(module, x)))
 
 
+#: A GPT block's modules: their names in GPT-2's checkpoints and their output width in n_embd.
+_GPT2_BLOCK = {"ln_1": ("ln_1", 1), "attn.qkv": ("attn.c_attn", 3), "attn.proj": ("attn.c_proj", 1),
+               "ln_2": ("ln_2", 1), "mlp.fc": ("mlp.c_fc", 4), "mlp.proj": ("mlp.c_proj", 1)}

@@ -13,11 +13,13 @@ embeddings, no dropout and no biases.
 Parameter names are pipeloom's (``wte``, ``blocks.{i}.attn.qkv``, ...), the
 q/k/v projections fused into one ``qkv`` and the MLP's gate and up
 projections into one ``gate_up``, as GPT fuses q/k/v (one GEMM, one saved
-input). :meth:`Llama.load_safetensors` and :meth:`Llama.save_safetensors`
-read and write Hugging Face's names (``model.layers.{i}.self_attn.q_proj.weight``,
-...). Rotary runs in Hugging Face's "rotate_half" layout (a head's dimension
-i pairs with i + head_dim/2), the layout its checkpoints store q and k in, so
-they load without permuting any row (Meta's original checkpoints pair
+input). :meth:`Llama.hf_names` gives Hugging Face's names of the weights
+(``model.layers.{i}.self_attn.q_proj.weight``, ...), by which
+:meth:`~pipeloom.nn.decoder.Decoder.load_safetensors` and
+:meth:`~pipeloom.nn.decoder.Decoder.save_safetensors` read and write them
+(:mod:`pipeloom.nn.hf`). Rotary runs in Hugging Face's "rotate_half" layout
+(a head's dimension i pairs with i + head_dim/2), the layout its checkpoints
+store q and k in, so they load without permuting any row (Meta's original checkpoints pair
 dimensions 2i and 2i+1 instead; Hugging Face's conversion permutes them).
 """
 
@@ -25,8 +27,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -34,17 +34,21 @@ from torch import nn
 
 from ..errors import PipeloomError
 from ..presets import SIZES
-from .decoder import CausalSelfAttention, Decoder, DecoderConfig, PreNormBlock
+from .decoder import CausalSelfAttention, Decoder, DecoderConfig, HFTensor, PreNormBlock
 from .linear import Linear
 from .recompute import mark
 
+
+def config_fields(size) -> dict:
+    """The :class:`LlamaConfig` fields of a Llama-family :class:`~pipeloom.presets.ModelSize`."""
+    return dict(n_layer=size.layers, n_embd=size.hidden, n_head=size.heads, n_kv_head=size.kv_heads,
+                ffn_hidden=size.ffn_hidden, vocab_size=size.vocab, block_size=size.block_size,
+                tie_embeddings=size.tied, rope_theta=size.rope_theta, rope_scaling=size.rope_scaling,
+                norm_eps=size.norm_eps)
+
+
 #: Config presets by name: every Llama size of :data:`pipeloom.presets.SIZES`.
-PRESETS: dict[str, dict] = {
-    name: dict(n_layer=size.layers, n_embd=size.hidden, n_head=size.heads, n_kv_head=size.kv_heads,
-               ffn_hidden=size.ffn_hidden, vocab_size=size.vocab, block_size=size.block_size,
-               tie_embeddings=size.tied, rope_theta=size.rope_theta, rope_scaling=size.rope_scaling)
-    for name, size in SIZES.items() if size.family == "llama"
-}
+PRESETS: dict[str, dict] = {name: config_fields(size) for name, size in SIZES.items() if size.family == "llama"}
 
 
 @dataclass(frozen=True)
@@ -188,101 +192,26 @@ class Llama(Decoder):
     def norm(config: LlamaConfig) -> nn.Module:
         return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
 
-    def hf_names(self) -> dict[str, list[tuple[str, int]]]:
-        """Each unsplit parameter's Hugging Face tensors: [(name, rows)], stacked by rows into
-        it (the fused ``qkv``: q, k, v; ``gate_up``: gate, up). A tied LM head has none (Hugging
-        Face's tied checkpoints hold only ``model.embed_tokens.weight``)."""
+    #: Tensors of Hugging Face's checkpoints that are not weights: the rotary tables some hold.
+    hf_extras = (".rotary_emb.inv_freq",)
+
+    def hf_names(self) -> dict[str, list[HFTensor]]:
+        """Each unsplit parameter's Hugging Face tensors, stacked by rows into it (the fused
+        ``qkv``: q, k, v; ``gate_up``: gate, up). A tied LM head has none (Hugging Face's tied
+        checkpoints hold only ``model.embed_tokens.weight``)."""
         c = self.config
         kv, f = c.n_kv_head * (c.n_embd // c.n_head), c.ffn_hidden
-        names = {"wte.weight": [("model.embed_tokens.weight", c.vocab_size)],
-                 "ln_f.weight": [("model.norm.weight", c.n_embd)]}
+        names = {"wte.weight": [HFTensor("model.embed_tokens.weight", c.vocab_size)],
+                 "ln_f.weight": [HFTensor("model.norm.weight", c.n_embd)]}
         if not c.tie_embeddings:
-            names["lm_head.weight"] = [("lm_head.weight", c.vocab_size)]
+            names["lm_head.weight"] = [HFTensor("lm_head.weight", c.vocab_size)]
         for i in range(c.n_layer):
             ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
-            names[ours + "ln_1.weight"] = [(theirs + "input_layernorm.weight", c.n_embd)]
-            names[ours + "attn.qkv.weight"] = [(theirs + f"self_attn.{x}_proj.weight", rows)
+            names[ours + "ln_1.weight"] = [HFTensor(theirs + "input_layernorm.weight", c.n_embd)]
+            names[ours + "attn.qkv.weight"] = [HFTensor(theirs + f"self_attn.{x}_proj.weight", rows)
                                                for x, rows in (("q", c.n_embd), ("k", kv), ("v", kv))]
-            names[ours + "attn.proj.weight"] = [(theirs + "self_attn.o_proj.weight", c.n_embd)]
-            names[ours + "ln_2.weight"] = [(theirs + "post_attention_layernorm.weight", c.n_embd)]
-            names[ours + "mlp.gate_up.weight"] = [(theirs + f"mlp.{x}_proj.weight", f) for x in ("gate", "up")]
-            names[ours + "mlp.proj.weight"] = [(theirs + "mlp.down_proj.weight", c.n_embd)]
+            names[ours + "attn.proj.weight"] = [HFTensor(theirs + "self_attn.o_proj.weight", c.n_embd)]
+            names[ours + "ln_2.weight"] = [HFTensor(theirs + "post_attention_layernorm.weight", c.n_embd)]
+            names[ours + "mlp.gate_up.weight"] = [HFTensor(theirs + f"mlp.{x}_proj.weight", f) for x in ("gate", "up")]
+            names[ours + "mlp.proj.weight"] = [HFTensor(theirs + "mlp.down_proj.weight", c.n_embd)]
         return names
-
-    def load_safetensors(self, path: str | Path) -> None:
-        """Take the weights of the safetensors file ``path`` (or of every ``*.safetensors`` file
-        in the directory ``path``, a sharded checkpoint) by Hugging Face's Llama names
-        (:meth:`hf_names`). Weights with storage are overwritten now; weights on the meta
-        device read theirs when they get storage (:meth:`build_stages`), so each rank of a
-        pipeline reads only its own stages' tensors. Stops with one line if a tensor is
-        missing, has another shape, or has no place in this model. A tied model ignores a
-        file's ``lm_head.weight``, and rotary tables some checkpoints hold."""
-        safe_open = _safetensors().safe_open
-        path = Path(path)
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-        if not files or not all(f.is_file() for f in files):
-            raise PipeloomError(f"load_safetensors: {path} is not a safetensors file or a directory holding some")
-        shapes, where = {}, {}
-        for file in files:
-            with safe_open(file, framework="pt") as handle:
-                for key in handle.keys():
-                    shapes[key], where[key] = tuple(handle.get_slice(key).get_shape()), file
-        names = self.hf_names()
-        wanted = {hf: (rows, *self.get_parameter(name).shape[1:])
-                  for name, parts in names.items() for hf, rows in parts}
-        missing = [hf for hf in wanted if hf not in shapes]
-        if missing:
-            hint = (" (a checkpoint with tied embeddings: use tie_embeddings=True)"
-                    if missing == ["lm_head.weight"] else "")
-            raise PipeloomError(f"load_safetensors: {path} has no tensor {missing[0]}"
-                                f"{f' (nor {len(missing) - 1} more)' if len(missing) > 1 else ''}{hint}")
-        ignored = {"lm_head.weight"} if self.config.tie_embeddings else set()
-        unknown = [k for k in shapes if k not in wanted and k not in ignored and not k.endswith(".rotary_emb.inv_freq")]
-        if unknown:
-            raise PipeloomError(f"load_safetensors: {path} holds {unknown[0]}, which this model "
-                                f"({self.config.n_layer} layers) has no place for"
-                                f"{f' (nor {len(unknown) - 1} more)' if len(unknown) > 1 else ''}")
-        for hf, shape in wanted.items():
-            if shapes[hf] != shape:
-                raise PipeloomError(f"load_safetensors: {hf} in {where[hf]} has shape {list(shapes[hf])}; this model's "
-                                    f"is {list(shape)}")
-        for name, parts in names.items():
-            self.sources[name] = partial(_read, [(where[hf], hf) for hf, _ in parts])
-            param = self.get_parameter(name)
-            if not param.is_meta:
-                with torch.no_grad():
-                    param.copy_(self.sources[name]())
-
-    def save_safetensors(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
-        """Write the model's weights to the safetensors file ``path`` by Hugging Face's Llama
-        names (:meth:`hf_names`), in ``dtype`` (default: the weights' own)."""
-        save_file = _safetensors().torch.save_file
-        tensors = {}
-        for name, parts in self.hf_names().items():
-            param = self.get_parameter(name)
-            if param.is_meta:
-                raise PipeloomError(f"save_safetensors: {name} is on the meta device; build the model on a "
-                                    "device (or every stage of it) first")
-            value = param.detach().to("cpu", dtype or param.dtype)
-            for (hf, _), piece in zip(parts, value.split([rows for _, rows in parts])):
-                tensors[hf] = piece.contiguous()
-        save_file(tensors, str(path), metadata={"format": "pt"})
-
-
-def _read(parts: list[tuple[Path, str]]) -> torch.Tensor:
-    """The tensors ``parts`` ((file, name) each) read and stacked by rows."""
-    safe_open = _safetensors().safe_open
-    tensors = []
-    for file, key in parts:
-        with safe_open(file, framework="pt") as handle:
-            tensors.append(handle.get_tensor(key))
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-
-
-def _safetensors():
-    try:
-        import safetensors.torch
-    except ImportError:
-        raise PipeloomError("reading and writing safetensors files needs the safetensors package: "
-                            "pip install safetensors") from None
-    return safetensors

@@ -1,15 +1,19 @@
-"""Every model family by preset name: one path from a preset to its config, whose ``build`` gives the model."""
+"""Every model family by preset name: one path from a preset (or any model size) to its config,
+whose ``build`` gives the model."""
 
 from __future__ import annotations
 
 from ..errors import PipeloomError
-from ..presets import SIZES
+from ..presets import SIZES, ModelSize
 from ..sim.specs import ModelSpec, decoder_spec
+from . import gpt, llama
 from .gpt import GPTConfig
 from .llama import LlamaConfig
 
 #: The config class of each family of :data:`pipeloom.presets.FAMILIES`.
 CONFIGS = {"gpt": GPTConfig, "llama": LlamaConfig}
+#: Each family's config fields of a :class:`~pipeloom.presets.ModelSize`.
+_FIELDS = {"gpt": gpt.config_fields, "llama": llama.config_fields}
 
 
 def preset_config(name: str, **overrides) -> GPTConfig | LlamaConfig:
@@ -18,6 +22,11 @@ def preset_config(name: str, **overrides) -> GPTConfig | LlamaConfig:
     if name not in SIZES:
         raise PipeloomError(f"unknown model preset {name!r}; presets: {', '.join(SIZES)}")
     return CONFIGS[SIZES[name].family].preset(name, **overrides)
+
+
+def size_config(size: ModelSize, **overrides) -> GPTConfig | LlamaConfig:
+    """The config of the model ``size`` (a preset's, or a Hugging Face directory's) with ``overrides`` applied."""
+    return CONFIGS[size.family](**{**_FIELDS[size.family](size), **overrides})
 
 
 def model_spec(config: GPTConfig | LlamaConfig, name: str = "custom") -> ModelSpec:

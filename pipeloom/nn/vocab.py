@@ -121,8 +121,17 @@ class _VocabSharded(nn.Module):
         if tuple(weight_full.shape) != want:
             raise PipeloomError(f"load_full: the unsplit weight must have shape {list(want)}, "
                                 f"got {list(weight_full.shape)}")
+        self.load_shard(weight_full[self.shard.start:self.shard.end])
+
+    @torch.no_grad()
+    def load_shard(self, rows: torch.Tensor) -> None:
+        """Copy this shard's rows [real rows, n_embd] of the unsplit weight (rows ``shard.start`` to
+        ``shard.end``); zero the padding rows."""
         n = self.shard.real_rows
-        self.weight[:n].copy_(weight_full[self.shard.start:self.shard.end])
+        if tuple(rows.shape) != (n, self.n_embd):
+            raise PipeloomError(f"load_shard: shard {self.shard.index} takes rows {self.shard.start} to "
+                                f"{self.shard.end} of the weight, shape {[n, self.n_embd]}; got {list(rows.shape)}")
+        self.weight[:n].copy_(rows)
         self.weight[n:].zero_()
 
     def _real_weight(self, dtype: torch.dtype) -> torch.Tensor:

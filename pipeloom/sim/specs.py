@@ -120,14 +120,14 @@ def decoder_spec(name: str, family: str, layers: int, hidden: int, heads: int, v
                      **FAMILY_LAYERS[family])
 
 
-def _spec(name: str, size) -> ModelSpec:
+def size_spec(name: str, size) -> ModelSpec:
     """The simulator's model of the :class:`~pipeloom.presets.ModelSize` ``size``."""
     return decoder_spec(name, size.family, size.layers, size.hidden, size.heads, size.vocab, size.tied,
                         size.kv_heads, size.ffn_hidden)
 
 
 #: Model presets by lowercase name: every size of :data:`pipeloom.presets.SIZES`.
-MODELS: dict[str, ModelSpec] = {name: _spec(name, size) for name, size in SIZES.items()}
+MODELS: dict[str, ModelSpec] = {name: size_spec(name, size) for name, size in SIZES.items()}
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ import sys
 
 from ..builder import build_run
 from ..cli.flags import spec_of
-from .config import (TrainConfig, check, check_resume, check_steps, learning_rate, split_data, training_data,
-                     with_vocab)
+from .config import (TrainConfig, check, check_resume, check_steps, check_weights, learning_rate, split_data,
+                     training_data, with_vocab)
 from .loop import Trainer
 from .report import dry_run, report
 
@@ -51,6 +51,8 @@ def run(args) -> int:
         return worker(lambda: spec_of(args), config)
     spec = spec_of(args).check_runnable()
     check(config, spec)
+    if spec.init_from is not None and not config.dry_run:
+        check_weights(spec)  # before the data is tokenized
     data = training_data(config, progress=not config.json)  # a bad path stops here; tokenized (and cached) once
     spec = with_vocab(spec, data.vocab_size)
     if config.dry_run:

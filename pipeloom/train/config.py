@@ -11,7 +11,6 @@ from pathlib import Path
 from ..data import TokenData, load_data
 from ..errors import PipeloomError
 from ..paths import prepare_output, prepare_output_dir
-from ..presets import SIZES
 from ..sim.plot import SUFFIXES
 from ..spec import RunSpec
 from ..techniques import TECHNIQUES
@@ -44,6 +43,7 @@ class TrainConfig:
     checkpoint_every: int | None = None
     resume: str | None = None
     save: str | None = None
+    save_hf: str | None = None
     metrics: str | None = None
     tensorboard: str | None = None
     trace: str | None = None
@@ -57,9 +57,14 @@ class TrainConfig:
 
     @classmethod
     def of(cls, args) -> TrainConfig:
-        """The settings in a parsed ``pipeloom train`` command line."""
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if f.name != "argv"},
-                   argv=tuple(args.argv))
+        """The settings in a parsed ``pipeloom train`` command line; without --tokenizer, text is
+        tokenized by the --init-from directory's tokenizer.json if it has one, else by bytes."""
+        from ..hf import tokenizer_file
+
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if f.name not in ("argv", "tokenizer")}
+        text = args.token_dtype is None and not str(args.data or "").endswith(".bin")  # not a token file
+        tokenizer = args.tokenizer or (text and args.init_from and tokenizer_file(args.init_from)) or "bytes"
+        return cls(**given, tokenizer=tokenizer, argv=tuple(args.argv))
 
 
 def check(config: TrainConfig, spec: RunSpec) -> None:
@@ -82,6 +87,8 @@ def check(config: TrainConfig, spec: RunSpec) -> None:
     for technique in TECHNIQUES.values():
         if technique.active(spec):
             technique.check_training(spec, config)
+    if spec.init_from is not None:
+        installed("safetensors", "--init-from")
     if config.json and not config.dry_run:
         raise PipeloomError("--json goes with --dry-run (a run's metrics go to --metrics)")
     if config.eval_every is not None and config.eval_every < 1:
@@ -115,6 +122,9 @@ def check(config: TrainConfig, spec: RunSpec) -> None:
     if config.save:
         installed("safetensors", "--save")
         prepare_output("--save", config.save, (".safetensors",))
+    if config.save_hf:
+        installed("safetensors", "--save-hf")
+        prepare_output_dir("--save-hf", config.save_hf)
     if config.tensorboard:
         installed("tensorboard", "--tensorboard")
         prepare_output_dir("--tensorboard", config.tensorboard)
@@ -149,23 +159,42 @@ def installed(package: str, flag: str) -> None:
 
 def with_vocab(spec: RunSpec, data_vocab: int) -> RunSpec:
     """``spec`` with the model's vocabulary: ``--vocab``, else the preset's, grown to the data's
-    when its tokens need more; a ``--vocab`` the data's tokens do not fit is refused."""
+    when its tokens need more; a ``--vocab`` (or an ``--init-from`` model's) that the data's tokens
+    do not fit is refused."""
+    if spec.init_from is not None and spec.size.vocab < data_vocab:
+        raise PipeloomError(f"the data's vocabulary of {data_vocab} tokens is larger than the {spec.size.vocab} of "
+                            f"--init-from {spec.init_from}; tokenize the data with its tokenizer.json")
     if spec.vocab is not None and spec.vocab < data_vocab:
         raise PipeloomError(f"--vocab {spec.vocab} is smaller than the data's vocabulary of {data_vocab} tokens; "
                             f"use --vocab {data_vocab} or more, or leave it out")
-    if spec.vocab is None and data_vocab > SIZES[spec.model].vocab:
+    if spec.vocab is None and data_vocab > spec.size.vocab:
         return spec.replace(vocab=data_vocab)
     return spec
 
 
 def model_vocab(spec: RunSpec) -> int:
-    """The vocabulary of the model ``spec`` trains: ``vocab``, else its preset's."""
-    return spec.vocab or SIZES[spec.model].vocab
+    """The vocabulary of the model ``spec`` trains: ``vocab``, else its preset's (or config's)."""
+    return spec.vocab or spec.size.vocab
 
 
-def positions(spec: RunSpec) -> dict:
-    """The context length of a preset that has none (a simulator-sized model): --seq."""
-    return {} if SIZES[spec.model].block_size else {"block_size": spec.seq}
+def model_config(spec: RunSpec):
+    """The config of the model ``spec`` trains (its ``build`` makes it): the preset's, or the
+    ``--init-from`` directory's, with the run's vocabulary; a preset without a context length
+    takes --seq."""
+    from ..nn.models import size_config
+
+    positions = {} if spec.size.block_size else {"block_size": spec.seq}
+    return size_config(spec.size, vocab_size=model_vocab(spec), **positions)
+
+
+def check_weights(spec: RunSpec) -> None:
+    """The tensors of the --init-from directory checked against the model its config describes:
+    every one there, of its shape, none left over (from the files' headers; no weight is read)."""
+    import torch
+
+    with torch.device("meta"):
+        model = model_config(spec).build()
+    model.load_safetensors(spec.init_from)
 
 
 def training_data(config: TrainConfig, progress: bool) -> TokenData:
@@ -191,7 +220,6 @@ def check_resume(config: TrainConfig, spec: RunSpec) -> tuple[Path, int]:
     tensor files), and the step it holds."""
     import torch
 
-    from ..nn import preset_config
     from ..runtime import checkpoint
 
     directory = checkpoint.latest(config.checkpoint_dir) if config.resume == "latest" else Path(config.resume)
@@ -201,10 +229,10 @@ def check_resume(config: TrainConfig, spec: RunSpec) -> tuple[Path, int]:
     hint = f"with --model {saved.get('model')}, vocabulary {saved.get('vocab_size')}"
     vocab = model_vocab(spec)
     if (saved.get("model"), saved.get("vocab_size")) != (spec.model, vocab):
-        raise PipeloomError(f"--resume {directory}: it was saved {hint}; this run has --model {spec.model}, "
+        raise PipeloomError(f"--resume {directory}: it was saved {hint}; this run has {spec.model_flag}, "
                             f"vocabulary {vocab} (--vocab, else the preset's or its data's); resume with those")
     with torch.device("meta"):
-        model = preset_config(spec.model, vocab_size=vocab, **positions(spec)).build()
+        model = model_config(spec).build()
     checkpoint.check_fits(directory, model, hint)
     return directory, saved.get("step", 0)
 

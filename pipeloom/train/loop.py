@@ -6,6 +6,7 @@ import gc
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from contextlib import contextmanager
@@ -15,8 +16,8 @@ from ..builder import build_run, costs_of
 from ..errors import PipeloomError, first_line
 from ..spec import RunSpec
 from ..techniques import TECHNIQUES
-from .config import (check, check_resume, check_steps, learning_rate, model_vocab, positions, split_data,
-                     training_data, with_vocab)
+from .config import (check, check_resume, check_steps, learning_rate, model_config, split_data, training_data,
+                     with_vocab)
 from .report import report
 
 
@@ -117,7 +118,6 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        from ..nn import preset_config
         from ..runtime import Pipeline
         from ..runtime.memory import PeakMemory
 
@@ -131,12 +131,14 @@ class Trainer:
         schedule = build_run(spec, costs, without=runtime)
         check_steps(config, schedule)
         self.memory = PeakMemory(device)  # from here: what the model and its training add
-        self.model_config = preset_config(spec.model, vocab_size=model_vocab(spec), **positions(spec))
+        self.model_config = model_config(spec)
         dp = layout.dp
         torch.manual_seed(config.seed)  # the same weights on every rank
         precision = spec.precision or ("bf16" if device.type == "cuda" else "fp32")
         autocast = torch.bfloat16 if precision == "bf16" else None
-        model = self.model_config.build(device="meta")  # each rank materialises only its own stages
+        self.model = model = self.model_config.build(device="meta")  # each rank materialises its own stages
+        if spec.init_from is not None:  # and reads only their tensors
+            model.load_safetensors(spec.init_from)
         self.n_params = sum(p.numel() for p in model.parameters())
         options = {k: v for t in TECHNIQUES.values() for k, v in t.pipeline_options(spec, costs).items()}
         self.pipe = Pipeline(model, schedule, dp=dp, timeout=config.timeout, autocast=autocast, device=device, **options)
@@ -153,7 +155,7 @@ class Trainer:
         if self.rank == 0:
             techniques = "".join(t.describe(spec, self.pipe) for t in TECHNIQUES.values())
             micro = f"{spec.microbatches} microbatch{'es' if spec.microbatches > 1 else ''}"
-            print(f"pipeloom train: {spec.model} ({_count(self.n_params)} parameters, vocabulary "
+            print(f"pipeloom train: {spec.model or spec.init_from} ({_count(self.n_params)} parameters, vocabulary "
                   f"{self.model_config.vocab_size}), {spec.schedule}, pp={spec.pp}, dp={dp}{techniques}, "
                   f"{micro} of {spec.microbatch_size} x {spec.seq} tokens, {precision} on {device.type}; "
                   f"data: {self.data.source}", file=sys.stderr, flush=True)
@@ -215,7 +217,7 @@ class Trainer:
                 progress.close()
         if stopped:
             return self._stopped(stopped, done)
-        if config.save:
+        if config.save or config.save_hf:
             self._save_weights(done)
         if self.start < config.steps:
             self._write_timeline()
@@ -295,21 +297,46 @@ class Trainer:
         return sum(self.pipe.evaluate(b[:, :-1], b[:, 1:]) for b in self.val_batches) / len(self.val_batches)
 
     def _save_weights(self, step: int) -> None:
-        """--save: the model's weights by their unsplit names, gathered from every rank and
-        written by rank 0 with the run's metadata (and a BPE run's tokenizer)."""
+        """--save and --save-hf: the model's weights by their unsplit names, gathered from every rank
+        once and written by rank 0 with the run's metadata (and a BPE run's tokenizer)."""
         from ..generate import META_KEY, TOKENIZER_KEY
 
         weights = self.pipe.gather_weights(to=0)
         if self.rank != 0:
             return
-        from safetensors.torch import save_file
-
         extra = {META_KEY: json.dumps(self._meta(step))}
         if self._tokenizer() == "bpe":
             extra[TOKENIZER_KEY] = Path(self.data.tokenizer).read_text()
-        with _output("--save", self.config.save, True):
-            save_file(weights, self.config.save, metadata=extra)
-            _Progress.note(f"saved the weights of step {step} to {self.config.save}")
+        if self.config.save:
+            from safetensors.torch import save_file
+
+            with _output("--save", self.config.save, True):
+                save_file(weights, self.config.save, metadata=extra)
+                _Progress.note(f"saved the weights of step {step} to {self.config.save}")
+        if self.config.save_hf:
+            with _output("--save-hf", self.config.save_hf, True):
+                self._save_hf(weights, extra)
+                _Progress.note(f"saved the model of step {step} to {self.config.save_hf} (Hugging Face's layout)")
+
+    def _save_hf(self, weights: dict, extra: dict) -> None:
+        """Write --save-hf's directory: config.json (the --init-from directory's, with this model's
+        sizes), model.safetensors by Hugging Face's names (the run's metadata in its header), and
+        the tokenizer: a BPE run's tokenizer.json, with the --init-from directory's other tokenizer files."""
+        from .. import hf
+        from ..generate import TOKENIZER_KEY
+        from ..nn.hf import save
+
+        out, source = Path(self.config.save_hf), self.spec.init_from
+        template = hf.read_config(source) if source else None
+        config = hf.config_json(self.spec.size.family, self.model_config, template)
+        (out / hf.CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        save(self.model, weights, out / hf.WEIGHTS, {k: v for k, v in extra.items() if k != TOKENIZER_KEY})
+        if self._tokenizer() == "bpe":
+            (out / hf.TOKENIZER).write_text(extra[TOKENIZER_KEY])
+            if source and self.config.tokenizer == hf.tokenizer_file(source):  # the directory's own tokenizer
+                for name in hf.TOKENIZER_FILES:
+                    if (Path(source) / name).is_file():
+                        shutil.copyfile(Path(source) / name, out / name)
 
     def _tokenizer(self) -> str | None:
         """How the run's text became tokens: bytes, bpe (its tokenizer.json), or None (a token file)."""

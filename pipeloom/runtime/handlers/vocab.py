@@ -98,12 +98,13 @@ class VocabPasses:
         self.groups = {name: mesh.line_groups[name] for name in GROUPS}
         config = model.config
         self.embedding = VocabParallelEmbedding(config.vocab_size, config.n_embd, group=self.groups["sum-embeddings"])
-        self.embedding.load_full(model.parameter_value("wte.weight"))
+        rows = (self.embedding.shard.start, self.embedding.shard.end)  # only this shard's rows are read
+        self.embedding.load_shard(model.parameter_value("wte.weight", rows=rows))
         tied = config.tie_embeddings
         self.head = VocabParallelLMHead(config.vocab_size, config.n_embd, group=self.groups["gather-stats"],
                                         algorithm=algorithm, weight=self.embedding.weight if tied else None)
         if not tied:
-            self.head.load_full(model.parameter_value("lm_head.weight"))
+            self.head.load_shard(model.parameter_value("lm_head.weight", rows=rows))
         self.embedding.to(context.device)
         self.head.to(context.device)
         self.names = {id(self.embedding.weight): "wte.weight"}
