@@ -538,7 +538,7 @@ def _paced(best: Schedule, schedule: Schedule, pairs: _Pairs, costs: StageCosts,
     target = None if ratio is None else (1 - ratio) * max(_levels(pairs.schedule, costs, pairs.starts, pairs.ends))
     found = []
     for pace in PACES if ratio is None else PACES[::-1]:
-        paced, chosen = None, set(behind)
+        chosen = set(behind)
         while chosen:  # the ranks behind paced, then only those whose peak that lowered
             mixed = [eager[r] if r in chosen else entries[r] for r in range(schedule.pp)]
             paced = _assemble(schedule, pairs, mixed, _waits(schedule.ranks, mixed, chosen, pace))
