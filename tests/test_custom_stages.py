@@ -155,13 +155,15 @@ def _check(results):
 @pytest.mark.timeout(180)
 def test_every_family_matches_one_process(tmp_path):
     """Two ranks: 1f1b, gpipe, zb-h1/h2, interleaved (2 chunks), zb-v (B/W split: W does the deferred
-    nn.Linear work), v-half, dualpipev, recomputation, offload, and stages built on the meta device."""
+    nn.Linear work), v-half, dualpipev, recomputation (full, and cheap with offload), offload, and stages
+    built on the meta device."""
     cases = [("1f1b", 2, False, {"schedule": "1f1b"}), ("gpipe", 2, False, {"schedule": "gpipe"}),
              ("zb-h1", 2, False, {"schedule": "zb-h1"}), ("zb-h2", 2, False, {"schedule": "zb-h2"}),
              ("interleaved", 4, False, {"schedule": "interleaved-1f1b", "chunks": 2}),
              ("v-half", 4, False, {"schedule": "v-half"}), ("dualpipev", 4, False, {"schedule": "dualpipev"}),
              ("recompute", 4, False, {"schedule": "zb-v", "recompute": True}),
              ("offload", 4, False, {"schedule": "v-half", "offload": "full"}),
+             ("cheap", 4, False, {"schedule": "zb-v", "recompute": "cheap", "offload": "full"}),
              ("meta", 4, True, {"schedule": "interleaved-1f1b", "chunks": 2}),
              ("zb-v", 4, False, {"schedule": "zb-v", "watch": True})]
     results = spawn(2, _parity_worker, cases, 1, str(tmp_path / "trace.json"), timeout=150)
@@ -305,7 +307,6 @@ class _Masked(nn.Module):
 @pytest.mark.parametrize("make,options,message", [
     (lambda: build(2), {"vocab_parallel": "vocab-1"}, "vocab_parallel='vocab-1' with your own stages: the vocab"),
     (lambda: build(2), {"sp": 2}, "sp=2 with your own stages: sequence parallelism needs"),
-    (lambda: build(2), {"recompute": "cheap"}, "use recompute=True"),
     (lambda: [], {}, "give a list of nn.Module, one per stage; got none"),
     (lambda: [nn.Linear(2, 2)] * 2, {}, r"stages share a parameter \(0.weight is 1.weight\)"),
 ])
@@ -314,6 +315,41 @@ def test_refused_in_one_line(make, options, message):
 
     with pytest.raises(PipeloomError, match=message):
         pipeloom.Pipeline.from_stages(make(), lm_loss, pp=2, microbatches=4, **options)
+
+
+def test_cheap_recompute_rebuilds_torch_norms_and_activations():
+    """Your own stage's torch.nn LayerNorm, GELU and SiLU outputs are rebuilt in the backward, not kept
+    (a ReLU's, which keeps its output anyway, is left alone): the same gradients, bit for bit, and
+    exactly those outputs fewer bytes kept."""
+    from types import SimpleNamespace
+
+    from pipeloom.nn.recompute import mark_modules
+    from pipeloom.runtime.handlers.offload import Offloader
+    from pipeloom.schedule import Action, F
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH),
+                          nn.SiLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH))
+    x = torch.randn(4, 16, WIDTH)  # every tensor above the size the offloader counts (SMALL)
+
+    def run(cheap):
+        context = SimpleNamespace(schedule=SimpleNamespace(ranks=[(Action(F, 0, 0),)], options={}), step=None,
+                                  mesh=SimpleNamespace(pp_rank=0), device=torch.device("cpu"), extras={})
+        offloader = Offloader(context, cheap)
+        leaf = x.clone().requires_grad_()
+        with offloader.forward(Action(F, 0, 0)):
+            y = block(leaf)
+        kept = offloader.stats.device
+        y.square().sum().backward()
+        grads = [p.grad.clone() for p in block.parameters()] + [leaf.grad]
+        block.zero_grad()
+        return kept, grads
+
+    handles = mark_modules(block)
+    assert len(handles) == 3
+    (kept, plain), (kept_cheap, rebuilt) = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, rebuilt))
+    assert kept - kept_cheap == 4 * 4 * 16 * (WIDTH + 4 * WIDTH + WIDTH)  # the norm's, GELU's and SiLU's, fp32
 
 
 def test_stages_that_do_not_fit_are_named():

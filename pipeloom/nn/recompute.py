@@ -11,6 +11,11 @@ elementwise passes. The runtime does this with ``Pipeline(recompute="cheap")``
 and GELU's inputs but not their outputs, 22 instead of 34 bytes per token and
 hidden unit (with ffn = 4h; "PipeOffload: Improving Scalability of Pipeline
 Parallelism with Memory Optimization" counts 20, with dropout masks).
+
+Your own stages (``Pipeline.from_stages``) mark nothing themselves: their
+torch.nn modules of the kinds in :data:`REBUILT` are marked by forward hooks
+(:func:`mark_modules`), each module's output as the module run on its input
+(which these modules' own backward keeps).
 """
 
 from __future__ import annotations
@@ -53,5 +58,29 @@ def mark(output: torch.Tensor, rebuild: Callable[..., torch.Tensor], *inputs: to
 
 
 def recipe(tensor: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...]] | None:
-    """How to rebuild ``tensor`` if it is marked: (function, inputs); else None."""
-    return getattr(tensor, "_pipeloom_rebuild", None)
+    """How to rebuild ``tensor`` if it is marked, or is a view of a marked tensor (a linear layer
+    saves its input flattened to rows): (function, inputs); else None."""
+    found = getattr(tensor, "_pipeloom_rebuild", None)
+    base = tensor._base
+    if found is not None or base is None or (found := getattr(base, "_pipeloom_rebuild", None)) is None:
+        return found
+    rebuild, inputs = found
+    size, stride, offset = tensor.size(), tensor.stride(), tensor.storage_offset()
+    return (lambda *args: rebuild(*args).as_strided(size, stride, offset)), inputs
+
+
+#: torch.nn modules whose output is rebuilt from their input, which their own backward keeps: the norms and
+#: the activation functions transformer MLPs use (a ReLU keeps its output instead, so it is left alone).
+REBUILT = tuple(getattr(nn, name) for name in ("LayerNorm", "RMSNorm", "GELU", "SiLU") if hasattr(nn, name))
+
+
+def mark_modules(module: nn.Module) -> list:
+    """Mark (:func:`mark`) the output of every :data:`REBUILT` module in ``module`` with a forward
+    hook, as the module run on its input; the hooks' handles (``handle.remove()`` takes one off)."""
+    return [m.register_forward_hook(_mark_output) for m in module.modules() if isinstance(m, REBUILT)]
+
+
+def _mark_output(module: nn.Module, args: tuple, output):
+    if _active and len(args) == 1 and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
+        return mark(output, module, args[0])
+    return None

@@ -24,6 +24,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ...errors import PipeloomError
 from ...nn.linear import WeightGradStore, defer_weight_grads
+from ...nn.recompute import mark_modules
+from ...nn.stages import Stages
 from ...schedule import BW, B, F, W
 from ..context import ACTIVATION, GRADIENT
 from ..parts import Part
@@ -133,11 +135,11 @@ def recomputed(recompute, stages) -> frozenset[int]:
 class RecomputePart(Part):
     """Recomputation in a pipeline: ``recompute`` (True, the stages, or "cheap") sets the stages
     whose forward reruns in backward (:attr:`~..context.Context.recompute`); "cheap" keeps the
-    recipes of what the model marks instead, through the offloader's hooks (:mod:`.offload`)."""
+    recipes of what the model marks instead, through the offloader's hooks (:mod:`.offload`):
+    pipeloom's models mark their norms and activations, your own stages' torch.nn ones are marked
+    for them (:func:`~pipeloom.nn.recompute.mark_modules`)."""
 
     keywords = {"recompute": False}
-    not_for_stages = (("recompute", lambda v: v == "cheap", "it rebuilds the norms and GELU that pipeloom's GPT "
-                       "marks; yours mark nothing: use recompute=True"),)
 
     def context_options(self, pipe) -> dict:
         return {"recompute": recomputed(self.given["recompute"], pipe.stages)}
@@ -145,6 +147,9 @@ class RecomputePart(Part):
     def setup(self, pipe, model) -> None:
         if self.given["recompute"] == "cheap":
             offloader_of(pipe.context).cheap = True
+            if isinstance(model, Stages):  # your own stages mark nothing: their torch.nn norms and activations
+                for stage in pipe.stages.values():
+                    mark_modules(stage)
 
 
 register(F, _forward, prepare=_forward_input)
