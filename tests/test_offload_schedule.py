@@ -43,7 +43,7 @@ def test_copies_sit_after_f_and_before_the_backward():
             assert any(a.kind not in (OFFLOAD, RELOAD) for a in actions[o + 1:r])  # something runs while it is away
 
 
-@pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"dualpipev"}))  # dualpipev refuses: test_dualpipev.py
+@pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_every_family_offloads_lowers_and_never_raises_the_peak(name):
     options = {"steps": 2} if name == "2bw" else {}
     base = build(name, 4, 8, costs=COSTS, **options)
@@ -56,7 +56,7 @@ def test_every_family_offloads_lowers_and_never_raises_the_peak(name):
     assert after.makespan == pytest.approx(before.makespan, rel=0.02)  # copies of 0.2 per F hide
 
 
-@pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"dualpipev"}))
+@pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_its_list_bounds_the_offloaded_peak_on_any_costs(name):
     """The planner's memory bound: every pair a policy copies is ``copyable`` in the list without
     offload, and a list's peak with its copied pairs held only in F and from their backward on is
@@ -107,7 +107,7 @@ def test_selective_cuts_each_ranks_peak_by_its_ratio_with_fewer_copies(name):
     assert 0 < len(copied[0.1]) < len(copied[0.5]) < len(copied["full"])
 
 
-@pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"dualpipev"}))
+@pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_copies_stall_compute_only_where_paced(name):
     """Whatever the copies cost, each compute action runs when it would without offload (no backward
     waits for its RELOAD: a pair whose copies do not fit the copy stream's free time is not copied),

@@ -183,7 +183,7 @@ def _check_offloaded(results):
 
 @pytest.mark.timeout(200)
 def test_two_ranks_match_one_process():
-    cases = [("1f1b", "full", {}), ("zb-v", "full", {}), ("v-half", "selective", {}),
+    cases = [("1f1b", "full", {}), ("zb-v", "full", {}), ("v-half", "selective", {}), ("dualpipev", "full", {}),
              ("interleaved-1f1b", "full", {"recompute": True}), ("1f1b", "full", {"vocab_parallel": "vocab-2"}),
              ("zb-v", "full", {"recompute": "cheap"}),
              ("zb-v", "selective", {"vocab_parallel": "vocab-2"})]

@@ -45,9 +45,12 @@ Dependencies: OFFLOAD(s,i) after F(s,i); RELOAD(s,i) after OFFLOAD(s,i);
 the backward (B or BW) of an offloaded pair after its RELOAD; a paced F
 after the OFFLOAD it waits for.
 
-Works with every family, with vocabulary parallelism (the vocabulary
-passes' buffers stay on the device) and with recomputation (then only the
-stage inputs that recomputation keeps are offloaded). Nothing is refused.
+Works with every family, DualPipeV's overlapped F-and-backward pairs included
+(a pair's RELOAD goes before the compound action whose backward needs it, its
+OFFLOAD after the one whose F made it), with vocabulary parallelism (the
+vocabulary passes' buffers stay on the device) and with recomputation (then
+only the stage inputs that recomputation keeps are offloaded). Nothing is
+refused.
 """
 
 from __future__ import annotations
@@ -59,9 +62,9 @@ from dataclasses import replace
 from ...errors import PipeloomError, ScheduleError
 from ..costs import Costs, StageCosts, register_field
 from ..deps import asap
-from ..ir import BW, B, F, Action, Schedule
-from ..kinds import KINDS, Kind, register, register_inputs
-from . import insert, refuse_compound
+from ..ir import BW, B, F, Action, Schedule, parts
+from ..kinds import COMPOUND, KINDS, Kind, register, register_inputs
+from . import insert
 
 #: Copy a pair's saved activations to host memory (after its F).
 OFFLOAD = "OFFLOAD"
@@ -104,7 +107,6 @@ class Offload:
     def apply(self, schedule: Schedule, costs: Costs | None = None) -> Schedule:
         if self.policy == "none":
             return schedule
-        refuse_compound(schedule, self.name)
         if schedule.options.get("offload"):
             raise ScheduleError("the schedule is offloaded already")
         if schedule.options.get("lowered"):
@@ -152,10 +154,11 @@ class _Pairs:
                 if KINDS[a.kind].stream:
                     continue
                 issues.append((self.ends[rank][k], k))
-                if a.kind == F:
-                    forwards[a.stage, a.microbatch] = k
-                elif a.kind in (B, BW):
-                    self.where[a.stage, a.microbatch] = (rank, forwards[a.stage, a.microbatch], k)
+                for part in _members(a):
+                    if part.kind == F:
+                        forwards[part.stage, part.microbatch] = k
+                    elif part.kind in (B, BW):
+                        self.where[part.stage, part.microbatch] = (rank, forwards[part.stage, part.microbatch], k)
             self.issues.append(issues)
         #: (stage, microbatch) -> (end of its F, start of its backward)
         self.gaps = {pair: (self.ends[rank][f], self.starts[rank][b]) for pair, (rank, f, b) in self.where.items()}
@@ -371,6 +374,16 @@ def _slack(t: float) -> float:
     return _NOISE * max(abs(t), 1.0)
 
 
+def _members(action: Action) -> tuple[Action, ...]:
+    """The actions ``action`` runs: a compound's parts (DualPipeV's overlapped F and backward), else itself."""
+    return parts(action) if action.kind in COMPOUND else (action,)
+
+
+def _forwards(action: Action) -> list[Action]:
+    """The Fs ``action`` runs."""
+    return [part for part in _members(action) if part.kind == F]
+
+
 def copyable(actions) -> list[tuple[int, int]]:
     """The (stage, microbatch) pairs of one rank's list, before offload, that a
     policy may copy: those with at least two actions between
@@ -378,10 +391,11 @@ def copyable(actions) -> list[tuple[int, int]]:
     action later, :meth:`_Pairs.reload_at`), whatever the costs."""
     forwards, found = {}, []
     for k, a in enumerate(actions):
-        if a.kind == F:
-            forwards[a.stage, a.microbatch] = k
-        elif a.kind in (B, BW) and k - forwards.get((a.stage, a.microbatch), k) > 2:
-            found.append((a.stage, a.microbatch))
+        for part in _members(a):
+            if part.kind == F:
+                forwards[part.stage, part.microbatch] = k
+            elif part.kind in (B, BW) and k - forwards.get((part.stage, part.microbatch), k) > 2:
+                found.append((part.stage, part.microbatch))
     return found
 
 
@@ -397,12 +411,12 @@ def tightest(actions, pairs) -> list[Action]:
     for a in actions:
         if KINDS[a.kind].stream:
             continue
-        pair = a.stage, a.microbatch
-        if a.kind in (B, BW) and pair in pairs:
-            found.append(Action(RELOAD, *pair))
+        members = _members(a)
+        found += [Action(RELOAD, p.stage, p.microbatch) for p in members
+                  if p.kind in (B, BW) and (p.stage, p.microbatch) in pairs]
         found.append(a)
-        if a.kind == F and pair in pairs:
-            found.append(Action(OFFLOAD, *pair))
+        found += [Action(OFFLOAD, p.stage, p.microbatch) for p in members
+                  if p.kind == F and (p.stage, p.microbatch) in pairs]
     return found
 
 
@@ -518,7 +532,7 @@ def _behind(schedule: Schedule, costs: StageCosts, ranks: set) -> set:
         for k, a in enumerate(schedule.ranks[r]):
             if a.kind == OFFLOAD:
                 copied = ends[r][k]
-            elif a.kind == F and copied is not None and starts[r][k] < copied - _slack(copied):
+            elif copied is not None and starts[r][k] < copied - _slack(copied) and _forwards(a):
                 found.add(r)
                 break
     return found
@@ -563,9 +577,7 @@ def _waits(ranks, entries: list[list[tuple]], paced: set, pace: int) -> list[lis
     for r in sorted(paced):
         copied = {pair for *_, pair, action in entries[r] if action.kind == OFFLOAD}
         done = []
-        for a in ranks[r]:
-            if a.kind != F:
-                continue
+        for a in (f for action in ranks[r] for f in _forwards(action)):
             if len(done) >= pace:
                 waits.append([a.stage, a.microbatch, *done[-pace]])
             if (a.stage, a.microbatch) in copied:
@@ -596,10 +608,11 @@ def _late_reloads(schedule: Schedule, costs: StageCosts) -> dict[tuple[int, int]
                 continue
             if a.kind == OFFLOAD:
                 continue
-            pair = (a.stage, a.microbatch)
-            if a.kind in (B, BW) and pair in reloaded and reloaded[pair] > previous + 1e-12:
-                if math.isclose(starts[rank][k], reloaded[pair]):
-                    late[pair] = reloaded[pair] - previous
+            for part in _members(a):
+                pair = (part.stage, part.microbatch)
+                if part.kind in (B, BW) and pair in reloaded and reloaded[pair] > previous + 1e-12:
+                    if math.isclose(starts[rank][k], reloaded[pair]):
+                        late[pair] = reloaded[pair] - previous
             previous = ends[rank][k]
     return late
 

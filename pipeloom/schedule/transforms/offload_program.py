@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .. import deps as _deps
 from ..ir import BW, B, F, Action, Schedule
-from ..kinds import KINDS
+from ..kinds import COMPOUND, KINDS
 from .offload import OFFLOAD, RELOAD, _offloaded, paced
 
 
@@ -70,7 +70,8 @@ def _derive(schedule: Schedule, base: Schedule):
             if mine:
                 before[j], mine = mine, []
             index = j - first
-            if index >= len(was) or (was[index] is not a and was[index] != a) or KINDS[a.kind].stream:
+            if (index >= len(was) or (was[index] is not a and was[index] != a) or KINDS[a.kind].stream
+                    or a.kind in COMPOUND):  # a compound's parts wait for copies: compiling says which
                 return None
             new_of[j] = at + k
             new_of[j + n_old] = at + k + n
