@@ -10,7 +10,7 @@ import pytest
 
 from pipeloom.cli import main
 from pipeloom.errors import PipeloomError
-from pipeloom.schedule import BW, B, F, W, Action, Costs, Kfac, Offload, Schedule, build, v_placement, validate
+from pipeloom.schedule import BW, B, F, W, Action, Costs, Offload, Schedule, build, v_placement, validate
 from pipeloom.schedule.deps import peak_activation
 from pipeloom.schedule.families.dualpipe import OVERLAP_F_B, overlapped
 from pipeloom.schedule.ir import parts
@@ -125,7 +125,6 @@ def test_a_pair_waits_for_both_halves_inputs():
                                  r"use microbatches=8 or more; or pp <= 3"),
     (dict(pp=2, microbatches=1), r"microbatches=1 with pp=2: use microbatches=4 or more$"),
     (dict(pp=2, microbatches=4, chunks=3), "dualpipev uses chunks=2 stages per rank; got chunks=3"),
-    (dict(pp=2, microbatches=4, transforms=[Kfac(1)]), "dualpipev cannot take kfac: its OVERLAP_F_B"),
     (dict(pp=2, microbatches=4, vocab_parallel="vocab-2"), "dualpipev cannot take vocabulary passes"),
 ])
 def test_refusals_name_the_values_and_what_fits(kwargs, message):

@@ -30,7 +30,7 @@ def _starts(result, before):
             for events in result.events]
 
 
-CASES = [(name, pp) for name in FAMILIES if name != "dualpipev" for pp in (2, 4)]  # dualpipev refuses: test_dualpipev.py
+CASES = [(name, pp) for name in FAMILIES for pp in (2, 4)]
 
 
 @pytest.mark.parametrize("name,pp", CASES)

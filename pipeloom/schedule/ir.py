@@ -99,6 +99,13 @@ def parts(action: Action) -> tuple[Action, ...]:
     return tuple(Action.from_fields((p[k], p[k + 1], p[k + 2], ())) for k in range(0, len(p) - 2, 3))
 
 
+def shifted(action: Action, by: int) -> Action:
+    """``action`` with its microbatch, and a compound action's parts', ``by`` later (a later step's)."""
+    if action.kind not in COMPOUND:
+        return action._replace(microbatch=action.microbatch + by)
+    return Action.compound(action.kind, [part._replace(microbatch=part.microbatch + by) for part in parts(action)])
+
+
 def rank_of(action: Action, placement: tuple[int, ...]) -> int:
     """The rank that runs ``action``: its stage's, or for a rank-owned kind the one it names."""
     return action.stage if get(action.kind).owner == RANK else placement[action.stage]

@@ -24,6 +24,7 @@ from torch import nn
 from ...errors import PipeloomError
 from ...optim.kfac import KFAC
 from ...schedule import BW, B, F, Kfac, lower, validate
+from ...schedule.ir import shifted
 from ...schedule.kinds import get
 from ...schedule.transforms.kfac import KFAC_A, KFAC_G, KFAC_INV, KFAC_PRE, KFAC_SYNC_A, KFAC_SYNC_G, PIECES
 from ..parts import Part
@@ -145,7 +146,8 @@ def split_cycle(actions, microbatches: int, steps: int) -> list[list]:
         if action.kind == KFAC_PRE:
             call, action = action.microbatch // steps, action._replace(microbatch=action.microbatch % steps)
         else:
-            call, action = action.microbatch // per_call, action._replace(microbatch=action.microbatch % per_call)
+            call = action.microbatch // per_call
+            action = shifted(action, -call * per_call)
         while len(calls) <= call:
             calls.append([])
         if get(action.kind).drawn:

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from ...errors import PipeloomError
 from ..costs import Costs
 from ..ir import Action, Schedule
-from ..kinds import COMPOUND
 
 
 class Transform(Protocol):
@@ -38,15 +36,6 @@ def apply_all(schedule: Schedule, transforms: Sequence[Transform], costs: Costs 
     for transform in transforms:
         schedule = transform.apply(schedule, costs)
     return schedule
-
-
-def refuse_compound(schedule: Schedule, name: str) -> None:
-    """Stop a transform ``name`` that would add work to a schedule with compound actions
-    (DualPipeV's overlapped pairs): they run two actions as one, which no transform places work around yet."""
-    compound = next((a for actions in schedule.ranks for a in actions if a.kind in COMPOUND), None)
-    if compound is not None:
-        raise PipeloomError(f"{schedule.family} cannot take {name}: its {compound.kind} actions (such as {compound}) "
-                            f"run two actions as one, which {name} does not place work around yet; use another family")
 
 
 def insert(ranks: Sequence[Sequence[Action]], extra: Sequence[list[tuple]]) -> tuple[tuple[Action, ...], ...]:

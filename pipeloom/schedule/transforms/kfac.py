@@ -50,10 +50,10 @@ from dataclasses import dataclass, replace
 
 from ...errors import PipeloomError, ScheduleError
 from ..costs import Costs, StageCosts, register_field
-from ..deps import asap
-from ..ir import BW, B, F, W, Action, Schedule
+from ..deps import Dependencies, asap
+from ..ir import BW, B, F, W, Action, Schedule, parts, shifted
 from ..kinds import KINDS, Kind, register, register_inputs
-from . import insert, refuse_compound
+from . import insert
 
 KFAC_A = "KFAC_A"
 KFAC_G = "KFAC_G"
@@ -111,7 +111,6 @@ class Kfac:
             raise ScheduleError("the schedule holds K-FAC work already")
         if schedule.options.get("lowered"):
             raise ScheduleError("add K-FAC work before lowering communication")
-        refuse_compound(schedule, self.name)
         units = _units(self.units, schedule.stages)
         per_stage = (costs or Costs()).per_stage(schedule.stages, schedule.chunks)
         base = _with_preconditioning(schedule)
@@ -209,19 +208,19 @@ class _Rank:
         self.copies = 1
 
     def _pieces(self, base, starts, ends, units, costs) -> list[_Piece]:
-        done = {a: ends[k] for k, a in enumerate(self.actions) if a.microbatch < base.microbatches}
-        split = frozenset(a.stage for actions in base.ranks for a in actions if a.kind == W)
+        # when each action of the first step ends (a compound's parts when it does: DualPipeV's pairs)
+        done = {part: ends[k] for k, a in enumerate(self.actions) if a.microbatch < base.microbatches
+                for part in parts(a)}
+        backward = Dependencies(base).backward
         pieces = []
         for s in base.stages_of(self.rank):
-            backward = B if s in split else BW
             for u in range(units[s]):
                 unit = (u,)
 
                 def make(kind, j, ready):
                     return _Piece(Action(kind, s, j, unit), costs.duration(Action(kind, s, j, unit)), ready)
                 curvature = {KFAC_A: [make(KFAC_A, j, done[Action(F, s, j)]) for j in range(base.microbatches)],
-                             KFAC_G: [make(KFAC_G, j, done[Action(backward, s, j)])
-                                      for j in range(base.microbatches)]}
+                             KFAC_G: [make(KFAC_G, j, done[backward(s, j)]) for j in range(base.microbatches)]}
                 inverse = make(KFAC_INV, 0, None)
                 inverse.waiting = 2
                 for kind, sync_kind in ((KFAC_A, KFAC_SYNC_A), (KFAC_G, KFAC_SYNC_G)):
@@ -305,12 +304,12 @@ def _unroll(base: Schedule, k: int, placed: list[_Rank]) -> Schedule:
         lists = []
         for copy in range(k):
             shift = copy * per_copy
-            shifted = [a._replace(microbatch=a.microbatch + (copy * base.steps if a.kind == KFAC_PRE else shift))
-                       for a in actions]
+            moved = [a._replace(microbatch=a.microbatch + copy * base.steps) if a.kind == KFAC_PRE
+                     else shifted(a, shift) for a in actions]
             extra = [(index, order, a) for c, index, order, a in mine.placed if c == copy]
             if copy == k - 1:
                 extra += [(mine.tail, (len(mine.gaps), n), p.action) for n, p in enumerate(mine.left)]
-            lists += insert([shifted], [extra])[0]
+            lists += insert([moved], [extra])[0]
         ranks.append(tuple(lists))
     return replace(base, ranks=tuple(ranks), steps=base.steps * k)
 
@@ -340,8 +339,7 @@ def _inv_needs(action, deps):
 
 def _pre_needs(action, deps):
     s, t, m = action.stage, action.microbatch, deps.schedule.microbatches
-    split = s in deps.split
-    found = tuple(Action(W if split else BW, s, i) for i in range(t * m, (t + 1) * m))
+    found = tuple(Action(W, s, i) if (b := deps.backward(s, i)).kind == B else b for i in range(t * m, (t + 1) * m))
     units = _settings(deps.schedule).get("units")
     if units and t == deps.schedule.steps - 1:
         found += tuple(Action(KFAC_INV, s, 0, (u,)) for u in range(units[s]))

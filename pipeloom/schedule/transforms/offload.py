@@ -63,7 +63,7 @@ from ...errors import PipeloomError, ScheduleError
 from ..costs import Costs, StageCosts, register_field
 from ..deps import asap
 from ..ir import BW, B, F, Action, Schedule, parts
-from ..kinds import COMPOUND, KINDS, Kind, register, register_inputs
+from ..kinds import KINDS, Kind, register, register_inputs
 from . import insert
 
 #: Copy a pair's saved activations to host memory (after its F).
@@ -154,7 +154,7 @@ class _Pairs:
                 if KINDS[a.kind].stream:
                     continue
                 issues.append((self.ends[rank][k], k))
-                for part in _members(a):
+                for part in parts(a):
                     if part.kind == F:
                         forwards[part.stage, part.microbatch] = k
                     elif part.kind in (B, BW):
@@ -374,14 +374,9 @@ def _slack(t: float) -> float:
     return _NOISE * max(abs(t), 1.0)
 
 
-def _members(action: Action) -> tuple[Action, ...]:
-    """The actions ``action`` runs: a compound's parts (DualPipeV's overlapped F and backward), else itself."""
-    return parts(action) if action.kind in COMPOUND else (action,)
-
-
 def _forwards(action: Action) -> list[Action]:
-    """The Fs ``action`` runs."""
-    return [part for part in _members(action) if part.kind == F]
+    """The Fs ``action`` runs (a compound's: DualPipeV's overlapped F and backward)."""
+    return [part for part in parts(action) if part.kind == F]
 
 
 def copyable(actions) -> list[tuple[int, int]]:
@@ -391,7 +386,7 @@ def copyable(actions) -> list[tuple[int, int]]:
     action later, :meth:`_Pairs.reload_at`), whatever the costs."""
     forwards, found = {}, []
     for k, a in enumerate(actions):
-        for part in _members(a):
+        for part in parts(a):
             if part.kind == F:
                 forwards[part.stage, part.microbatch] = k
             elif part.kind in (B, BW) and k - forwards.get((part.stage, part.microbatch), k) > 2:
@@ -411,7 +406,7 @@ def tightest(actions, pairs) -> list[Action]:
     for a in actions:
         if KINDS[a.kind].stream:
             continue
-        members = _members(a)
+        members = parts(a)
         found += [Action(RELOAD, p.stage, p.microbatch) for p in members
                   if p.kind in (B, BW) and (p.stage, p.microbatch) in pairs]
         found.append(a)
@@ -608,7 +603,7 @@ def _late_reloads(schedule: Schedule, costs: StageCosts) -> dict[tuple[int, int]
                 continue
             if a.kind == OFFLOAD:
                 continue
-            for part in _members(a):
+            for part in parts(a):
                 pair = (part.stage, part.microbatch)
                 if part.kind in (B, BW) and pair in reloaded and reloaded[pair] > previous + 1e-12:
                     if math.isclose(starts[rank][k], reloaded[pair]):
