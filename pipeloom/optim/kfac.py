@@ -241,11 +241,14 @@ class KFAC:
             if layer.pending:
                 layer.inverses, layer.pending = layer.pending, {}
 
-    def precondition(self, names=None) -> None:
+    def precondition(self, names=None, weights=None) -> None:
         """Replace every layer's (or the layers ``names``') gradient by ``G⁻¹ [∇W | ∇b] A⁻¹``
-        (layers with no inverses yet or no weight gradient are left as they are)."""
-        for layer in self._chosen(names):
-            w, b = layer.module.weight, layer.module.bias
+        (layers with no inverses yet or no weight gradient are left as they are). ``weights``: by
+        layer name, the (weight, bias or None) whose ``.grad`` to precondition instead of the layer's
+        own parameters' (a step's weight version, PipeDream-2BW's)."""
+        for name in self.layers if names is None else names:
+            layer = self._layer(name)
+            w, b = weights[name] if weights else (layer.module.weight, layer.module.bias)
             if not layer.inverses or w.grad is None:
                 continue
             grad = w.grad.to(layer.dtype)

@@ -30,13 +30,6 @@ class Kfac(Technique):
         if not spec.kfac_damping > 0:
             raise PipeloomError(f"--kfac-damping must be positive, got {spec.kfac_damping:g}")
 
-    def check_runnable(self, spec) -> None:
-        if not self.active(spec):
-            return
-        if spec.uses("weight_versions"):
-            raise PipeloomError("--optimizer kfac does not run with PipeDream-2BW's weight versions yet (pipeloom "
-                                "simulate places K-FAC work there); use a synchronous schedule")
-
     def check_training(self, spec, config) -> None:
         if config.report or config.trace or (config.plot and not config.dry_run):
             raise PipeloomError("--optimizer kfac cannot draw or report its measured steps yet (each step of its "

@@ -64,9 +64,9 @@ class KfacWork:
         return self.context.calls % self.calls
 
     def capturing(self, action) -> bool:
-        """Whether ``action`` (an F or a backward) captures: in the cycle's first call, checked to
+        """Whether ``action`` (an F or a backward) captures: in the cycle's first step, checked to
         come in microbatch order on its stage."""
-        if self.call:
+        if self.call or action.microbatch >= self.context.schedule.microbatches:
             return False
         factor = "A" if action.kind == F else "G"
         done = len(self.kfac.layers[self.units[action.stage][0]].captures[factor])
@@ -96,12 +96,20 @@ class KfacWork:
             self.kfac.reduce(name, _SYNC[kind])
 
     def precondition(self, action) -> None:
-        """Stage ``action.stage``'s gradients preconditioned; in the cycle's last step with the new inverses."""
+        """Stage ``action.stage``'s gradients of step ``action.microbatch`` of the call preconditioned
+        (with weight versions, those of the step's version); in the cycle's last step with the new
+        inverses."""
         names = self.units[action.stage]
-        steps = self.context.schedule.steps
+        context = self.context
+        steps = context.schedule.steps
         if self.call == self.calls - 1 and action.microbatch == steps - 1:
             self.kfac.publish(names)
-        self.kfac.precondition(names)
+        weights = None
+        if context.versions is not None:  # the step's gradient is in its version's leaves
+            leaves = context.versions.weights[action.stage, context.steps_done + action.microbatch]
+            weights = {name: (leaves[f"{local}.weight"], leaves.get(f"{local}.bias"))
+                       for name in names for local in [name.split(".", 1)[1]]}
+        self.kfac.precondition(names, weights)
 
 
 def kfac_cycle(context, optimizer: str, options: dict | None, costs=None):
@@ -115,9 +123,6 @@ def kfac_cycle(context, optimizer: str, options: dict | None, costs=None):
     unknown = sorted(set(options) - {"damping", "decay", "every", "margin"})
     if unknown:
         raise PipeloomError(f"kfac option {unknown[0]!r}; options: damping, decay, every, margin")
-    if base.weight_versions > 1 or base.steps > 1:
-        raise PipeloomError("optimizer='kfac' does not run with PipeDream-2BW's weight versions yet (the simulator "
-                            "places K-FAC work there: pipeloom simulate --optimizer kfac); use a synchronous schedule")
     work = KfacWork(context, **{k: options[k] for k in ("damping", "decay") if k in options})
     counts: list = [None] * context.mesh.layout.pp
     dist.all_gather_object(counts, {s: len(u) for s, u in work.units.items()}, group=context.mesh.pp_group)
