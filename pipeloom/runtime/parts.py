@@ -78,6 +78,11 @@ class Part:
         ``(pipe.schedule, calls)``, or what the technique makes of them."""
         return pipe.schedule, calls
 
+    def in_cycle(self, action, call: int):
+        """``action`` as it ran in call ``call`` of the cycle the technique's calls make, as the
+        schedule (the whole cycle) numbers it (:meth:`calls` renumbers each call's)."""
+        return action
+
     def finals(self, actions) -> dict | None:
         """When each stage's gradient of each step is final in ``actions`` (the form of
         :func:`~.grads.finals`), where the technique decides it; else None."""

@@ -126,6 +126,8 @@ class Pipeline:
             self.schedule, calls = part.calls(self, calls)
         self._calls = [_Call(self.context, self.grads, actions, self.parts) for actions in calls]
         self.last_step: Step | None = None
+        #: the steps of the calls run so far of the current cycle (the schedule's calls run in turn)
+        self.last_calls: list[Step] = []
         self._evaluation: Executor | None = None  # the forward-only list, made on the first evaluate()
         self.channel.heartbeat.idle()  # set up: a peer that waits for this rank now sees it outside a step
 
@@ -164,6 +166,17 @@ class Pipeline:
         return cls(model, schedule, pp, microbatches, dp, chunks, loss_fn=loss_fn, **options)
 
     @property
+    def cycle(self) -> int:
+        """Calls in the schedule's cycle: 1, or a K-FAC refresh's (:meth:`in_cycle` numbers their actions)."""
+        return len(self._calls)
+
+    def in_cycle(self, action, call: int):
+        """``action`` as call ``call`` of the cycle ran it, numbered as :attr:`schedule` numbers it."""
+        for part in self.parts:
+            action = part.in_cycle(action, call)
+        return action
+
+    @property
     def steps_done(self) -> int:
         """Steps run so far by :meth:`run_steps`."""
         return self.context.steps_done
@@ -200,7 +213,8 @@ class Pipeline:
         """Run this rank's actions on the batches, after each action the calls of a part that
         applies the updates with ``optimizer`` (:meth:`~.parts.Part.updates`), or else the call's
         gradient averaging; the mean loss of each step."""
-        call = self._calls[self.context.calls % len(self._calls)]
+        index = self.context.calls % len(self._calls)
+        call = self._calls[index]
         updates = [after for part in self.parts if (after := part.updates(self, call.finals, optimizer)) is not None]
         try:
             step = Step(self.pp_rank, StepClock(self.device), *self._batches.split(tokens, targets),
@@ -213,6 +227,7 @@ class Pipeline:
             else:
                 self.grads.finish()
             self.last_step = step
+            self.last_calls = [*self.last_calls[:index], step]
             return self._mean_losses(step)
         finally:
             self.channel.heartbeat.idle()

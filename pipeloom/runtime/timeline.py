@@ -10,30 +10,37 @@ fed back to :func:`pipeloom.sim.simulate`.
 from __future__ import annotations
 
 from pathlib import Path
-from statistics import median
+from statistics import fmean, median
 
 import torch.distributed as dist
 
 from ..schedule import BW, B, F, W, Costs
 from ..schedule.transforms.vocab import IB, IF, C, S, T
+from ..schedule.costs import COST_FIELDS
 from ..schedule.deps import Dependencies
+from ..schedule.kinds import KINDS
 from ..sim import Event, Result
 from ..sim.trace import chrome_trace_events, transfers_of
 from .handlers.compute import WEIGHTS_IN_B
 
 
-def gather_timeline(pipe) -> list[list[Event]]:
-    """Every pipeline rank's events of the last step (ms), on every rank."""
+def gather_timeline(pipe, cycle: bool = False) -> list[list[Event]]:
+    """Every pipeline rank's events of the last step (ms), on every rank; ``cycle``: of the
+    calls of the last whole cycle of the schedule (a K-FAC refresh: every call of it, its
+    actions numbered as the schedule numbers them, :meth:`~.pipeline.Pipeline.in_cycle`)."""
     if pipe.last_step is None:
         raise RuntimeError("no step has run yet: call step() first")
-    step = pipe.last_step
-    mine = (step.wall_start, [(t.action, 1e3 * t.start, 1e3 * t.end) for t in step.timeline])
+    steps = pipe.last_calls if cycle else [pipe.last_step]
+    if len(steps) != (pipe.cycle if cycle else 1):
+        raise RuntimeError(f"the cycle of {pipe.cycle} calls has run {len(steps)} of them: end on its last call")
+    mine = [(step.wall_start, [(t.action, 1e3 * t.start, 1e3 * t.end) for t in step.timeline]) for step in steps]
     parts: list = [None] * pipe.pp
     dist.all_gather_object(parts, mine, group=pipe.pp_group)
-    origin = min(wall for wall, _ in parts)
+    origin = min(wall for calls in parts for wall, _ in calls)
     return [
-        [Event(rank, a, s + 1e3 * (wall - origin), e + 1e3 * (wall - origin)) for a, s, e in actions]
-        for rank, (wall, actions) in enumerate(parts)
+        [Event(rank, pipe.in_cycle(a, call) if cycle else a, s + 1e3 * (wall - origin), e + 1e3 * (wall - origin))
+         for call, (wall, actions) in enumerate(calls) for a, s, e in actions]
+        for rank, calls in enumerate(parts)
     ]
 
 
@@ -47,24 +54,32 @@ def measured_costs(events: list[list[Event]], schedule) -> Costs:
     """Per-stage costs (ms) from a measured timeline: the median duration of each
     kind per stage (a fused BW counts as B, with W = 0), per rank for the
     vocabulary passes, and, for T_comm, the median wait of a consumer that sat
-    idle for an input from another rank."""
+    idle for an input from another rank; a technique's other timed kinds of one
+    cost field (K-FAC's pieces) their mean per stage, in that field."""
     durations: dict[tuple[str, int], list[float]] = {}
     for rank_events in events:
         for ev in rank_events:
             kind = B if ev.action.kind == BW else ev.action.kind
             durations.setdefault((kind, ev.action.stage), []).append(ev.end - ev.start)
 
-    def each(kind: str, n: int) -> list[float]:
-        return [median(durations.get((kind, s), [0.0])) for s in range(n)]
+    def each(kind: str, n: int, of=median) -> list[float]:
+        return [of(durations.get((kind, s), [0.0])) for s in range(n)]
 
     vocab = {field: each(kind, schedule.pp) for kind, field in _VOCAB_FIELDS.items()}
+    others = {KINDS[kind].cost[0]: each(kind, schedule.stages, fmean) for kind in {k for k, _ in durations}
+              if kind not in (F, B, W) and len(KINDS[kind].cost) == 1 and not KINDS[kind].stream
+              and COST_FIELDS[KINDS[kind].cost[0]].per == "stage"}
     return Costs(f=each(F, schedule.stages), b=each(B, schedule.stages), w=each(W, schedule.stages),
-                 comm=[_comm_wait(events, schedule)] * schedule.stages, **vocab)
+                 comm=[_comm_wait(events, schedule)] * schedule.stages, **vocab, extra=others)
 
 
 def median_costs(measured: list[Costs]) -> Costs:
     """The per-stage median of several steps' :func:`measured_costs`."""
-    return Costs(**{k: [median(c) for c in zip(*(getattr(m, k) for m in measured))] for k in _FIELDS})
+    def of(values):
+        return [median(c) for c in zip(*values)]
+
+    return Costs(**{k: of(getattr(m, k) for m in measured) for k in _FIELDS},
+                 extra={k: of(m.extra[k] for m in measured) for k in measured[0].extra})
 
 
 def full_stage_costs(costs: Costs, schedule) -> Costs:
@@ -100,12 +115,12 @@ def _comm_wait(events: list[list[Event]], schedule) -> float:
     return median(waits) if waits else 0.0
 
 
-def write_trace(pipe, path: str | Path) -> None:
-    """Write the last step's measured timeline as a Chrome trace (global rank 0 writes;
-    every pipeline rank must call this). With split B and W, ``otherData["weight_grads_in_B"]``
-    names, per stage, the module types whose weight gradients B computed rather than W
-    (:data:`~pipeloom.runtime.handlers.compute.WEIGHTS_IN_B`)."""
-    events = gather_timeline(pipe)
+def write_trace(pipe, path: str | Path, cycle: bool = False) -> None:
+    """Write the last step's measured timeline (``cycle``: the last whole cycle's, :func:`gather_timeline`)
+    as a Chrome trace (global rank 0 writes; every pipeline rank must call this). With split B
+    and W, ``otherData["weight_grads_in_B"]`` names, per stage, the module types whose weight
+    gradients B computed rather than W (:data:`~pipeloom.runtime.handlers.compute.WEIGHTS_IN_B`)."""
+    events = gather_timeline(pipe, cycle)
     schedule = pipe.schedule
     notes: list = [None] * pipe.pp
     dist.all_gather_object(notes, pipe.context.extras.get(WEIGHTS_IN_B, {}), group=pipe.pp_group)

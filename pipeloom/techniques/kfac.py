@@ -30,12 +30,6 @@ class Kfac(Technique):
         if not spec.kfac_damping > 0:
             raise PipeloomError(f"--kfac-damping must be positive, got {spec.kfac_damping:g}")
 
-    def check_training(self, spec, config) -> None:
-        if config.report or config.trace or (config.plot and not config.dry_run):
-            raise PipeloomError("--optimizer kfac cannot draw or report its measured steps yet (each step of its "
-                                "refresh runs other pieces): drop --report, --trace and --plot, and see them "
-                                "simulated with --dry-run --plot")
-
     def cost_options(self, spec) -> dict:
         return {"kfac": self.active(spec)}
 

@@ -184,7 +184,7 @@ class Trainer:
                 records = self._call(first)
                 elapsed = (time.perf_counter() - started) / per_call
                 times.append(elapsed)
-                if config.report and first + per_call > config.steps - REPORT_STEPS:
+                if config.report and pipe.cycle == 1 and first + per_call > config.steps - REPORT_STEPS:
                     timelines.append(gather_timeline(pipe))
                 measure = config.metrics and self.memory.measurable
                 peaks = self.memory.per_pipeline_rank(pipe.pp_rank, self.spec.pp, pipe.channel) if measure else None
@@ -221,6 +221,8 @@ class Trainer:
             self._save_weights(done)
         if self.start < config.steps:
             self._write_timeline()
+        if config.report and pipe.cycle > 1 and len(times) >= pipe.cycle:  # a K-FAC refresh: its last whole cycle
+            timelines, times = [gather_timeline(pipe, cycle=True)], [sum(times[-pipe.cycle:]) * per_call]
         if timelines and lead:
             print(report(pipe.schedule, timelines, times[1:] or times), flush=True)
         return 0
@@ -343,22 +345,26 @@ class Trainer:
         return {"bytes": "bytes", None: None}.get(self.data.tokenizer, "bpe")
 
     def _write_timeline(self) -> None:
-        """``--trace`` and ``--plot``: the last step's measured timeline (every rank takes part)."""
+        """``--trace`` and ``--plot``: the last step's measured timeline, or with K-FAC the last
+        refresh cycle's (every rank takes part)."""
         from ..runtime.timeline import gather_timeline, measured_result, write_trace
         from ..sim import plot_schedule
 
-        config, lead = self.config, self.rank == 0
+        config, lead, pipe = self.config, self.rank == 0, self.pipe
+        cycle = pipe.cycle > 1
+        what = (f"the last K-FAC cycle (steps {config.steps - pipe.cycle * pipe.context.schedule.steps + 1}-"
+                f"{config.steps})" if cycle else f"step {config.steps}")
         if config.trace:
             with _output("--trace", config.trace, lead):
-                write_trace(self.pipe, config.trace)
+                write_trace(pipe, config.trace, cycle)
                 if lead:
-                    print(f"wrote the measured timeline of step {config.steps} to {config.trace}", file=sys.stderr)
+                    print(f"wrote the measured timeline of {what} to {config.trace}", file=sys.stderr)
         if config.plot:
-            result = measured_result(gather_timeline(self.pipe), self.pipe.schedule)
+            result = measured_result(gather_timeline(pipe, cycle), pipe.schedule)
             if lead:
                 with _output("--plot", config.plot, lead):
                     plot_schedule(result, config.plot)
-                    print(f"drew the measured timeline of step {config.steps} in {config.plot}", file=sys.stderr)
+                    print(f"drew the measured timeline of {what} in {config.plot}", file=sys.stderr)
 
     def _meta(self, step: int) -> dict:
         spec = self.spec

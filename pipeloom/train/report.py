@@ -45,10 +45,12 @@ def report(schedule, timelines, step_times) -> str:
     seen = [measured_result(events, schedule) for events in timelines]
     own = simulate(schedule, costs)
     step_ms, span = 1e3 * median(step_times), median(r.makespan for r in seen)
+    kfac = schedule.options.get("kfac")
+    what = (f"the timeline of the last K-FAC refresh cycle, {schedule.steps} steps" if kfac
+            else f"timelines of the last {len(timelines)} steps")
     lines = [
-        f"report: {schedule.family}, pp={schedule.pp}, {schedule.microbatches} microbatches "
-        f"(timelines of the last {len(timelines)} steps)",
-        f"  measured step   {step_ms:9.2f} ms   (with the optimizer step; the schedule's actions span "
+        f"report: {schedule.family}, pp={schedule.pp}, {schedule.microbatches} microbatches ({what})",
+        f"  measured {'cycle' if kfac else 'step '}  {step_ms:9.2f} ms   (with the optimizer step; the schedule's actions span "
         f"{span:.2f} ms, bubble seen {median(r.bubble_rate for r in seen):.1%})",
         f"  simulated       {own.makespan:9.2f} ms   (the actions, from the measured costs; bubble "
         f"{own.bubble_rate:.1%}; simulated / measured span {own.makespan / span:.3f})",
@@ -57,7 +59,11 @@ def report(schedule, timelines, step_times) -> str:
         *(["  vocabulary passes per rank (ms): " + ", ".join(
             f"{k} {' '.join(f'{v:.2f}' for v in getattr(costs, k))}" for k in ("s", "t", "c", "e_f", "e_b"))]
           if schedule.vocab_parallel else []),
-        "  the simulator's prediction for other schedules with these costs:",
+        *(["  K-FAC pieces per stage, a unit's (ms): " + ", ".join(
+            f"{k.removeprefix('kfac_')} {' '.join(f'{v:.2f}' for v in costs.extra[k])}" for k in sorted(costs.extra))]
+          if kfac else []),
+        "  the simulator's prediction for other schedules with these costs"
+        + (" (a step each, without K-FAC's pieces):" if kfac else ":"),
     ]
     full = full_stage_costs(costs, schedule)
     for name in FAMILIES:

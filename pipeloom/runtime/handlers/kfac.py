@@ -196,8 +196,16 @@ class KfacPart(Part):
         if self.given["optimizer"] is None:
             return pipe.schedule, calls
         work, schedule, calls = kfac_cycle(pipe.context, self.given["optimizer"], self.given["kfac"], self.costs)
-        self.kfac = work.kfac
+        self.kfac, self.base = work.kfac, pipe.context.schedule
         return schedule, calls
+
+    def in_cycle(self, action, call: int):
+        if self.kfac is None or action.kind in PIECES:  # the pieces keep their numbers in every call
+            return action
+        base = self.base  # one call's schedule
+        if action.kind == KFAC_PRE:
+            return action._replace(microbatch=action.microbatch + call * base.steps)
+        return shifted(action, call * base.microbatches * base.steps)
 
     def finals(self, actions) -> dict | None:
         return preconditioned(actions) if self.kfac is not None else None
