@@ -230,6 +230,7 @@ class Offloader:
         self.offloaded = frozenset((a.stage, a.microbatch) for a in rank if a.kind == RELOAD)
         #: a paced F's pair -> the pair whose OFFLOAD it waits for; the CUDA events of offloads they wait for
         self.waits = {pair: waited for pair, waited in paced(context.schedule).items() if waited in self.offloaded}
+        self.waited = frozenset(self.waits.values())
         self.copied: dict[tuple[int, int], torch.cuda.Event] = {}
         self.cuda = self.device.type == "cuda"
         #: one copy stream per direction (device to host, host to device): the host link carries both at once
@@ -320,7 +321,7 @@ class Offloader:
                     where.tensor.record_stream(self.out)
                 self.stats.offloaded += _nbytes(where.host)
                 where.tensor = None
-        if self.cuda and moving and pair in self.waits.values():
+        if self.cuda and moving and pair in self.waited:
             self.copied[pair] = self.out.record_event()
 
     def reload(self, action) -> None:
