@@ -95,7 +95,6 @@ def test_one_line_for_each_mistake(changes, message):
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"optimizer": "kfac", "schedule": "2bw"}, "--optimizer kfac does not run with PipeDream-2BW"),
     ({"model": "gpt-125m", "seq": 2048}, "--seq 2048 is longer than the 1024 positions"),
     ({"seq": 127}, "--seq 127 does not split into 2 x --sp 1"),
 ])
