@@ -33,7 +33,8 @@ def settings(plans):
     return [(p.candidate, p.step_ms) for p in plans]
 
 
-@pytest.mark.parametrize("gpus,memory,batch", [(4, 80, 16), (4, 0.6, 16), (8, 0.3, 16), (2, 0.4, 8), (8, 80, 8)])
+@pytest.mark.parametrize("gpus,memory,batch", [(4, 80, 16), (4, 0.6, 16), pytest.param(8, 0.3, 16, marks=pytest.mark.slow),
+                                               (2, 0.4, 8), (8, 80, 8)])
 def test_search_equals_brute_force(gpus, memory, batch):
     """The pruned search returns exactly the plans (and order) simulating every candidate gives,
     with ample memory and with memory so tight that recomputation or offload must be chosen."""
@@ -143,6 +144,7 @@ def test_infeasible_requests_say_what_would_fit():
         search(request(64, 80, 2, model=ModelSpec("two", 2, 256, 4, 1024), seq=8))
 
 
+@pytest.mark.slow
 def test_infeasible_names_the_least_memory_any_candidate_needs():
     """The pruned hunt for the smallest layout names one that simulating every candidate finds
     the smallest."""
