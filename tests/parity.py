@@ -98,3 +98,29 @@ def check(results):
     for rank_result in results:
         for case, (loss_err, grad_err, *_) in rank_result.items():
             assert loss_err < 1e-5 and grad_err < 1e-4, (case, loss_err, grad_err)
+
+
+def cheap_recompute_run(block, x):
+    """``block`` run on ``x`` as a rank's F and backward through an offloader's hooks, without
+    and with cheap recomputation: for each, (activation bytes the forward kept, the gradients
+    of the parameters and of ``x``)."""
+    from types import SimpleNamespace
+
+    from pipeloom.runtime.handlers.offload import Offloader
+    from pipeloom.schedule import F
+    from pipeloom.schedule.ir import Action
+
+    def run(cheap):
+        context = SimpleNamespace(schedule=SimpleNamespace(ranks=[(Action(F, 0, 0),)], options={}), step=None,
+                                  mesh=SimpleNamespace(pp_rank=0), device=torch.device("cpu"), extras={})
+        offloader = Offloader(context, cheap)
+        leaf = x.clone().requires_grad_()
+        with offloader.forward(Action(F, 0, 0)):
+            y = block(leaf)
+        kept = offloader.stats.device
+        y.square().sum().backward()
+        grads = [p.grad.clone() for p in block.parameters()] + [leaf.grad]
+        block.zero_grad()
+        return kept, grads
+
+    return run(False), run(True)

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-from parity import max_rel_error  # noqa: E402
+from parity import cheap_recompute_run, max_rel_error  # noqa: E402
 from pipeloom.errors import PipeloomError  # noqa: E402
 from pipeloom.runtime.local import spawn  # noqa: E402
 
@@ -321,33 +321,15 @@ def test_cheap_recompute_rebuilds_torch_norms_and_activations():
     """Your own stage's torch.nn LayerNorm, GELU and SiLU outputs are rebuilt in the backward, not kept
     (a ReLU's, which keeps its output anyway, is left alone): the same gradients, bit for bit, and
     exactly those outputs fewer bytes kept."""
-    from types import SimpleNamespace
-
     from pipeloom.nn.recompute import mark_modules
-    from pipeloom.runtime.handlers.offload import Offloader
-    from pipeloom.schedule import Action, F
 
     torch.manual_seed(0)
     block = nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH),
                           nn.SiLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH))
     x = torch.randn(4, 16, WIDTH)  # every tensor above the size the offloader counts (SMALL)
 
-    def run(cheap):
-        context = SimpleNamespace(schedule=SimpleNamespace(ranks=[(Action(F, 0, 0),)], options={}), step=None,
-                                  mesh=SimpleNamespace(pp_rank=0), device=torch.device("cpu"), extras={})
-        offloader = Offloader(context, cheap)
-        leaf = x.clone().requires_grad_()
-        with offloader.forward(Action(F, 0, 0)):
-            y = block(leaf)
-        kept = offloader.stats.device
-        y.square().sum().backward()
-        grads = [p.grad.clone() for p in block.parameters()] + [leaf.grad]
-        block.zero_grad()
-        return kept, grads
-
-    handles = mark_modules(block)
-    assert len(handles) == 3
-    (kept, plain), (kept_cheap, rebuilt) = run(False), run(True)
+    assert len(mark_modules(block)) == 3
+    (kept, plain), (kept_cheap, rebuilt) = cheap_recompute_run(block, x)
     assert all(torch.equal(a, b) for a, b in zip(plain, rebuilt))
     assert kept - kept_cheap == 4 * 4 * 16 * (WIDTH + 4 * WIDTH + WIDTH)  # the norm's, GELU's and SiLU's, fp32
 

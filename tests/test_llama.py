@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
 
-from parity import SYNCHRONOUS, check, parity_worker  # noqa: E402
+from parity import SYNCHRONOUS, check, cheap_recompute_run, parity_worker  # noqa: E402
 from pipeloom.errors import PipeloomError  # noqa: E402
 from pipeloom.nn import (LLAMA_PRESETS, Linear, Llama, LlamaConfig, Rotary, WeightGradStore,  # noqa: E402
                          defer_weight_grads, preset_config)
@@ -389,32 +389,14 @@ def test_cheap_recompute_rebuilds_the_norms_and_silu_and_keeps_no_unturned_queri
     """The RMSNorms' and SiLU's outputs rebuilt in the backward: the same gradients, bit for bit,
     and exactly those outputs fewer bytes kept; v is kept on its own, not as a view of the q/k/v
     projection's output (which would keep the queries and keys from before their rotation)."""
-    from types import SimpleNamespace
-
     from pipeloom.nn.llama import LlamaBlock
-    from pipeloom.runtime.handlers.offload import Offloader
-    from pipeloom.schedule import F as FORWARD
-    from pipeloom.schedule.ir import Action
 
     torch.manual_seed(0)
     block = LlamaBlock(LlamaConfig(n_layer=1, n_embd=64, n_head=4, n_kv_head=2, ffn_hidden=160, vocab_size=16,
                                    block_size=32))
     x = torch.randn(2, 32, 64)
 
-    def run(cheap):
-        context = SimpleNamespace(schedule=SimpleNamespace(ranks=[(Action(FORWARD, 0, 0),)], options={}), step=None,
-                                  mesh=SimpleNamespace(pp_rank=0), device=torch.device("cpu"), extras={})
-        offloader = Offloader(context, cheap)
-        leaf = x.clone().requires_grad_()
-        with offloader.forward(Action(FORWARD, 0, 0)):
-            y = block(leaf)
-        kept = offloader.stats.device
-        y.square().sum().backward()
-        grads = [p.grad.clone() for p in block.parameters()] + [leaf.grad]
-        block.zero_grad()
-        return kept, grads
-
-    (kept, plain), (kept_cheap, rebuilt) = run(False), run(True)
+    (kept, plain), (kept_cheap, rebuilt) = cheap_recompute_run(block, x)
     assert all(torch.equal(a, b) for a, b in zip(plain, rebuilt))
     assert kept - kept_cheap == 4 * 2 * 32 * (64 + 64 + 160)  # ln_1, ln_2 and SiLU outputs, fp32
     sizes = []

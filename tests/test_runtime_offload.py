@@ -8,7 +8,8 @@ torch = pytest.importorskip("torch")
 
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
-from parity import autocast_reference, check, make_batch, max_rel_error, parity_worker  # noqa: E402
+from parity import (autocast_reference, check, cheap_recompute_run, make_batch, max_rel_error,  # noqa: E402
+                    parity_worker)
 from pipeloom.errors import PipeloomError  # noqa: E402
 from pipeloom.nn.linear import Linear, WeightGradStore, defer_weight_grads  # noqa: E402
 from pipeloom.runtime.handlers.offload import SMALL, Offloader, _unpack  # noqa: E402
@@ -142,20 +143,7 @@ def test_cheap_recompute_keeps_less_and_gives_the_same_gradients():
     block = Block(GPTConfig(n_layer=1, n_embd=64, n_head=4, vocab_size=16, block_size=32))
     x = torch.randn(2, 32, 64)
 
-    def run(cheap):
-        context = SimpleNamespace(schedule=SimpleNamespace(ranks=[(Action(F, *PAIR),)], options={}), step=None,
-                                  mesh=SimpleNamespace(pp_rank=0), device=torch.device("cpu"), extras={})
-        offloader = Offloader(context, cheap)
-        leaf = x.clone().requires_grad_()
-        with offloader.forward(Action(F, *PAIR)):
-            y = block(leaf)
-        kept = offloader.stats.device
-        y.square().sum().backward()
-        grads = [p.grad.clone() for p in block.parameters()] + [leaf.grad]
-        block.zero_grad()
-        return kept, grads
-
-    (kept, plain), (kept_cheap, rebuilt) = run(False), run(True)
+    (kept, plain), (kept_cheap, rebuilt) = cheap_recompute_run(block, x)
     assert all(torch.equal(a, b) for a, b in zip(plain, rebuilt))
     assert kept - kept_cheap == 4 * 2 * 32 * (64 + 64 + 4 * 64)  # ln_1, ln_2 and GELU outputs, fp32
 
