@@ -66,15 +66,16 @@ def test_under_torchrun_with_data_parallelism(tmp_path):
 
 @pytest.mark.timeout(TIMEOUT)
 def test_kfac_reports_and_draws_its_last_refresh_cycle(tmp_path):
-    """With K-FAC, --report, --trace and --plot take the last whole refresh cycle, every call of it,
+    """With K-FAC, --report, --trace and --plot take the last whole refresh cycle (a run may end within
+    one where it saves no checkpoint), every call of it,
     its actions numbered as the simulated cycle numbers them (the report simulates that cycle from
     the measured costs, the pieces' too)."""
-    done = train("--optimizer", "kfac", "--steps", "8", "--kfac-every", "4", "--seq", "32", "--report",
-                 "--trace", "t.json", "--plot", "p.png", cwd=tmp_path)
+    done = train("--optimizer", "kfac", "--steps", "10", "--kfac-every", "4", "--seq", "32", "--report",
+                 "--trace", "t.json", "--plot", "p.png", cwd=tmp_path)  # ends 2 steps into a third cycle
     assert "the timeline of the last K-FAC refresh cycle, 4 steps" in done.stdout
     assert "measured cycle" in done.stdout and "simulated / measured span" in done.stdout
     assert "K-FAC pieces per stage, a unit's (ms): a " in done.stdout
-    assert "the last K-FAC cycle (steps 5-8)" in done.stderr and (tmp_path / "p.png").stat().st_size > 0
+    assert "the last whole K-FAC cycle (steps 5-8)" in done.stderr and (tmp_path / "p.png").stat().st_size > 0
     names = {e.get("name") for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]}
     assert {f"0KFAC_PRE{t}" for t in range(4)} | {"0F15", "1B15", "0KFAC_A0"} <= names
 
@@ -129,8 +130,11 @@ def test_text_file_and_token_file(tmp_path):
     (["--data", "a.txt", "--token-dtype", "uint32"], "read as uint32 tokens has ids up to 2,019,914,784, a vocabulary"),
     (["--data", "short.txt"], "short.txt has 9 tokens, fewer than one sequence of --seq 128 plus its target"),
     (["--optimizer", "kfac", "--kfac-damping", "0"], "--kfac-damping must be positive"),
-    (["--optimizer", "kfac", "--kfac-every", "20", "--steps", "10"],
-     "K-FAC's refresh runs over 20 steps (one call of the schedule); use a --steps that is a multiple of 20"),
+    (["--optimizer", "kfac", "--kfac-every", "20", "--steps", "30", "--checkpoint-dir", "ck"],
+     "K-FAC's refresh runs over 20 steps and a checkpoint holds whole refreshes; with --checkpoint-dir use a --steps "
+     "that is a multiple of 20"),
+    (["--optimizer", "kfac", "--kfac-every", "20", "--steps", "10", "--report"],
+     "K-FAC's refresh runs over 20 steps and --report measures a whole one; use a --steps of 20 or more"),
 ])
 @pytest.mark.timeout(60)
 def test_bad_arguments_stop_before_any_worker_starts(tmp_path, args, message):

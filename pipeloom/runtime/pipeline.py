@@ -126,8 +126,9 @@ class Pipeline:
             self.schedule, calls = part.calls(self, calls)
         self._calls = [_Call(self.context, self.grads, actions, self.parts) for actions in calls]
         self.last_step: Step | None = None
-        #: the steps of the calls run so far of the current cycle (the schedule's calls run in turn)
-        self.last_calls: list[Step] = []
+        #: the steps of the calls of the last whole cycle (the schedule's calls run in turn), once one has run
+        self.last_cycle: list[Step] | None = None
+        self._cycle_so_far: list[Step] = []
         self._evaluation: Executor | None = None  # the forward-only list, made on the first evaluate()
         self.channel.heartbeat.idle()  # set up: a peer that waits for this rank now sees it outside a step
 
@@ -227,7 +228,9 @@ class Pipeline:
             else:
                 self.grads.finish()
             self.last_step = step
-            self.last_calls = [*self.last_calls[:index], step]
+            self._cycle_so_far = [*self._cycle_so_far[:index], step]
+            if index == len(self._calls) - 1:
+                self.last_cycle = self._cycle_so_far
             return self._mean_losses(step)
         finally:
             self.channel.heartbeat.idle()

@@ -28,11 +28,9 @@ def gather_timeline(pipe, cycle: bool = False) -> list[list[Event]]:
     """Every pipeline rank's events of the last step (ms), on every rank; ``cycle``: of the
     calls of the last whole cycle of the schedule (a K-FAC refresh: every call of it, its
     actions numbered as the schedule numbers them, :meth:`~.pipeline.Pipeline.in_cycle`)."""
-    if pipe.last_step is None:
-        raise RuntimeError("no step has run yet: call step() first")
-    steps = pipe.last_calls if cycle else [pipe.last_step]
-    if len(steps) != (pipe.cycle if cycle else 1):
-        raise RuntimeError(f"the cycle of {pipe.cycle} calls has run {len(steps)} of them: end on its last call")
+    steps = pipe.last_cycle if cycle else pipe.last_step and [pipe.last_step]
+    if steps is None:
+        raise RuntimeError(f"no {f'whole cycle of {pipe.cycle} calls' if cycle else 'step'} has run yet")
     mine = [(step.wall_start, [(t.action, 1e3 * t.start, 1e3 * t.end) for t in step.timeline]) for step in steps]
     parts: list = [None] * pipe.pp
     dist.all_gather_object(parts, mine, group=pipe.pp_group)

@@ -131,15 +131,26 @@ def check(config: TrainConfig, spec: RunSpec) -> None:
 
 
 def check_steps(config: TrainConfig, schedule) -> None:
-    """The step counts that must be whole calls of a schedule that runs several steps per call (2bw; K-FAC's
-    refresh spread over steps)."""
-    per_call, name = schedule.steps, schedule.family
+    """The step counts that must be whole calls of a schedule that runs several steps per call (2bw),
+    and whole K-FAC refreshes where they are saved or measured (a cycle of several calls)."""
+    name, cycle = schedule.family, schedule.steps
+    per_call = cycle // schedule.options.get("kfac", {}).get("every", 1)
     if config.steps % per_call:
-        why = (f"K-FAC's refresh runs over {per_call} steps (one call of the schedule)"
-               if schedule.options.get("kfac", {}).get("every", 1) > 1
-               else f"{name} runs {per_call} steps per call without a flush")
-        raise PipeloomError(f"{why}; use a --steps that is a multiple of {per_call}"
-                            + (" or a smaller --kfac-every" if "K-FAC" in why else ""))
+        raise PipeloomError(f"{name} runs {per_call} steps per call without a flush; use a --steps that is a "
+                            f"multiple of {per_call}")
+    if cycle > per_call:  # K-FAC's refresh runs over several calls
+        why = f"K-FAC's refresh runs over {cycle} steps"
+        if config.checkpoint_dir and config.steps % cycle:
+            raise PipeloomError(f"{why} and a checkpoint holds whole refreshes; with --checkpoint-dir use a --steps "
+                                f"that is a multiple of {cycle}, or a smaller --kfac-every")
+        if config.checkpoint_every and config.checkpoint_every % cycle:
+            raise PipeloomError(f"{why} and a checkpoint holds whole refreshes; use a --checkpoint-every that is a "
+                                f"multiple of {cycle}, or a smaller --kfac-every")
+        measured = [flag for flag, on in (("--report", config.report), ("--trace", config.trace),
+                                          ("--plot", config.plot and not config.dry_run)) if on]
+        if measured and config.steps < cycle:
+            raise PipeloomError(f"{why} and {measured[0]} measures a whole one; use a --steps of {cycle} or more, "
+                                "or a smaller --kfac-every")
     if config.checkpoint_every and config.checkpoint_every % per_call:
         raise PipeloomError(f"{name} can save only between its calls of {per_call} steps; "
                             f"use a --checkpoint-every that is a multiple of {per_call}")

@@ -221,8 +221,9 @@ class Trainer:
             self._save_weights(done)
         if self.start < config.steps:
             self._write_timeline()
-        if config.report and pipe.cycle > 1 and len(times) >= pipe.cycle:  # a K-FAC refresh: its last whole cycle
-            timelines, times = [gather_timeline(pipe, cycle=True)], [sum(times[-pipe.cycle:]) * per_call]
+        if config.report and pipe.cycle > 1 and pipe.last_cycle:  # a K-FAC refresh: its last whole cycle
+            end = len(times) - len(times) % pipe.cycle  # the run started at a cycle's start
+            timelines, times = [gather_timeline(pipe, cycle=True)], [sum(times[end - pipe.cycle:end]) * per_call]
         if timelines and lead:
             print(report(pipe.schedule, timelines, times[1:] or times), flush=True)
         return 0
@@ -352,8 +353,12 @@ class Trainer:
 
         config, lead, pipe = self.config, self.rank == 0, self.pipe
         cycle = pipe.cycle > 1
-        what = (f"the last K-FAC cycle (steps {config.steps - pipe.cycle * pipe.context.schedule.steps + 1}-"
-                f"{config.steps})" if cycle else f"step {config.steps}")
+        if cycle:  # the last whole one: the run started at a cycle's start
+            steps = pipe.cycle * pipe.context.schedule.steps
+            last = config.steps - (config.steps - self.start) % steps
+            what = f"the last whole K-FAC cycle (steps {last - steps + 1}-{last})"
+        else:
+            what = f"step {config.steps}"
         if config.trace:
             with _output("--trace", config.trace, lead):
                 write_trace(pipe, config.trace, cycle)
