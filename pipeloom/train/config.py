@@ -140,12 +140,12 @@ def check_steps(config: TrainConfig, schedule) -> None:
                             f"multiple of {per_call}")
     if cycle > per_call:  # K-FAC's refresh runs over several calls
         why = f"K-FAC's refresh runs over {cycle} steps"
-        if config.checkpoint_dir and config.steps % cycle:
-            raise PipeloomError(f"{why} and a checkpoint holds whole refreshes; with --checkpoint-dir use a --steps "
-                                f"that is a multiple of {cycle}, or a smaller --kfac-every")
-        if config.checkpoint_every and config.checkpoint_every % cycle:
-            raise PipeloomError(f"{why} and a checkpoint holds whole refreshes; use a --checkpoint-every that is a "
-                                f"multiple of {cycle}, or a smaller --kfac-every")
+        saved = (("with --checkpoint-dir use a --steps", config.steps if config.checkpoint_dir else 0),
+                 ("use a --checkpoint-every", config.checkpoint_every or 0))
+        for use, value in saved:
+            if value % cycle:
+                raise PipeloomError(f"{why} and a checkpoint holds whole refreshes; {use} that is a multiple of "
+                                    f"{cycle}, or a smaller --kfac-every")
         measured = [flag for flag, on in (("--report", config.report), ("--trace", config.trace),
                                           ("--plot", config.plot and not config.dry_run)) if on]
         if measured and config.steps < cycle:
