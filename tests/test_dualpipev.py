@@ -12,7 +12,7 @@ from pipeloom.cli import main
 from pipeloom.errors import PipeloomError
 from pipeloom.schedule import BW, B, F, W, Action, Costs, Offload, Schedule, build, v_placement, validate
 from pipeloom.schedule.deps import peak_activation
-from pipeloom.schedule.families.dualpipe import OVERLAP_F_B, overlapped
+from pipeloom.schedule.families.dualpipe import OVERLAP_F_B, dualpipev, overlapped
 from pipeloom.schedule.ir import parts
 from pipeloom.sim import simulate, text_grid
 
@@ -66,6 +66,25 @@ def test_memory_is_two_p_plus_one_chunks_on_every_rank(p):
         assert simulate(schedule).peak_activation == [p + 0.5] * p
     for other in ("zb-v", "1f1b"):
         assert max(simulate(build(other, p, 2 * p)).peak_activation) == p
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_room_delays_the_last_stages_backward_by_whole_intervals(p):
+    """With room k (at most m - 2p + 1), rank 0 runs the last stage's backward of i after its forward
+    of i + k and before that of i + k + 1; every rank holds k more microbatches of each chunk (2k chunk
+    activations, k stages' worth) at its peak, and the unit makespan stays DeepSeek's 3m + p - 1."""
+    last = 2 * p - 1
+    for room in (1, 2, 3):
+        for m in (2 * p, 2 * p + room - 1, 3 * p + room):
+            schedule = validate(dualpipev(p, m, 2, room=room))
+            k = min(room, m - 2 * p + 1)
+            flat = [part for a in schedule.ranks[0] for part in parts(a)]
+            forward = {a.microbatch: n for n, a in enumerate(flat) if a.kind == F and a.stage == last}
+            for n, a in enumerate(flat):
+                if a.kind in (B, BW) and a.stage == last:
+                    assert forward[min(a.microbatch + k, m - 1)] < n < forward.get(a.microbatch + k + 1, n + 1)
+            result = simulate(schedule)
+            assert max(result.peak_activation) == p + 0.5 + k and result.makespan == 3 * m + p - 1
 
 
 def test_unit_bubble_is_deepseeks_formula():
@@ -125,7 +144,6 @@ def test_a_pair_waits_for_both_halves_inputs():
                                  r"use microbatches=8 or more; or pp <= 3"),
     (dict(pp=2, microbatches=1), r"microbatches=1 with pp=2: use microbatches=4 or more$"),
     (dict(pp=2, microbatches=4, chunks=3), "dualpipev uses chunks=2 stages per rank; got chunks=3"),
-    (dict(pp=2, microbatches=4, vocab_parallel="vocab-2"), "dualpipev cannot take vocabulary passes"),
 ])
 def test_refusals_name_the_values_and_what_fits(kwargs, message):
     with pytest.raises(PipeloomError, match=message) as err:

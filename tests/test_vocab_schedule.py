@@ -1,5 +1,6 @@
 """Vocabulary Parallelism: the passes in the schedule language, the transform, the cost model."""
 
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -17,7 +18,8 @@ from pipeloom.sim import (
 )
 
 #: the families that make room, so build(..., vocab_parallel=...) accepts them
-DELAYABLE = ("1f1b", "2bw", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "v-min", "v-half", "v-zb", "zb-auto")
+DELAYABLE = ("1f1b", "2bw", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "v-min", "v-half", "v-zb", "zb-auto",
+             "dualpipev")
 MODES = ("none", "redis", "naive", "vocab-1", "vocab-2")
 PAPER = {"model": "4b", "pp": 8, "seq": 2048, "device": "a100"}  # the paper's 8-GPU 1F1B setting
 
@@ -134,6 +136,43 @@ def test_valid_and_cheap_with_free_vocab_passes(name, p):
                 assert makespan == base
 
 
+@pytest.mark.parametrize("p", range(2, 9))
+def test_dualpipev_takes_every_algorithm_around_its_pairs(p):
+    """DualPipeV leaves the room the passes ask for once m >= 2p + delay - 1 (one interval fewer at
+    m = 2p for vocab-1 and naive): valid, each pass once per rank and microbatch, outside the
+    overlapped pairs; with free passes vocab-1 and vocab-2 lose nothing where the room is whole,
+    and every algorithm stays within the delayed intervals plus one of the base; the peak grows by
+    one stage's activations per interval of room."""
+    for m in (2 * p, 2 * p + 1, 2 * p + 2, 3 * p, 4 * p):
+        base = simulate(build("dualpipev", p, m))
+        for algorithm in ALGORITHMS:
+            schedule = build("dualpipev", p, m, vocab_parallel=algorithm)  # build validates
+            found = Counter(a for actions in schedule.ranks for a in actions if a.kind in VOCAB_KINDS)
+            assert found == Counter(Action(kind, r, i) for kind in VOCAB_PASSES[algorithm]
+                                    for r in range(p) for i in range(m))
+            room = min(HEAD_DELAY[algorithm], m - 2 * p + 1)
+            result = simulate(schedule)
+            assert result.makespan <= base.makespan + 3 * (HEAD_DELAY[algorithm] + 1)
+            if algorithm != "naive" and room == HEAD_DELAY[algorithm]:
+                assert result.makespan == base.makespan
+            assert max(result.peak_activation) == max(base.peak_activation) + room
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_dualpipev_with_the_passes_keeps_its_lead(p):
+    """Under costs with communication, DualPipeV with the passes beats 1F1B with them; where its room
+    is whole it takes no longer than its own makespan plus the passes' work on a rank."""
+    costs = Costs(f=1, b=1.2, w=0.8, comm=0.1, s=0.3, t=0.3, c=0.05, r=0.05, e_f=0.05, e_b=0.05, e_comm=0.05)
+    work = costs.s + costs.t + costs.e_f + costs.e_b
+    for m in (2 * p, 2 * p + 1, 4 * p):
+        base = simulate(build("dualpipev", p, m), costs).makespan
+        for algorithm in ALGORITHMS:
+            span = simulate(build("dualpipev", p, m, vocab_parallel=algorithm), costs).makespan
+            assert span < simulate(build("1f1b", p, m, vocab_parallel=algorithm), costs).makespan
+            if m >= 2 * p + HEAD_DELAY[algorithm] - 1:
+                assert span <= base + m * work
+
+
 @pytest.mark.parametrize("name", DELAYABLE)
 def test_every_delayable_family_takes_every_algorithm(name):
     for p, m in ((2, 4), (3, 6), (4, 8), (5, 20)):
@@ -175,10 +214,11 @@ def test_the_transform_fits_any_order(name):
             validate(add_vocab_passes(base, algorithm))
 
 
-def test_families_that_cannot_delay_are_refused_clearly():
-    with pytest.raises(PipeloomError, match=r"^dualpipev cannot take vocabulary passes \(vocab-2\).*families that "
-                                            r"can: gpipe, 1f1b, 2bw, interleaved-1f1b.*zb-auto"):
-        build("dualpipev", 4, 8, vocab_parallel="vocab-2")
+def test_orders_that_cannot_delay_are_refused_clearly():
+    """torch's schedules are imported as they are: no room in them."""
+    with pytest.raises(PipeloomError, match=r"^torch:Schedule1F1B cannot take vocabulary passes \(vocab-2\).*families "
+                                            r"that can: gpipe, 1f1b, 2bw, interleaved-1f1b.*zb-auto, dualpipev$"):
+        build("torch:Schedule1F1B", 4, 8, vocab_parallel="vocab-2")
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

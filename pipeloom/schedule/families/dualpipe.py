@@ -8,20 +8,29 @@ m >= 2p microbatches. Rank ``r``'s list, in eight phases (as
 ``deepseek-ai/DualPipe``'s ``dualpipev.py`` and torch's ``ScheduleDualPipeV``):
 
 1. ``2(p-r-1)`` forwards of chunk 0;
-2. ``r+1`` times: F of chunk 0, F of chunk 1;
+2. ``r+1+k`` times: F of chunk 0, F of chunk 1;
 3. ``p-r-1`` times: B of chunk 1 (input gradient only), the oldest pending
    W, F of chunk 1;
-4. ``m-2p+r+1`` times: F of chunk 0 overlapped with the fused backward (BW)
+4. ``m-2p+r+1-k`` times: F of chunk 0 overlapped with the fused backward (BW)
    of chunk 1, then F of chunk 1 overlapped with BW of chunk 0 (the last
    rank runs its first F of chunk 0 and BW of chunk 1 one after the other:
    that BW waits for a gradient, the F does not);
 5. ``p-r-1`` times: BW of chunk 1, then F of chunk 1 overlapped with BW of
    chunk 0;
-6. ``r+1`` times: the backward of chunk 1, then of chunk 0, fused until the
-   middle of the phase and split into B and W from there (chunk 0 switches
-   first on even ranks);
+6. ``r+1+k`` times: the backward of chunk 1, then of chunk 0, fused until
+   ``k`` past the middle of the phase and split into B and W from there
+   (chunk 0 switches first on even ranks);
 7. ``p-r-1`` times: the oldest pending W, then B of chunk 0;
 8. ``r+1`` times: the oldest pending W.
+
+``k`` is the room a transform asks for (``room``; torch's order has
+``k = 0``): the last stage's backward of each microbatch comes ``k``
+intervals (a microbatch's F and backward of both chunks) after its forward,
+where the vocabulary passes run. Every rank then holds ``k`` more
+microbatches of each chunk: 2k more chunk activations, the k stage
+activations that 1F1B's ``k`` more warm-up forwards cost. The room is at
+most ``m - 2p + 1`` (phase 4 of rank 0 empty); with fewer microbatches the
+passes the last stage waits for move up (:mod:`~..transforms.vocab`).
 
 Each stage runs its forwards, and its backwards (B or BW), in microbatch order.
 
@@ -59,8 +68,8 @@ def overlapped(forward: Action, backward: Action) -> Action:
     return Action.compound(OVERLAP_F_B, (forward, backward))
 
 
-def _rank_order(pp: int, microbatches: int, r: int) -> tuple[Action, ...]:
-    """Rank ``r``'s list (see the module docstring)."""
+def _rank_order(pp: int, microbatches: int, r: int, room: int = 0) -> tuple[Action, ...]:
+    """Rank ``r``'s list (see the module docstring), ``room`` intervals longer in phases 2 and 6."""
     chunk0, chunk1 = r, 2 * pp - 1 - r
     done: Counter = Counter()  # (stage, F or B) -> microbatches begun; B counts BW too
     pending: deque[Action] = deque()  # W of the split backwards, oldest first
@@ -86,14 +95,14 @@ def _rank_order(pp: int, microbatches: int, r: int) -> tuple[Action, ...]:
     last, half = r == pp - 1, (r + 1) // 2
     for _ in range(2 * (pp - r - 1)):
         run(F, chunk0)
-    for _ in range(r + 1):
+    for _ in range(r + 1 + room):
         run(F, chunk0)
         run(F, chunk1)
     for _ in range(pp - r - 1):
         run(B, chunk1)
         weight()
         run(F, chunk1)
-    for i in range(microbatches - 2 * pp + r + 1):
+    for i in range(microbatches - 2 * pp + r + 1 - room):
         if i == 0 and last:
             run(F, chunk0)
             run(BW, chunk1)
@@ -103,9 +112,9 @@ def _rank_order(pp: int, microbatches: int, r: int) -> tuple[Action, ...]:
     for _ in range(pp - r - 1):
         run(BW, chunk1)
         pair(chunk1, chunk0)
-    for i in range(r + 1):
-        run(B if i >= half + (r % 2 == 0) else BW, chunk1)
-        run(B if i >= half else BW, chunk0)
+    for i in range(r + 1 + room):
+        run(B if i >= room + half + (r % 2 == 0) else BW, chunk1)
+        run(B if i >= room + half else BW, chunk0)
     for _ in range(pp - r - 1):
         weight()
         run(B, chunk0)
@@ -116,12 +125,13 @@ def _rank_order(pp: int, microbatches: int, r: int) -> tuple[Action, ...]:
 
 @register("dualpipev", "DualPipeV: V-shape, forward of one microbatch overlapped with backward of another "
           "(needs microbatches >= 2pp)", chunks=(2,), default_chunks=2)
-def dualpipev(pp: int, microbatches: int, chunks: int) -> Schedule:
+def dualpipev(pp: int, microbatches: int, chunks: int, room: int = 0) -> Schedule:
     if microbatches < 2 * pp:
         fits = f"; or pp <= {microbatches // 2}" if microbatches >= 2 else ""
         raise PipeloomError(
             f"dualpipev needs microbatches >= 2*pp = {2 * pp} (two chunks per rank, as torch's ScheduleDualPipeV); "
             f"got microbatches={microbatches} with pp={pp}: use microbatches={2 * pp} or more{fits}"
         )
-    ranks = tuple(_rank_order(pp, microbatches, r) for r in range(pp))
+    room = min(room, microbatches - 2 * pp + 1)
+    ranks = tuple(_rank_order(pp, microbatches, r, room) for r in range(pp))
     return Schedule("dualpipev", pp, microbatches, v_placement(pp), ranks)

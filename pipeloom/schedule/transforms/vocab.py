@@ -54,7 +54,7 @@ from ...errors import PipeloomError, ScheduleError
 from ...modes import VOCAB_ALGORITHMS, VocabMode
 from ..costs import Costs
 from ..deps import asap
-from ..ir import BW, B, F, W, Action, Schedule
+from ..ir import BW, B, F, W, Action, Schedule, parts
 from ..kinds import RANK, Kind, get, register, register_inputs
 from . import insert
 
@@ -106,12 +106,14 @@ def check_mode(mode: str) -> str:
 
 
 class _Timeline:
-    """The base lists timed with unit costs, and where a pass lands in them."""
+    """The base lists timed with unit costs, and where a pass lands in them (a compound
+    action's parts where the compound is: DualPipeV's overlapped pairs)."""
 
     def __init__(self, schedule: Schedule):
         costs = Costs().per_stage(schedule.stages, schedule.chunks)
         self.starts, self.ends = asap(schedule, costs.duration, costs.transfer)
-        self.index = {a: (r, k) for r, actions in enumerate(schedule.ranks) for k, a in enumerate(actions)}
+        self.index = {part: (r, k) for r, actions in enumerate(schedule.ranks) for k, a in enumerate(actions)
+                      for part in parts(a)}
 
     def start(self, action: Action) -> float:
         r, k = self.index[action]
