@@ -110,7 +110,8 @@ def test_any_compared_technique_flag_sets_its_values_side_by_side(capsys):
 
 @pytest.mark.parametrize("args,message", [
     (["--vocab-parallel", "vocab-3"], "unknown vocab_parallel mode 'vocab-3'; choose one of none, redis, naive, vocab-1"),
-    (["--schedule", "dualpipev", "--vocab-parallel", "vocab-1"], "dualpipev cannot take vocabulary passes (vocab-1)"),
+    (["--schedule", "torch:Schedule1F1B", "--vocab-parallel", "vocab-1"],
+     "torch:Schedule1F1B cannot take vocabulary passes (vocab-1)"),
     (["--vocab", "1000"], "--vocab sets the vocabulary that --model derives costs for"),
     (["--vocab-parallel", "none,vocab-2", "--compare", "1f1b,zb-h1"], "--compare takes one --vocab-parallel value"),
     (["--recompute", "none,full", "--offload", "none,full"], "compare one setting at a time"),

@@ -3,8 +3,7 @@ techniques, one step on 2 gloo ranks against the one-process model (loss and eve
 
 K-FAC (against K-FAC on one process), sequence parallelism and PipeDream-2BW (against its
 delayed update) have references of their own: tests/test_runtime_kfac.py, test_runtime_sp.py
-and test_runtime.py compose them with these techniques. The one combination that cannot run,
-vocabulary passes with DualPipeV, is checked to be refused by name.
+and test_runtime.py compose them with these techniques.
 """
 
 import itertools
@@ -30,8 +29,6 @@ TECHNIQUES = {
 ALTERNATIVES = ({"recompute", "cheap"}, {"offload", "selective"}, {"vocab-1", "vocab-2"})
 #: The synchronous families (2bw's delayed update has its own reference).
 SYNCHRONOUS = sorted(name for name in FAMILIES if name != "2bw")
-#: Refused: the family cannot delay its last stage's backward for the vocabulary passes.
-REFUSED = {("dualpipev", "vocab-1"), ("dualpipev", "vocab-2")}
 
 
 def _family(name: str) -> dict:
@@ -43,10 +40,9 @@ def _cases() -> list[tuple[str, dict]]:
     """(label, Pipeline options): each technique on each family, then each pair of techniques on
     a family in turn."""
     cases = [(f"{family} + {technique}", {**_family(family), **options})
-             for family in SYNCHRONOUS for technique, options in TECHNIQUES.items()
-             if (family, technique) not in REFUSED]
+             for family in SYNCHRONOUS for technique, options in TECHNIQUES.items()]
     pairs = [pair for pair in itertools.combinations(TECHNIQUES, 2) if not any(set(pair) <= a for a in ALTERNATIVES)]
-    families = itertools.cycle(name for name in SYNCHRONOUS if name != "dualpipev")
+    families = itertools.cycle(SYNCHRONOUS)
     cases += [(f"{family} + {a} + {b}", {**_family(family), **TECHNIQUES[a], **TECHNIQUES[b]})
               for (a, b), family in zip(pairs, families)]
     return cases
@@ -55,28 +51,7 @@ def _cases() -> list[tuple[str, dict]]:
 @pytest.mark.timeout(180)
 def test_every_technique_with_every_family_and_every_pair_matches_one_process():
     cases = _cases()
-    assert len(cases) == len(SYNCHRONOUS) * len(TECHNIQUES) - len(REFUSED) + 12
+    assert len(cases) == len(SYNCHRONOUS) * len(TECHNIQUES) + 12
     results = spawn(2, parity_worker, cases, {"vocab_size": 203}, 8, 16, timeout=150)
     check(results)
     assert set(results[0]) == {label for label, _ in cases}
-
-
-def _refused_worker(rank):
-    import pipeloom
-    from pipeloom.errors import PipeloomError
-    from pipeloom.nn import preset_config
-
-    messages = []
-    for family, technique in sorted(REFUSED):
-        try:
-            pipeloom.Pipeline(preset_config("tiny", vocab_size=203).build(), **_family(family), **TECHNIQUES[technique])
-            messages.append("no error")
-        except PipeloomError as err:
-            messages.append(str(err))
-    return messages
-
-
-@pytest.mark.timeout(120)
-def test_the_refused_combinations_are_named():
-    for messages in spawn(2, _refused_worker, timeout=90):
-        assert all("dualpipev cannot take vocabulary passes" in m for m in messages), messages

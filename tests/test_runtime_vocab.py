@@ -24,8 +24,9 @@ def _run(world, cases, pp, dp, microbatches, config_overrides):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tied", [False, True])
-def test_two_ranks_every_algorithm_on_1f1b_gpipe_v_half_and_zb_auto(tied):
-    cases = [(family, algorithm) for family in ("1f1b", "gpipe", "v-half", "zb-auto") for algorithm in ALGORITHMS]
+def test_two_ranks_every_algorithm_on_1f1b_gpipe_v_half_zb_auto_and_dualpipev(tied):
+    cases = [(family, algorithm) for family in ("1f1b", "gpipe", "v-half", "zb-auto", "dualpipev")
+             for algorithm in ALGORITHMS]
     _run(2, cases, 2, 1, 4, {"tie_embeddings": tied})
 
 
