@@ -87,6 +87,19 @@ def test_bounds_hold_for_every_candidate(links):
         assert costing.memory_lower_bound(c) <= costing.activation_memory_bound(c) <= max(plan.peak_memory_bytes)
 
 
+def test_dualpipev_is_searched_with_the_vocabulary_passes():
+    """The planner prices dualpipev with vocab-1 and vocab-2 (the room the passes ask for) as brute
+    force does, and train builds the schedule each plan was priced with."""
+    want = request(4, 80, 16, schedules=("dualpipev",), vocab_parallel=("vocab-1", "vocab-2"), top=4)
+    plans = search(want).plans
+    assert settings(plans) == settings(exhaustive(want))
+    assert {plan.candidate.vocab_parallel for plan in plans} == {"vocab-1", "vocab-2"}
+    costing = Costing(want)
+    for plan in plans:
+        spec = run_spec(want, plan.candidate)
+        assert build_run(spec).digest() == costing.schedule(plan.candidate).digest()
+
+
 def _train_args(line: str):
     words = shlex.split(line)
     assert words[0] == "torchrun"
