@@ -84,6 +84,7 @@ CASES = [
     ("1f1b naive", {"vocab_size": 203}, dict(schedule="1f1b", vocab_parallel="naive")),
     ("2bw", {}, dict(schedule="2bw")),
     ("dualpipev", {}, dict(schedule="dualpipev")),
+    ("dualpipev vocab-1", {"vocab_size": 203}, dict(schedule="dualpipev", vocab_parallel="vocab-1")),
     ("interleaved offload", {}, dict(schedule="interleaved-1f1b", offload="full", recompute=True)),
     ("1f1b kfac", {}, dict(schedule="1f1b", optimizer="kfac")),
 ]
