@@ -116,11 +116,13 @@ def test_offloaded_and_recomputed_pipelines_match_kfac_on_one_process():
              ("1f1b every 2, vocab-2", dict(schedule="1f1b", pp=2, microbatches=4, vocab_parallel="vocab-2",
                                             kfac={"every": 2})),
              ("v-half every 1, vocab-1", dict(schedule="v-half", pp=2, microbatches=4, vocab_parallel="vocab-1",
-                                              kfac={"every": 1}))]
+                                              kfac={"every": 1})),
+             ("dualpipev every 2, vocab-1", dict(schedule="dualpipev", pp=2, microbatches=4, vocab_parallel="vocab-1",
+                                                 kfac={"every": 2}))]
     results = spawn(2, _worker, cases, {}, timeout=200)
     _check(results, {}, {"1f1b every 2, offload full": 2, "zb-v every 1, selective": 1,
                          "1f1b every 2, recompute full": 2, "zb-h1 every 1, recompute cheap": 1,
-                         "1f1b every 2, vocab-2": 2, "v-half every 1, vocab-1": 1})
+                         "1f1b every 2, vocab-2": 2, "v-half every 1, vocab-1": 1, "dualpipev every 2, vocab-1": 2})
     assert all(results[0][label][3] > 0 for label, options in cases if "offload" in options)  # pairs went to host
 
 

@@ -174,7 +174,7 @@ def test_two_ranks_match_one_process():
     cases = [("1f1b", "full", {}), ("zb-v", "full", {}), ("v-half", "selective", {}), ("dualpipev", "full", {}),
              ("interleaved-1f1b", "full", {"recompute": True}), ("1f1b", "full", {"vocab_parallel": "vocab-2"}),
              ("zb-v", "full", {"recompute": "cheap"}),
-             ("zb-v", "selective", {"vocab_parallel": "vocab-2"})]
+             ("zb-v", "selective", {"vocab_parallel": "vocab-2"}), ("dualpipev", "full", {"vocab_parallel": "vocab-1"})]
     # forwards paced to a slow copy stream (each waits for an earlier pair's OFFLOAD), as the transform builds them
     paced = Offload("full").apply(build("interleaved-1f1b", 2, 4, 2),
                                   Costs(f=1, b=2, comm=0.1, m_b=1, extra={"offload": 1.8}))
