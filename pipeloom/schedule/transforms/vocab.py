@@ -12,7 +12,9 @@ F(i), and IB on every rank after stage 0's backward of i.
 
 The passes are placed into the base schedule's own lists, by the base's
 unit-cost timeline (T_F = T_B = T_W = 1 per full stage, no communication,
-as the families are built), the passes taking no time there:
+as the families are built), the passes taking no time there, and a compound
+action (DualPipeV's overlapped F and backward) one place in a list, its
+parts timed as it is (a pass goes before or after it, never between them):
 
 - S(r,i) at the first point of rank r's list at or after the end of the last
   stage's F(i) (strictly after on the other ranks, which wait for its output);
