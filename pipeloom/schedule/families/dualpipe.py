@@ -69,7 +69,7 @@ def overlapped(forward: Action, backward: Action) -> Action:
 
 
 def _rank_order(pp: int, microbatches: int, r: int, room: int = 0) -> tuple[Action, ...]:
-    """Rank ``r``'s list (see the module docstring), ``room`` intervals longer in phases 2 and 6."""
+    """Rank ``r``'s list (see the module docstring): phases 2 and 6 ``room`` rounds longer, phase 4 as many shorter."""
     chunk0, chunk1 = r, 2 * pp - 1 - r
     done: Counter = Counter()  # (stage, F or B) -> microbatches begun; B counts BW too
     pending: deque[Action] = deque()  # W of the split backwards, oldest first
@@ -126,6 +126,7 @@ def _rank_order(pp: int, microbatches: int, r: int, room: int = 0) -> tuple[Acti
 @register("dualpipev", "DualPipeV: V-shape, forward of one microbatch overlapped with backward of another "
           "(needs microbatches >= 2pp)", chunks=(2,), default_chunks=2)
 def dualpipev(pp: int, microbatches: int, chunks: int, room: int = 0) -> Schedule:
+    """``room``: intervals between the last stage's forward and backward, at most m - 2p + 1 (the module docstring)."""
     if microbatches < 2 * pp:
         fits = f"; or pp <= {microbatches // 2}" if microbatches >= 2 else ""
         raise PipeloomError(
