@@ -267,7 +267,7 @@ def measured():
     from pipeloom.nn import GPTConfig
     from pipeloom.runtime.profile import measure
 
-    return measure(GPTConfig.preset("tiny"), 64, [1, 2], repeats=3, warmup=1, transfer=False, name="tiny")
+    return measure(GPTConfig.preset("tiny"), 64, [1, 2], repeats=9, warmup=1, transfer=False, name="tiny")
 
 
 @needs_torch
