@@ -37,9 +37,13 @@ def test_compiled_stages_match_with_recomputation_and_offload():
 
 
 @pytest.mark.timeout(300)
-def test_a_compiled_block_leaves_its_weight_gradients_to_w():
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_compiled_block_leaves_its_weight_gradients_to_w(recompute):
     """B (the backward under a store) leaves every linear weight's gradient unset and the norms' set;
-    W (the store's run) then gives the eager model's gradients."""
+    W (the store's run) then gives the eager model's gradients; also where the forward reruns in B
+    (checkpoint's saved-tensor hooks hand the compiled backward detached parameters)."""
+    from torch.utils.checkpoint import checkpoint
+
     from pipeloom.nn import Linear, WeightGradStore, defer_weight_grads, preset_config
     from pipeloom.runtime.compile import OPTIONS
 
@@ -53,7 +57,7 @@ def test_a_compiled_block_leaves_its_weight_gradients_to_w():
     eager(tokens, targets).backward()
     store = WeightGradStore()
     with defer_weight_grads(store):
-        loss = compiled(tokens, targets)
+        loss = checkpoint(compiled, tokens, targets, use_reentrant=False) if recompute else compiled(tokens, targets)
         loss.backward()
     linears = [m for m in compiled.blocks.modules() if isinstance(m, Linear)]
     assert all(m.weight.grad is None and m.bias.grad is None for m in linears)
@@ -82,3 +86,33 @@ def test_compile_takes_a_bool():
     with pytest.raises(PipeloomError, match="compile='yes': give True or False"):
         CompilePart({"compile": "yes"}).check()
     assert RunSpec(compile=True).flags() == ["--compile"]
+
+
+def _stages_worker(rank):
+    """Your own stages compiled, zb-h1: the relative errors of the loss and every gradient against the
+    eager one-process model, and whether W found each stage's plain nn.Linear weights still unset."""
+    import pipeloom
+    from test_custom_stages import WatchW, batch, build, lm_loss, reference
+
+    from parity import max_rel_error
+    from pipeloom.runtime.handlers import AROUND, around
+    from pipeloom.schedule import W
+
+    tokens, targets = batch()
+    ref_loss, ref_grads = reference(2, False, tokens, targets)
+    torch.manual_seed(0)
+    watch = around(W, WatchW())
+    try:
+        pipe = pipeloom.Pipeline.from_stages(build(2), lm_loss, "zb-h1", pp=2, microbatches=4, timeout=60, compile=True)
+        loss = pipe.step(tokens, targets)
+    finally:
+        AROUND[W].remove(watch)
+    return abs(loss - ref_loss) / ref_loss, max_rel_error(pipe.gather_grads(), ref_grads), watch.seen
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_your_own_stages_compiled_match_one_process():
+    for loss_err, grad_err, seen in spawn(2, _stages_worker, timeout=360):
+        assert loss_err < 1e-5 and grad_err < 1e-4, (loss_err, grad_err)
+        assert seen and all(before_none and after_set for before_none, _, after_set in seen.values()), seen

@@ -21,6 +21,7 @@ run one deferred backward at a time, as a pipeline's executor does.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable
 
 import torch
@@ -156,10 +157,32 @@ def _(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+#: The layers whose parameters a compiled backward may receive: :class:`Linear` and those :func:`deferrable` runs.
+_layers: weakref.WeakSet = weakref.WeakSet()
+#: Their parameters by the address of their storage (rebuilt when an address is not found).
+_by_storage: dict[int, torch.Tensor] = {}
+
+
+def _parameter(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """The parameter that the saved ``tensor`` stands for: a saved-tensor hook (checkpoint's recomputation,
+    offload) may hand back a detached alias of it. A tensor of no layer (2bw's weight versions) is its own."""
+    if tensor is None or isinstance(tensor, nn.Parameter):
+        return tensor
+    key = tensor.untyped_storage().data_ptr()
+    found = _by_storage.get(key)
+    if found is None or found.untyped_storage().data_ptr() != key:
+        _by_storage.clear()
+        _by_storage.update((p.untyped_storage().data_ptr(), p) for layer in _layers
+                           for p in (layer.weight, layer.bias) if p is not None)
+        found = _by_storage.get(key, tensor)
+    return found
+
+
 @torch.library.custom_op("pipeloom::linear_backward", mutates_args=())
 def _linear_backward_op(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None) -> torch.Tensor:
     """The input gradient; the weight gradients queued in the active store, or accumulated now."""
+    weight, bias = _parameter(weight), _parameter(bias)
     if weight.requires_grad or (bias is not None and bias.requires_grad):
         work = _weight_grads(grad_out, x, weight, bias)
         if _active is None:
@@ -188,6 +211,10 @@ _linear_op.register_autograd(_linear_op_backward, setup_context=_save_linear)
 class Linear(nn.Linear):
     """``nn.Linear`` with a backward that :func:`defer_weight_grads` can split, compiled or not."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _layers.add(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             if torch.is_autocast_enabled(x.device.type):
@@ -209,6 +236,7 @@ def deferrable(layers: list[nn.Linear]):
     the class's ``forward`` (hooks still run) and is removed on exit; layers already swapped by an
     enclosing block are left to it."""
     swapped = [m for m in layers if "forward" not in m.__dict__]
+    _layers.update(swapped)
     for m in swapped:
         m.forward = Linear.forward.__get__(m)
     try:
