@@ -21,6 +21,7 @@ def _compiled(pipe):
                for block in stage.blocks.values())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_compiled_stages_match_one_process_with_and_without_the_split():
     results = spawn(2, parity_worker, _cases(("1f1b", {}), ("zb-h1", {})), {}, 8, 16, None, _compiled, timeout=360)
