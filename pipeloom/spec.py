@@ -41,7 +41,7 @@ class RunSpec:
     selective), ``attention`` of sequence parallelism, ``optimizer`` ("kfac": PipeFisher,
     ``kfac_every`` its refresh interval, ``kfac_damping``); ``options``, the settings of
     techniques from outside the package, as (name, value) pairs; ``device`` and ``precision``
-    where and how it runs;
+    where and how it runs, ``compile`` whether each stage's blocks are compiled (torch.compile);
     its costs from ``profile`` (a ``pipeloom profile`` JSON), else the ``hardware`` preset
     (None: the device's, :data:`HARDWARE_OF`), its stage-to-stage and ring links at
     ``link_bandwidth`` GB/s (None: the preset's; the planner sets a cluster's)."""
@@ -69,6 +69,7 @@ class RunSpec:
     kfac_damping: float = 1e-3
     device: str = "cpu"
     precision: str | None = None
+    compile: bool = False
     hardware: str | None = None
     link_bandwidth: float | None = None
     profile: str | None = None
@@ -242,7 +243,7 @@ class RunSpec:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is not None and value != _DEFAULTS[f.name] and f.name not in ("costs", "options"):
-                words += ["--" + f.name.replace("_", "-"), str(value)]
+                words += ["--" + f.name.replace("_", "-")] + ([] if isinstance(value, bool) else [str(value)])
         for name, value in self.options:
             words += ["--" + name.replace("_", "-"), str(value)]
         if self.costs:

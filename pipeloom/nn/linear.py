@@ -21,6 +21,7 @@ run one deferred backward at a time, as a pipeline's executor does.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable
 
 import torch
@@ -110,37 +111,115 @@ class _LinearFunction(torch.autograd.Function):
         grad_x = (grad_out @ weight.to(grad_out.dtype)).to(ctx.input_dtype) if ctx.needs_input_grad[0] else None
         if not (ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])):
             return grad_x, None, None
-
-        def weight_grads():
-            flat = grad_out.reshape(-1, grad_out.shape[-1])
-            grad_w = (flat.t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype)
-            return grad_w, (flat.sum(0).to(bias.dtype) if bias is not None else None)
-
         store = _active
         if store is None:
-            return (grad_x, *weight_grads())
-
-        def deferred():
-            if weight.grad is None or weight.grad.dtype != grad_out.dtype:
-                grad_w, grad_b = weight_grads()
-                _accumulate(weight, grad_w)
-                if grad_b is not None:
-                    _accumulate(bias, grad_b)
-                return
-            # one GEMM adding into the gradient: no temporary, no second pass over it
             flat = grad_out.reshape(-1, grad_out.shape[-1])
-            weight.grad.addmm_(flat.t(), x.reshape(-1, x.shape[-1]))
-            if bias is not None:
-                _accumulate(bias, flat.sum(0))
-
-        store.add(deferred, weight, bias)
+            grad_w = (flat.t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype)
+            return grad_x, grad_w, (flat.sum(0).to(bias.dtype) if bias is not None else None)
+        store.add(_weight_grads(grad_out, x, weight, bias), weight, bias)
         return grad_x, None, None
 
 
+def _weight_grads(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> Callable[[], None]:
+    """The work that accumulates a linear layer's weight (and bias) gradients into their ``.grad``,
+    for the output gradient ``grad_out`` and the saved input ``x``."""
+
+    def work():
+        flat = grad_out.reshape(-1, grad_out.shape[-1])
+        if weight.grad is None or weight.grad.dtype != grad_out.dtype:
+            _accumulate(weight, (flat.t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype))
+            if bias is not None:
+                _accumulate(bias, flat.sum(0).to(bias.dtype))
+            return
+        # one GEMM adding into the gradient: no temporary, no second pass over it
+        weight.grad.addmm_(flat.t(), x.reshape(-1, x.shape[-1]))
+        if bias is not None:
+            _accumulate(bias, flat.sum(0))
+
+    return work
+
+
+# Under torch.compile the layer is an operator of its own whose backward the compiled graph calls as one
+# opaque step: torch.compile traces a backward but keeps none of its side effects, and graph breaks
+# around an uncompiled layer cost more than the compiled block saves. The forward takes the input already
+# in the autocast dtype (cast in the graph) and the weights as they are: the backward receives the
+# parameters themselves, and accumulates their gradients (or queues that work in the active store) as
+# _LinearFunction's does; autograd gets only the input gradient.
+
+@torch.library.custom_op("pipeloom::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+@_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+#: The layers whose parameters a compiled backward may receive: :class:`Linear` and those :func:`deferrable` runs.
+_layers: weakref.WeakSet = weakref.WeakSet()
+#: Their parameters by the address of their storage (rebuilt when an address is not found).
+_by_storage: dict[int, torch.Tensor] = {}
+
+
+def _parameter(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """The parameter that the saved ``tensor`` stands for: a saved-tensor hook (checkpoint's recomputation,
+    offload) may hand back a detached alias of it. A tensor of no layer (2bw's weight versions) is its own."""
+    if tensor is None or isinstance(tensor, nn.Parameter):
+        return tensor
+    key = tensor.untyped_storage().data_ptr()
+    found = _by_storage.get(key)
+    if found is None or found.untyped_storage().data_ptr() != key:
+        _by_storage.clear()
+        _by_storage.update((p.untyped_storage().data_ptr(), p) for layer in _layers
+                           for p in (layer.weight, layer.bias) if p is not None)
+        found = _by_storage.get(key, tensor)
+    return found
+
+
+@torch.library.custom_op("pipeloom::linear_backward", mutates_args=())
+def _linear_backward_op(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+    """The input gradient; the weight gradients queued in the active store, or accumulated now."""
+    weight, bias = _parameter(weight), _parameter(bias)
+    if weight.requires_grad or (bias is not None and bias.requires_grad):
+        work = _weight_grads(grad_out, x, weight, bias)
+        if _active is None:
+            work()
+        else:
+            _active.add(work, weight, bias)
+    return grad_out @ weight.to(grad_out.dtype)
+
+
+@_linear_backward_op.register_fake
+def _(grad_out, x, weight, bias):
+    return x.new_empty(x.shape)
+
+
+def _save_linear(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _linear_op_backward(ctx, grad_out):
+    return _linear_backward_op(grad_out, *ctx.saved_tensors), None, None
+
+
+_linear_op.register_autograd(_linear_op_backward, setup_context=_save_linear)
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` with a backward that :func:`defer_weight_grads` can split."""
+    """``nn.Linear`` with a backward that :func:`defer_weight_grads` can split, compiled or not."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _layers.add(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            if torch.is_autocast_enabled(x.device.type):
+                x = x.to(torch.get_autocast_dtype(x.device.type))
+            return _linear_op(x, self.weight, self.bias)
         return _LinearFunction.apply(x, self.weight, self.bias)
 
 
@@ -157,6 +236,7 @@ def deferrable(layers: list[nn.Linear]):
     the class's ``forward`` (hooks still run) and is removed on exit; layers already swapped by an
     enclosing block are left to it."""
     swapped = [m for m in layers if "forward" not in m.__dict__]
+    _layers.update(swapped)
     for m in swapped:
         m.forward = Linear.forward.__get__(m)
     try:

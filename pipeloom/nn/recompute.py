@@ -46,7 +46,7 @@ def mark(output: torch.Tensor, rebuild: Callable[..., torch.Tensor], *inputs: to
     module rebuilds with the weights it runs with now: under ``torch.func.functional_call`` (2bw's
     weight versions: tensors, not its parameters) those of this forward, not the ones it holds when
     the backward unpacks."""
-    if _active:
+    if _active and not torch.compiler.is_compiling():  # a compiled graph picks what it recomputes itself
         weights = dict(rebuild.named_parameters()) if isinstance(rebuild, nn.Module) else {}
         if not all(isinstance(w, nn.Parameter) for w in weights.values()):
             module = rebuild

@@ -31,7 +31,8 @@ from ..errors import PipeloomError, comma_list
 @dataclass(frozen=True)
 class Flag:
     """One flag, ``--name`` with dashes: it sets the run spec's field ``name`` (a built-in's) or the
-    technique option ``name`` (a plug-in's, whose ``default`` is its value when not given).
+    technique option ``name`` (a plug-in's, whose ``default`` is its value when not given); of
+    ``type`` bool, a switch that takes no value.
     ``compared``: ``simulate`` also takes a comma list of its values and sets them side by side."""
 
     name: str
@@ -49,7 +50,9 @@ class Flag:
     def add(self, group, *, lists: bool = False) -> None:
         """Add the flag to an argparse group; not given, it reads None (the spec holds the default).
         ``lists``: a compared flag reads its text, a comma list that :meth:`values` parses."""
-        if lists and self.compared:
+        if self.type is bool:  # a switch: given, True
+            group.add_argument(self.flag, action="store_true", default=None, help=self.help)
+        elif lists and self.compared:
             group.add_argument(self.flag, metavar=(self.metavar or "|".join(self.choices or ("X",))) + "[,...]",
                                help=self.help + "; a comma list compares them side by side")
         else:

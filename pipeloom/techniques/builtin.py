@@ -1,3 +1,3 @@
 """The built-in techniques, registered in the order their flags are listed."""
 
-from . import kfac, offload, recompute, sequence, versions, vocab  # noqa: F401 -- each registers itself
+from . import compile, kfac, offload, recompute, sequence, versions, vocab  # noqa: F401 -- each registers itself
