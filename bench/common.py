@@ -57,6 +57,25 @@ def added_peak(fn) -> tuple[int, float]:
     return peak.bytes(), time.perf_counter() - start
 
 
+def one_rank_group(cuda: bool):
+    """A process group of this process alone (NCCL on the GPU, gloo and one thread on the CPU), TF32 on
+    for the GPU: ``(device, autocast dtype or None)`` for a pp 1 pipeline."""
+    import torch
+    import torch.distributed as dist
+
+    from pipeloom.runtime.local import free_port
+
+    if not cuda:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                            rank=0, world_size=1)
+    if not cuda:
+        return torch.device("cpu"), None
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return torch.device("cuda", 0), torch.bfloat16
+
+
 def train_model(name: str):
     """The preset ``name`` with the vocabulary of ``pipeloom train``'s default data (the Python standard
     library's sources, bytes): the model ``pipeloom train --model NAME --vocab 256`` builds."""

@@ -30,10 +30,9 @@ import torch.distributed as dist
 
 import pipeloom
 from pipeloom.nn import preset_config
-from pipeloom.runtime.local import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import one_rank_group, write_results  # noqa: E402
 
 #: Per device: the models measured by default and each one's sequence length, and the width the CPU's run at.
 DEFAULTS = {"cuda": {"gpt-125m": 1024, "llama-1b": 2048}, "cpu": {"tiny": 128, "llama-tiny": 128}}
@@ -98,15 +97,7 @@ def main() -> None:
         args.n_embd = CPU_WIDTH
     models = {name: args.seq or DEFAULTS[args.device].get(name, 128) for name in args.models or DEFAULTS[args.device]}
 
-    if not cuda:
-        torch.set_num_threads(1)
-    backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    autocast = torch.bfloat16 if cuda else None
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    device, autocast = one_rank_group(cuda)
     results = []
     try:
         for name, seq in models.items():
@@ -122,7 +113,7 @@ def main() -> None:
         dist.destroy_process_group()
     settings = {k: getattr(args, k) for k in ("microbatches", "microbatch_size", "steps", "warmup")}
     precision = "bf16 autocast, fused AdamW, TF32 allowed" if cuda else "fp32, AdamW, 1 thread"
-    path = write_results("compile", {"device": str(device), "backend": backend, "precision": precision,
+    path = write_results("compile", {"device": str(device), "backend": "nccl" if cuda else "gloo", "precision": precision,
                                      "settings": settings, "results": results},
                          args.out or (Path(__file__).resolve().parent / "results" / "compile_cuda.json" if cuda else None))
     print(f"wrote {path}")

@@ -29,10 +29,9 @@ import torch.distributed as dist
 
 import pipeloom
 from pipeloom.nn import GPT, GPTConfig
-from pipeloom.runtime.local import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import one_rank_group, write_results  # noqa: E402
 
 FAMILIES = ("1f1b", "zb-h1", "gpipe")
 
@@ -142,14 +141,7 @@ def main() -> None:
     parser.add_argument("--out", help="where to write the JSON (default bench/results/executor_overhead.json)")
     args = parser.parse_args()
 
-    torch.set_num_threads(1 if not cuda else torch.get_num_threads())
-    backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    autocast = torch.bfloat16 if cuda else None
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    device, autocast = one_rank_group(cuda)
     try:
         if args.profile:
             profile(args.profile, args, device, autocast)
@@ -162,7 +154,7 @@ def main() -> None:
             f"{f} {v['ms']:.2f} ms ({v['ratio']:.3f}x)" for f, v in r["families"].items()))
     settings = {k: getattr(args, k) for k in ("microbatches", "microbatch_size", "seq", "steps", "warmup")}
     precision = "bf16 autocast, fused AdamW, TF32 allowed" if cuda else "fp32, AdamW, 1 thread"
-    path = write_results("executor_overhead", {"device": str(device), "backend": backend, "precision": precision,
+    path = write_results("executor_overhead", {"device": str(device), "backend": "nccl" if cuda else "gloo", "precision": precision,
                                                "settings": settings, "results": results}, args.out)
     print(f"wrote {path}")
 
