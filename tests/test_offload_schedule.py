@@ -13,7 +13,7 @@ from pipeloom.errors import PipeloomError, ScheduleError
 from pipeloom.schedule import (BW, FAMILIES, OFFLOAD, RELOAD, Action, Costs, F, Offload, Schedule, build, lower,
                                to_torch_csv, validate)
 from pipeloom.schedule.deps import asap, peak_activation
-from pipeloom.schedule.transforms.offload import PACE_COST, copyable, tightest
+from pipeloom.schedule.transforms.offload import PACE_COST, copied_pairs, copyable, tightest
 from pipeloom.sim import chrome_trace, simulate, text_grid
 from pipeloom.sim.model import costs_from_model, offload_time_ratio
 
@@ -72,7 +72,7 @@ def test_its_list_bounds_the_offloaded_peak_on_any_costs(name):
             result = simulate(schedule, costs)
             delta = result.costs.memory_delta
             for rank, (bare, actions) in enumerate(zip(base.ranks, schedule.ranks)):
-                copied = {(a.stage, a.microbatch) for a in actions if a.kind == RELOAD}
+                copied = set(copied_pairs(actions))
                 assert copied <= set(copyable(bare))
                 least = peak_activation(tightest(bare, copyable(bare)), delta)
                 bound = peak_activation(tightest(actions, copied), delta)

@@ -52,12 +52,11 @@ class Offload(Technique):
         and, per rank, peak host memory, what is offloaded per step and the copy time not
         hidden (bytes and ms with --model, else in the units of --costs), and with --model PipeOffload's k."""
         from ..modes import RECOMPUTE
-        from ..schedule.transforms.offload import OFFLOAD
 
         schedule, costs, spec = result.schedule, result.costs, priced.spec
         if not self.active(spec):
             return {}
-        offloaded = [sum(costs.m_b[a.stage] for a in actions if a.kind == OFFLOAD) for actions in schedule.ranks]
+        offloaded = [sum(max(costs.host_delta(a), 0.0) for a in actions) for actions in schedule.ranks]
         cut, time = _against_bare(result)
         report = {"policy": spec.offload, "ratio": spec.offload_ratio, "cut": cut, "time": time}
         if priced.model is None:
@@ -127,13 +126,12 @@ class Offload(Technique):
         return () if c.offload == "none" else (("copyable", True), ("copied", False))
 
     def plan_memory_list(self, step: str, actions) -> list:
-        """Each pair copied to host held only while its F runs and from its backward's start
+        """Each pair copied to host held only while the action that opens it runs (F; B) and from
+        the start of the one that closes it (its backward; W)
         (:func:`~pipeloom.schedule.transforms.offload.tightest`)."""
-        from ..schedule.transforms.offload import RELOAD, copyable, tightest
+        from ..schedule.transforms.offload import copied_pairs, copyable, tightest
 
-        away = copyable(actions) if step == "copyable" else [(a.stage, a.microbatch) for a in actions
-                                                             if a.kind == RELOAD]
-        return tightest(actions, away)
+        return tightest(actions, copyable(actions) if step == "copyable" else copied_pairs(actions))
 
 
 def _against_bare(result) -> tuple[float, float]:
@@ -141,11 +139,11 @@ def _against_bare(result) -> tuple[float, float]:
     multiple of its time without them: the schedule simulated against itself without its copies."""
     from dataclasses import replace
 
-    from ..schedule.transforms.offload import OFFLOAD, RELOAD
+    from ..schedule.transforms.offload import COPIES
     from ..sim import simulate
 
     schedule = result.schedule
-    bare = replace(schedule, ranks=tuple(tuple(a for a in actions if a.kind not in (OFFLOAD, RELOAD))
+    bare = replace(schedule, ranks=tuple(tuple(a for a in actions if a.kind not in COPIES)
                                          for actions in schedule.ranks),
                    options={k: v for k, v in schedule.options.items() if k != "offload"})
     plain = simulate(bare, result.costs)

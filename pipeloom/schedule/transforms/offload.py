@@ -1,4 +1,4 @@
-"""PipeOffload as a transform: activations copied to host after F and back before B.
+"""PipeOffload as a transform: activations copied to host after F and back before B, and what B keeps for W.
 
 "PipeOffload: Improving Scalability of Pipeline Parallelism with Memory
 Optimization" (Wan et al. 2025). After the forward of a (stage, microbatch)
@@ -9,7 +9,11 @@ copies them back before its backward. They run on two side streams per rank
 carries both directions at once. Their time is the cost field ``offload``
 (one pair's ``m_b`` over the host link); activation memory falls by ``m_b``
 when an OFFLOAD ends and rises when a RELOAD starts; host memory holds it
-from the OFFLOAD's start to the RELOAD's end.
+from the OFFLOAD's start to the RELOAD's end. In split-backward schedules the
+memory kept from B until W (``m_w``: the weight gradients' inputs) is a second
+kind of pair (:data:`PHASES`): ``OFFLOAD_W`` after B, ``RELOAD_W`` before W,
+on the same streams, in the time ``offload_w`` (by default ``offload``
+scaled by ``m_w / m_b``), placed by the same machinery; a pair below is either.
 
 First no copy delays compute: each rank's copy streams are planned as
 timetables (:class:`_Link`), and a pair is copied only where its OFFLOAD fits
@@ -43,7 +47,8 @@ Policies (:class:`Offload`), per rank:
 
 Dependencies: OFFLOAD(s,i) after F(s,i); RELOAD(s,i) after OFFLOAD(s,i);
 the backward (B or BW) of an offloaded pair after its RELOAD; a paced F
-after the OFFLOAD it waits for.
+after the OFFLOAD it waits for; OFFLOAD_W(s,i) after B(s,i), RELOAD_W(s,i)
+after OFFLOAD_W(s,i), W(s,i) after RELOAD_W(s,i) where it has one.
 
 Works with every family, DualPipeV's overlapped F-and-backward pairs included
 (a pair's RELOAD goes before the compound action whose backward needs it, its
@@ -58,11 +63,12 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import replace
+from typing import NamedTuple
 
 from ...errors import PipeloomError, ScheduleError
 from ..costs import Costs, StageCosts, register_field
 from ..deps import asap
-from ..ir import BW, B, F, Action, Schedule, parts
+from ..ir import BW, B, F, W, Action, Schedule, parts
 from ..kinds import KINDS, Kind, register, register_inputs
 from . import insert
 
@@ -70,12 +76,74 @@ from . import insert
 OFFLOAD = "OFFLOAD"
 #: Copy them back to the device (before its backward).
 RELOAD = "RELOAD"
+#: Copy what a pair's B keeps for its W (the weight gradients' inputs) to host memory (after its B).
+OFFLOAD_W = "OFFLOAD_W"
+#: Copy them back to the device (before its W).
+RELOAD_W = "RELOAD_W"
 #: The side streams they run on, one per direction of the host link (which carries both at once).
 OUT_STREAM, BACK_STREAM = "d2h", "h2d"
 POLICIES = ("none", "full", "selective")
 _NOISE = 1e-9  # relative: memory levels that differ by less are equal
 
 register_field("offload")
+
+
+def _w_copy_time(values: dict) -> tuple[float, ...]:
+    """``offload_w`` not given: ``offload`` scaled by ``m_w / m_b`` (the same host link)."""
+    return tuple(t * w / b if b else 0.0 for t, w, b in zip(values["offload"], values["m_w"], values["m_b"]))
+
+
+register_field("offload_w", derive=_w_copy_time)
+
+
+class Phase(NamedTuple):
+    """One kind of pair: the memory ``held`` (a cost field) from an action of a kind in ``after``
+    to one of a kind in ``before``, copied to host by ``out`` and back by ``back``, each taking
+    the cost field ``time``."""
+
+    out: str
+    back: str
+    after: tuple[str, ...]
+    before: tuple[str, ...]
+    held: str
+    time: str
+
+
+#: The pairs offload copies, a pair being (stage, microbatch, index here): a forward's activations
+#: (F to its backward) and what B keeps for W.
+PHASES = (Phase(OFFLOAD, RELOAD, (F,), (B, BW), "m_b", "offload"),
+          Phase(OFFLOAD_W, RELOAD_W, (B,), (W,), "m_w", "offload_w"))
+#: The copy kinds: kind -> (its phase's index, whether it goes to host).
+COPIES = {kind: (p, kind == phase.out) for p, phase in enumerate(PHASES) for kind in (phase.out, phase.back)}
+_OPENS = {kind: p for p, phase in enumerate(PHASES) for kind in phase.after}
+_CLOSES = {kind: p for p, phase in enumerate(PHASES) for kind in phase.before}
+
+
+def copies(pair) -> tuple[Action, Action]:
+    """The two copies of ``pair`` (stage, microbatch, phase): to host and back."""
+    phase = PHASES[pair[2]]
+    return Action(phase.out, pair[0], pair[1]), Action(phase.back, pair[0], pair[1])
+
+
+def pair_of(copy: Action) -> tuple[int, int, int]:
+    """The pair a copy action moves."""
+    return copy.stage, copy.microbatch, COPIES[copy.kind][0]
+
+
+def spans(actions):
+    """(pair, index of the action that opens it, index of the one that closes it) of one rank's
+    list, its side-stream actions skipped (a compound action's parts count)."""
+    opened = {}
+    for k, a in enumerate(actions):
+        if KINDS[a.kind].stream:
+            continue
+        for part in parts(a):
+            closes, opens = _CLOSES.get(part.kind), _OPENS.get(part.kind)
+            if closes is not None and (part.stage, part.microbatch, closes) in opened:
+                pair = part.stage, part.microbatch, closes
+                yield pair, opened.pop(pair), k
+            if opens is not None:
+                opened[part.stage, part.microbatch, opens] = k
 
 
 def check_policy(policy: str, ratio: float | None = None) -> tuple[str, float]:
@@ -97,8 +165,8 @@ class Offload:
     """The transform: ``policy`` none, full or selective (with ``ratio``)."""
 
     name = "offload"
-    kinds = (OFFLOAD, RELOAD)
-    cost_fields = ("offload",)
+    kinds = tuple(COPIES)
+    cost_fields = ("offload", "offload_w")
     room = 0
 
     def __init__(self, policy: str, ratio: float | None = None):
@@ -144,27 +212,23 @@ class _Pairs:
     def __init__(self, schedule: Schedule, costs: StageCosts):
         self.schedule, self.costs = schedule, costs
         self.starts, self.ends = asap(schedule, costs.duration, costs.transfer)
-        #: (stage, microbatch) -> (rank, index of F, index of its backward)
-        self.where: dict[tuple[int, int], tuple[int, int, int]] = {}
+        #: pair -> (rank, index of the action that opens it (F; B), of the one that closes it (its backward; W))
+        self.where: dict[tuple[int, int, int], tuple[int, int, int]] = {}
         #: per rank, (end, index) of its compute actions in list order: where a copy can be issued
         self.issues: list[list[tuple[float, int]]] = []
         for rank, actions in enumerate(schedule.ranks):
-            forwards, issues = {}, []
-            for k, a in enumerate(actions):
-                if KINDS[a.kind].stream:
-                    continue
-                issues.append((self.ends[rank][k], k))
-                for part in parts(a):
-                    if part.kind == F:
-                        forwards[part.stage, part.microbatch] = k
-                    elif part.kind in (B, BW):
-                        self.where[part.stage, part.microbatch] = (rank, forwards[part.stage, part.microbatch], k)
-            self.issues.append(issues)
-        #: (stage, microbatch) -> (end of its F, start of its backward)
+            self.issues.append([(self.ends[rank][k], k) for k, a in enumerate(actions) if not KINDS[a.kind].stream])
+            self.where.update((pair, (rank, f, b)) for pair, f, b in spans(actions))
+        #: pair -> (end of the action that opens it, start of the one that closes it)
         self.gaps = {pair: (self.ends[rank][f], self.starts[rank][b]) for pair, (rank, f, b) in self.where.items()}
 
     def copy(self, pair) -> float:
-        return self.costs.offload[pair[0]]
+        """The time of each of the pair's copies."""
+        return self.costs.values[PHASES[pair[2]].time][pair[0]]
+
+    def size(self, pair) -> float:
+        """The memory the pair's copies move."""
+        return self.costs.values[PHASES[pair[2]].held][pair[0]]
 
     def stream(self) -> _Link:
         """An empty pair of copy streams, times equal within float noise of the schedule's span."""
@@ -172,7 +236,7 @@ class _Pairs:
         return _Link(_Stream(slack), _Stream(slack))
 
     def gap(self, pair) -> tuple[float, float]:
-        """End of the pair's F and start of its backward."""
+        """End of the action that opens the pair (F; B) and start of the one that closes it (its backward; W)."""
         return self.gaps[pair]
 
     def reload_at(self, pair) -> int:
@@ -185,13 +249,13 @@ class _Pairs:
             k -= 1
         return k
 
-    def eligible(self) -> list[tuple[int, int]]:
-        """Pairs whose gap holds both copies (any gap when copies are free) with two actions or
-        more between F and the backward (:func:`copyable`)."""
+    def eligible(self) -> list[tuple[int, int, int]]:
+        """Pairs that move memory, whose gap holds both copies (any gap when copies are free) with
+        two actions or more between the actions that open and close them (:func:`copyable`)."""
         found = []
         for pair, (rank, f, b) in self.where.items():
             end, start = self.gap(pair)
-            if start - end > 2 * self.copy(pair) and start > end and b - f > 2:
+            if start - end > 2 * self.copy(pair) and start > end and b - f > 2 and self.size(pair) > 0:
                 found.append(pair)
         return found
 
@@ -259,7 +323,7 @@ class _Sweep:
         self.grid = sorted({t for t, _ in events}.union(end for end, _ in pairs.issues[rank]))
         self.base = _profile(events, self.grid)
         self.peak = max(self.base, default=0.0)
-        self.candidates = sorted(candidates, key=lambda p: (pairs.gap(p)[0], p[1], p[0]))  # by their F's end
+        self.candidates = sorted(candidates, key=lambda p: (pairs.gap(p)[0], p[1], p[0], p[2]))  # by their F's (B's) end
 
     def cover(self, target: float, stream: _Link | None = None) -> dict | None:
         """Pairs and their places that keep every instant at or below ``target``, or None."""
@@ -287,8 +351,8 @@ class _Sweep:
                 stream.take(pairs.copy(pair), placed)
                 chosen[pair] = placed
                 live.remove(pair)
-                saved += pairs.costs.m_b[pair[0]]
-                ends[end] += pairs.costs.m_b[pair[0]]
+                saved += pairs.size(pair)
+                ends[end] += pairs.size(pair)
         return chosen
 
     def lowest(self) -> dict:
@@ -379,39 +443,37 @@ def _forwards(action: Action) -> list[Action]:
     return [part for part in parts(action) if part.kind == F]
 
 
-def copyable(actions) -> list[tuple[int, int]]:
-    """The (stage, microbatch) pairs of one rank's list, before offload, that a
-    policy may copy: those with at least two actions between
-    their F and their backward (OFFLOAD goes right after F, RELOAD at least one
-    action later, :meth:`_Pairs.reload_at`), whatever the costs."""
-    forwards, found = {}, []
-    for k, a in enumerate(actions):
-        for part in parts(a):
-            if part.kind == F:
-                forwards[part.stage, part.microbatch] = k
-            elif part.kind in (B, BW) and k - forwards.get((part.stage, part.microbatch), k) > 2:
-                found.append((part.stage, part.microbatch))
-    return found
+def copyable(actions) -> list[tuple[int, int, int]]:
+    """The pairs of one rank's list, before offload, that a policy may copy: those with at
+    least two actions between the actions that open and close them (the copy to host goes
+    right after the first, the one back at least one action later,
+    :meth:`_Pairs.reload_at`), whatever the costs."""
+    return [pair for pair, f, b in spans(actions) if b - f > 2]
+
+
+def copied_pairs(actions) -> list[tuple[int, int, int]]:
+    """The pairs a list copies back (with an offload: each it copies)."""
+    return [pair_of(a) for a in actions if a.kind in COPIES and not COPIES[a.kind][1]]
 
 
 def tightest(actions, pairs) -> list[Action]:
     """One rank's list with the copies of ``pairs`` at their tightest: its side-stream
-    actions left out, each pair's OFFLOAD right after its F and its RELOAD right before
-    its backward. On any timeline an OFFLOAD frees its bytes after the F ends and a
-    RELOAD holds them before the backward starts, so this list's
-    :func:`~..deps.peak_activation` is at most the rank's simulated peak once ``pairs``
-    are copied to host, wherever the copies run."""
+    actions left out, each pair's copy to host right after the action that opens it (F; B) and
+    its copy back right before the one that closes it (its backward; W). On any timeline a copy
+    to host frees its bytes after that action ends and a copy back holds them before the other
+    starts, so this list's :func:`~..deps.peak_activation` is at most the rank's simulated peak
+    once ``pairs`` are copied to host, wherever the copies run."""
     pairs = set(pairs)
     found = []
     for a in actions:
         if KINDS[a.kind].stream:
             continue
         members = parts(a)
-        found += [Action(RELOAD, p.stage, p.microbatch) for p in members
-                  if p.kind in (B, BW) and (p.stage, p.microbatch) in pairs]
+        found += [copies(pair)[1] for p in members if p.kind in _CLOSES
+                  and (pair := (p.stage, p.microbatch, _CLOSES[p.kind])) in pairs]
         found.append(a)
-        found += [Action(OFFLOAD, p.stage, p.microbatch) for p in members
-                  if p.kind == F and (p.stage, p.microbatch) in pairs]
+        found += [copies(pair)[0] for p in members if p.kind in _OPENS
+                  and (pair := (p.stage, p.microbatch, _OPENS[p.kind])) in pairs]
     return found
 
 
@@ -435,8 +497,9 @@ def _timetabled(pairs: _Pairs, chosen: dict) -> list[tuple]:
     entries = []
     for pair, (leave, back, after) in chosen.items():
         rank, f, _ = pairs.where[pair]
-        entries.append((pairs.issued_after(rank, leave, f) + 1, leave, 0, pair, Action(OFFLOAD, *pair)))
-        entries.append((after + 1, back, 1, pair, Action(RELOAD, *pair)))
+        out, home = copies(pair)
+        entries.append((pairs.issued_after(rank, leave, f) + 1, leave, 0, pair, out))
+        entries.append((after + 1, back, 1, pair, home))
     return entries
 
 
@@ -570,7 +633,7 @@ def _waits(ranks, entries: list[list[tuple]], paced: set, pace: int) -> list[lis
     copies put each OFFLOAD right after its F, so that OFFLOAD is earlier in the list)."""
     waits = []
     for r in sorted(paced):
-        copied = {pair for *_, pair, action in entries[r] if action.kind == OFFLOAD}
+        copied = {pair[:2] for *_, pair, action in entries[r] if action.kind == OFFLOAD}
         done = []
         for a in (f for action in ranks[r] for f in _forwards(action)):
             if len(done) >= pace:
@@ -581,31 +644,32 @@ def _waits(ranks, entries: list[list[tuple]], paced: set, pace: int) -> list[lis
 
 
 def _issued(schedule: Schedule, pairs: _Pairs, issue: dict) -> list[list[tuple]]:
-    """Per rank, OFFLOAD after each pair's F and RELOAD before the action at index ``issue[pair]``
-    (reloads ahead of offloads at one point, but after their own pair's offload)."""
+    """Per rank, each pair's copy to host after the action that opens it and its copy back before
+    the action at index ``issue[pair]`` (copies back ahead of copies to host at one point, but
+    after their own pair's)."""
     entries: list[list[tuple]] = [[] for _ in schedule.ranks]
     for pair, k in issue.items():
         rank, f, _ = pairs.where[pair]
-        entries[rank].append((f + 1, 1, pair, Action(OFFLOAD, *pair)))
-        entries[rank].append((k, 2 if k == f + 1 else 0, pair, Action(RELOAD, *pair)))
+        out, home = copies(pair)
+        entries[rank].append((f + 1, 1, pair, out))
+        entries[rank].append((k, 2 if k == f + 1 else 0, pair, home))
     return entries
 
 
-def _late_reloads(schedule: Schedule, costs: StageCosts) -> dict[tuple[int, int], float]:
-    """Pairs whose backward waits for its RELOAD on the simulated timeline, and how long."""
+def _late_reloads(schedule: Schedule, costs: StageCosts) -> dict[tuple[int, int, int], float]:
+    """Pairs whose closing action (backward; W) waits for its copy back on the simulated timeline, and how long."""
     starts, ends = asap(schedule, costs.duration, costs.transfer)
     late = {}
     for rank, actions in enumerate(schedule.ranks):
         reloaded, previous = {}, 0.0
         for k, a in enumerate(actions):
-            if a.kind == RELOAD:
-                reloaded[a.stage, a.microbatch] = ends[rank][k]
-                continue
-            if a.kind == OFFLOAD:
+            if a.kind in COPIES:
+                if not COPIES[a.kind][1]:
+                    reloaded[pair_of(a)] = ends[rank][k]
                 continue
             for part in parts(a):
-                pair = (part.stage, part.microbatch)
-                if part.kind in (B, BW) and pair in reloaded and reloaded[pair] > previous + 1e-12:
+                pair = (part.stage, part.microbatch, _CLOSES.get(part.kind))
+                if pair in reloaded and reloaded[pair] > previous + 1e-12:
                     if math.isclose(starts[rank][k], reloaded[pair]):
                         late[pair] = reloaded[pair] - previous
             previous = ends[rank][k]
@@ -614,15 +678,16 @@ def _late_reloads(schedule: Schedule, costs: StageCosts) -> dict[tuple[int, int]
 
 # -- the kinds and their dependencies ---------------------------------------------
 def _offloaded(schedule: Schedule) -> frozenset:
-    return frozenset((a.stage, a.microbatch) for actions in schedule.ranks for a in actions if a.kind == RELOAD)
+    """The pairs the schedule copies."""
+    return frozenset(pair for actions in schedule.ranks for pair in copied_pairs(actions))
 
 
-def _offload_needs(action, deps):
-    return (Action(F, action.stage, action.microbatch),)
+def _out_needs(action, deps):
+    return (Action(PHASES[COPIES[action.kind][0]].after[0], action.stage, action.microbatch),)
 
 
-def _reload_needs(action, deps):
-    return (Action(OFFLOAD, action.stage, action.microbatch),)
+def _back_needs(action, deps):
+    return (copies(pair_of(action))[0],)
 
 
 def paced(schedule: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
@@ -632,15 +697,16 @@ def paced(schedule: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
 
 @register_inputs
 def _copy_inputs(schedule: Schedule):
-    """In offloaded schedules, the backward of an offloaded pair after its RELOAD, and a paced F
-    after the OFFLOAD it waits for."""
+    """In offloaded schedules, the action that closes a copied pair (its backward; W) after the
+    pair's copy back, and a paced F after the OFFLOAD it waits for."""
     if not schedule.options.get("offload"):
         return None
 
     def rule(action, deps):
         kind, pair = action.kind, (action.stage, action.microbatch)
-        if (kind == B or kind == BW) and pair in deps.fact("offload", _offloaded):
-            return (Action(RELOAD, *pair),)
+        closes = _CLOSES.get(kind)
+        if closes is not None and (*pair, closes) in deps.fact("offload", _offloaded):
+            return (copies((*pair, closes))[1],)
         if kind == F and (waited := deps.fact("offload waits", paced).get(pair)) is not None:
             return (Action(OFFLOAD, *waited),)
         return ()
@@ -648,35 +714,42 @@ def _copy_inputs(schedule: Schedule):
 
 
 def check_copies(schedule: Schedule) -> None:
-    """Each OFFLOAD has one RELOAD of its pair and the reverse, on the pair's rank, after
-    its F and before its backward; only schedules marked offloaded hold them."""
+    """Each copy to host has one copy back of its pair and the reverse, on the pair's rank (the
+    dependencies put them after the action that opens the pair and before the one that closes
+    it); only schedules marked offloaded hold them."""
     offloads, reloads = {}, {}
     for rank, actions in enumerate(schedule.ranks):
         for a in actions:
-            if a.kind == OFFLOAD:
-                offloads[a.stage, a.microbatch] = rank
-            elif a.kind == RELOAD:
-                reloads[a.stage, a.microbatch] = rank
+            if a.kind in COPIES:
+                (offloads if COPIES[a.kind][1] else reloads)[pair_of(a)] = rank
     if not offloads and not reloads:
         return
     if not schedule.options.get("offload"):
         pair = next(iter(offloads or reloads))
-        raise ScheduleError(f"the schedule copies {pair[0]}F{pair[1]}'s activations, but options['offload'] "
-                            "names no offload policy")
+        opener = PHASES[pair[2]].after[0]
+        raise ScheduleError(f"the schedule copies what {pair[0]}{KINDS[opener].code}{pair[1]} keeps, but "
+                            "options['offload'] names no offload policy")
     for pair in offloads.keys() ^ reloads.keys():
-        have, missing = (OFFLOAD, RELOAD) if pair in offloads else (RELOAD, OFFLOAD)
+        have, missing = copies(pair) if pair in offloads else copies(pair)[::-1]
         rank = schedule.placement[pair[0]]
-        raise ScheduleError(f"rank {rank}: {have} {pair[0]}:{pair[1]} has no {missing} of the same stage and microbatch")
+        raise ScheduleError(f"rank {rank}: {have.kind} {pair[0]}:{pair[1]} has no {missing.kind} of the same stage "
+                            "and microbatch")
     for pair, waited in paced(schedule).items():
         rank = schedule.placement[pair[0]]
-        if offloads.get(waited) != rank:
+        if offloads.get((*waited, 0)) != rank:
             raise ScheduleError(f"rank {rank}: F {pair[0]}:{pair[1]} waits for OFFLOAD {waited[0]}:{waited[1]}, "
                                 "which is not on its rank (options['offload']['waits'] names offloads of the F's rank)")
 
 
-register(Kind(OFFLOAD, "offload", needs=_offload_needs, memory=((-1.0, "m_b"),), host=((1.0, "m_b"),),
-              cost=("offload",), colour="#8172b3", letter="o", torch_csv=None, stream=OUT_STREAM,
-              check=check_copies))
-register(Kind(RELOAD, "reload", needs=_reload_needs, memory=((1.0, "m_b"),), host=((-1.0, "m_b"),),
-              cost=("offload",), colour="#da8bc3", letter="r", torch_csv=None, stream=BACK_STREAM,
-              check=check_copies))
+def _copy_kind(name: str, label: str, held: str, time: str, out: bool, colour: str, letter: str) -> Kind:
+    """A copy kind: to host (``out``) or back, of ``held`` (a memory field) in the time ``time``."""
+    sign = -1.0 if out else 1.0
+    return register(Kind(name, label, needs=_out_needs if out else _back_needs, memory=((sign, held),),
+                         host=((-sign, held),), cost=(time,), colour=colour, letter=letter, torch_csv=None,
+                         stream=OUT_STREAM if out else BACK_STREAM, check=check_copies))
+
+
+_copy_kind(OFFLOAD, "offload", "m_b", "offload", True, "#8172b3", "o")
+_copy_kind(RELOAD, "reload", "m_b", "offload", False, "#da8bc3", "r")
+_copy_kind(OFFLOAD_W, "offload W", "m_w", "offload_w", True, "#64b5cd", "u")
+_copy_kind(RELOAD_W, "reload W", "m_w", "offload_w", False, "#ccb974", "l")
