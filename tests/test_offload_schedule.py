@@ -1,6 +1,7 @@
 """PipeOffload in the schedule language and the simulator: the transform's
-placement and selection, the validator's rules for OFFLOAD/RELOAD, and the
-copy stream's timing and memory against hand-computed cases."""
+placement and selection, the validator's rules for OFFLOAD/RELOAD and
+OFFLOAD_W/RELOAD_W, and the copy stream's timing and memory against
+hand-computed cases."""
 
 import json
 import random
@@ -10,8 +11,8 @@ import pytest
 
 from pipeloom.cli import main
 from pipeloom.errors import PipeloomError, ScheduleError
-from pipeloom.schedule import (BW, FAMILIES, OFFLOAD, RELOAD, Action, Costs, F, Offload, Schedule, build, lower,
-                               to_torch_csv, validate)
+from pipeloom.schedule import (BW, FAMILIES, OFFLOAD, OFFLOAD_W, RELOAD, RELOAD_W, Action, B, Costs, F, Offload,
+                               Schedule, W, build, lower, to_torch_csv, validate)
 from pipeloom.schedule.deps import asap, peak_activation
 from pipeloom.schedule.transforms.offload import PACE_COST, copied_pairs, copyable, tightest
 from pipeloom.sim import chrome_trace, simulate, text_grid
@@ -79,6 +80,37 @@ def test_its_list_bounds_the_offloaded_peak_on_any_costs(name):
                 assert least <= bound * (1 + 1e-12) and bound <= result.peak_activation[rank] * (1 + 1e-12)
                 if rank == 0:
                     assert least < peak_activation(bare, delta)  # copying lowers the bound
+
+
+SPLIT = sorted(name for name in FAMILIES if build(name, 4, 8).split_backward)
+
+
+@pytest.mark.parametrize("name", SPLIT)
+def test_what_b_keeps_for_w_is_copied_in_every_split_family(name):
+    """Each split-backward family whose Ws wait after their Bs copies what B keeps for W: OFFLOAD_W
+    after the B, RELOAD_W after it and before the W, in a valid schedule that lowers and round-trips;
+    the peak is never above the same placement without those copies (their time made too long to
+    fit), and lower where Ws wait longest; no time added."""
+    without = Costs(**{**COSTS.__dict__, "extra": {**COSTS.extra, "offload_w": 1e9}})
+    schedule = build(name, 4, 8, transforms=[Offload("full")], costs=COSTS)
+    bare = build(name, 4, 8, transforms=[Offload("full")], costs=without)
+    validate(lower(schedule))
+    assert Schedule.from_json(schedule.to_json()) == schedule
+    assert not any(a.kind == OFFLOAD_W for actions in bare.ranks for a in actions)
+    moved = 0
+    for actions in schedule.ranks:
+        at = {a: k for k, a in enumerate(actions)}
+        for a in actions:
+            if a.kind == OFFLOAD_W:
+                moved += 1
+                b, r, w = (at[Action(kind, a.stage, a.microbatch)] for kind in (B, RELOAD_W, W))
+                assert b < at[a] < r < w
+    assert moved or name == "v-min"  # its Ws follow their Bs
+    after, before = simulate(schedule, COSTS), simulate(bare, COSTS)
+    assert max(after.peak_activation) <= max(before.peak_activation)
+    if name in ("zb-h1", "zb-h2", "zb-v", "v-zb", "zb-auto"):
+        assert max(after.peak_activation) < max(before.peak_activation)
+    assert after.makespan == pytest.approx(before.makespan, rel=1e-12)
 
 
 def test_with_vocabulary_passes():
@@ -199,6 +231,25 @@ def test_offload_ends_before_the_next_forward_ends():
     assert result.memory_timeline(0) == [(0, 0), (0, 1), (1, 2), (1.25, 1), (2, 2), (3.25, 1), (4.25, 0)]
 
 
+def test_simulator_times_the_copies_of_what_b_keeps_for_w_by_hand():
+    """m_w = 2 > m_b = 1 (B rebuilds what W reads); offload 0.25 moves m_b, so offload_w = 0.5.
+    F0 [0,1]; I0 [1,2] (+1 at its start); OFFLOAD_W0 [2,2.5] beside F1 [2,3]; I1 [3,4]; W1 [4,5];
+    RELOAD_W0 issued at 5 [5,5.5]; W0 waits for it (0.5 exposed) [5.5,6.5]. The peak is 3 at 2,
+    not the 4 that I1 reaches without the copies; host holds 2 from 2 to 5.5."""
+    costs = Costs(f=1, b=1, w=1, m_b=1, m_w=2, extra={"offload": 0.25})
+    actions = ["0F0", "0I0", "0OFFLOAD_W0", "0F1", "0I1", "0W1", "0RELOAD_W0", "0W0"]
+    result = simulate(validate(one_rank(actions)), costs)
+    assert result.starts[0] == [0, 1, 2, 2, 3, 4, 5, 5.5] and result.ends[0] == [1, 2, 2.5, 3, 4, 5, 5.5, 6.5]
+    assert result.exposed == [0.5]
+    assert result.memory_timeline(0) == [(0, 0), (0, 1), (1, 2), (2, 3), (2.5, 1), (3, 2), (5, 0), (5, 2), (6.5, 0)]
+    assert result.peak_activation == [3]
+    assert result.host_timeline(0) == [(0, 0), (2, 2), (5.5, 0)]
+    bare = simulate(validate(one_rank([a for a in actions if "LOAD" not in a], offload=False)), costs)
+    assert bare.peak_activation == [4]
+    # the planner's bound, the copies at their tightest (OFFLOAD_W's bytes gone as I0 ends): below the simulated 3
+    assert peak_activation(tightest(bare.schedule.ranks[0], [(0, 0, 1)]), result.costs.memory_delta) == 2
+
+
 def test_validator_rules():
     with pytest.raises(ScheduleError, match="RELOAD"):
         validate(one_rank(["0F0", "0OFFLOAD0", "0F1", "0B0", "0B1"]))
@@ -212,6 +263,16 @@ def test_validator_rules():
         validate(one_rank(["0F0", "0OFFLOAD0", "0F1", "0RELOAD0", "0B0", "0B1"], offload=False))
     with pytest.raises(ScheduleError, match="0OFFLOAD0 appears 2 times"):
         validate(one_rank(["0F0", "0OFFLOAD0", "0OFFLOAD0", "0F1", "0RELOAD0", "0B0", "0B1"]))
+    split = ["0F0", "0F1", "0I0", "0OFFLOAD_W0", "0I1", "0RELOAD_W0", "0W0", "0W1"]
+    validate(one_rank(split))
+    with pytest.raises(ScheduleError, match="OFFLOAD_W 0:0 has no RELOAD_W"):
+        validate(one_rank([a for a in split if a != "0RELOAD_W0"]))
+    with pytest.raises(ScheduleError, match="0OFFLOAD_W0.*runs before 0I0"):
+        validate(one_rank(["0F0", "0F1", "0OFFLOAD_W0", "0I0", "0I1", "0RELOAD_W0", "0W0", "0W1"]))
+    with pytest.raises(ScheduleError, match="0W0.*runs before 0RELOAD_W0"):
+        validate(one_rank(["0F0", "0F1", "0I0", "0OFFLOAD_W0", "0I1", "0W0", "0RELOAD_W0", "0W1"]))
+    with pytest.raises(ScheduleError, match="what 0I0 keeps.*names no offload policy"):
+        validate(one_rank(split, offload=False))
 
 
 def test_policy_errors_and_torch_csv():
@@ -274,13 +335,15 @@ def test_k_is_the_papers_formula_under_the_papers_assumptions(hidden, seq):
     assert k == pytest.approx(10 / (3 * (6 * hidden + seq)) * 220e12 / 15e9, rel=0.005)
 
 
-@pytest.mark.parametrize("name,chunks,least,paced", [("1f1b", 1, 0.40, True), ("interleaved-1f1b", 2, 0.42, False),
-                                                     ("v-half", 2, 0.32, False)])
+@pytest.mark.parametrize("name,chunks,least,paced", [
+    ("1f1b", 1, 0.40, True), ("interleaved-1f1b", 2, 0.42, False), ("v-half", 2, 0.32, False),
+    ("zb-v", 2, 0.17, False), ("zb-h1", 1, 0.08, False)])
 def test_the_papers_standard_setting(name, chunks, least, paced):
     """6.2B, seq 4096, pp 8, 32 microbatches, A100, cheap recomputation (k = 1.21): full and
     selective 0.5 cut the worst rank's activation peak by at least ``least`` (the paper's 40%; for
-    v-half what this placement reaches, docs/benchmarks.md says why), full at least as much as
-    selective; no time added, or where the forwards are ``paced`` to the copy stream (1f1b's
+    v-half and the zero-bubble schedules what this placement reaches, docs/benchmarks.md says why;
+    zb-v and zb-h1 cut 3% and nothing before what B keeps for W was copied too), full at least as
+    much as selective; no time added, or where the forwards are ``paced`` to the copy stream (1f1b's
     warm-ups) at most PACE_COST."""
     costs = costs_from_model("6.2b", 8, 4096, 1, "a100", chunks=chunks, recompute="cheap")
     bare = simulate(build(name, 8, 32, chunks), costs)
@@ -295,6 +358,18 @@ def test_the_papers_standard_setting(name, chunks, least, paced):
             assert result.makespan == pytest.approx(bare.makespan, rel=1e-12)
         cuts[policy[0]] = 1 - max(result.peak_activation) / max(bare.peak_activation)
     assert cuts["full"] >= cuts["selective"] >= least
+
+
+@pytest.mark.xfail(strict=True, reason="v-half's cool-down holds its deferred Ws' inputs where the copy streams "
+                                       "are full (docs/benchmarks.md); the issue's 40% is not reached")
+def test_v_half_reaches_the_issues_target():
+    """Issue 32's target at the standard setting: selective 0.5 cuts v-half's worst rank by 40% at
+    no more than 1.05x the step."""
+    costs = costs_from_model("6.2b", 8, 4096, 1, "a100", chunks=2, recompute="cheap")
+    bare = simulate(build("v-half", 8, 32, 2), costs)
+    result = simulate(build("v-half", 8, 32, 2, transforms=[Offload("selective", 0.5)], costs=costs), costs)
+    assert result.makespan <= 1.05 * bare.makespan
+    assert 1 - max(result.peak_activation) / max(bare.peak_activation) >= 0.40
 
 
 def test_selective_short_of_its_ratio_says_so_before_launch():
