@@ -212,12 +212,14 @@ def test_two_ranks_match_one_process():
 @pytest.mark.timeout(200)
 def test_two_ranks_match_one_process_with_what_b_keeps_for_w_offloaded():
     """Split-backward families whose costs make B's queued tensors worth copying (OFFLOAD_W after
-    B, RELOAD_W before W), with cheap recomputation (B rebuilds what W reads): parity."""
+    B, RELOAD_W before W), with cheap recomputation (B rebuilds what W reads): parity. v-half and
+    zb-v also move Ws right after their Bs where the copies cannot take what they hold."""
     costs = Costs(m_b=1, m_w=1.5, extra={"offload": 0.1})
     runs = []
-    for family in ("zb-h1", "v-half", "zb-v"):
+    for family, moved in (("zb-h1", False), ("v-half", True), ("zb-v", True)):
         schedule = build(family, 2, 4, transforms=[Offload("full")], costs=costs)
         assert any(a.kind == OFFLOAD_W for actions in schedule.ranks for a in actions), family
+        assert bool(schedule.options["offload"].get("moved")) == moved, family
         runs.append((f"{family} full", dict(schedule=schedule, recompute="cheap", timeout=30)))
     _check_offloaded(spawn(2, parity_worker, runs, {}, 8, 32, None, _stats, timeout=150))
 

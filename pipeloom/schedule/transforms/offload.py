@@ -183,26 +183,31 @@ class Offload:
         pairs = _Pairs(schedule, per_stage)
         options = {**schedule.options, "offload": {"policy": self.policy, "ratio": self.ratio}}
         schedule = replace(schedule, options=options)
-        swept, short = pairs.choose(None if self.policy == "full" else self.ratio)
+        ratio = None if self.policy == "full" else self.ratio
+        swept, short = pairs.choose(ratio)
         timed = [_timetabled(pairs, {p: v for p, v in swept.items() if pairs.where[p][0] == r})
                  for r in range(schedule.pp)]
         if not short:
             return _assemble(schedule, pairs, timed)
-        # where the timetable stops short (full, or selective beyond the stream), the copies of each
-        # pair right after its F, the copy stream left to order them, are tried too: the rank keeps
-        # whichever peaks lower (its copies touch no other rank)
-        eager, eagerly = _eager(schedule, pairs, per_stage)
-        assembled = (_assemble(schedule, pairs, timed), eagerly)
-        peaks = [_peaks(each, per_stage) for each in assembled]
-        kept = [1 if r in short and peaks[1][r] < peaks[0][r] else 0 for r in range(schedule.pp)]
-        entries = [(timed, eager)[k][r] for r, k in enumerate(kept)]
-        best = assembled[kept[0]] if len(set(kept)) == 1 else _assemble(schedule, pairs, entries)
-        behind = _behind(eagerly, per_stage, short)
-        if not behind:
-            return best
-        before = [peaks[k][r] for r, k in enumerate(kept)]  # a rank's copies touch no other rank
-        ratio = None if self.policy == "full" else self.ratio
-        return _paced(best, schedule, pairs, per_stage, entries, eager, behind, before, ratio)
+        return _moved(_fallen_back(schedule, pairs, per_stage, timed, short, ratio), pairs, per_stage, short, ratio)
+
+
+def _fallen_back(schedule: Schedule, pairs: _Pairs, costs: StageCosts, timed: list, short: set,
+                 ratio: float | None) -> Schedule:
+    """Where the timetable stops short (full, or selective beyond the stream), the copies of each
+    pair right after its F, the copy stream left to order them (:func:`_eager`), are tried too: the
+    rank keeps whichever peaks lower (its copies touch no other rank); then paced Fs (:func:`_paced`)."""
+    eager, eagerly = _eager(schedule, pairs, costs)
+    assembled = (_assemble(schedule, pairs, timed), eagerly)
+    peaks = [_peaks(each, costs) for each in assembled]
+    kept = [1 if r in short and peaks[1][r] < peaks[0][r] else 0 for r in range(schedule.pp)]
+    entries = [(timed, eager)[k][r] for r, k in enumerate(kept)]
+    best = assembled[kept[0]] if len(set(kept)) == 1 else _assemble(schedule, pairs, entries)
+    behind = _behind(eagerly, costs, short)
+    if not behind:
+        return best
+    before = [peaks[k][r] for r, k in enumerate(kept)]  # a rank's copies touch no other rank
+    return _paced(best, schedule, pairs, costs, entries, eager, behind, before, ratio)
 
 
 class _Pairs:
@@ -451,6 +456,19 @@ def copyable(actions) -> list[tuple[int, int, int]]:
     return [pair for pair, f, b in spans(actions) if b - f > 2]
 
 
+def early_ws(actions) -> list[Action]:
+    """One rank's list with each W right after its B: where the transform may move it
+    (:func:`_moved`), so the least a W can hold what its B kept (side-stream actions kept)."""
+    split = {(a.stage, a.microbatch) for a in actions if a.kind == W}
+    found = []
+    for a in actions:
+        if a.kind != W:
+            found.append(a)
+            found += [Action(W, p.stage, p.microbatch) for p in parts(a)
+                      if p.kind == B and (p.stage, p.microbatch) in split]
+    return found
+
+
 def copied_pairs(actions) -> list[tuple[int, int, int]]:
     """The pairs a list copies back (with an offload: each it copies)."""
     return [pair_of(a) for a in actions if a.kind in COPIES and not COPIES[a.kind][1]]
@@ -580,6 +598,11 @@ _MOVES = 3
 PACES = (1, 2)
 #: The most time pacing may add to the step (a fraction of the unpaced step).
 PACE_COST = 0.02
+#: The most time offload may add to the step in all (a fraction of the step without copies): pacing
+#: first (at most :data:`PACE_COST`), then Ws moved right after their Bs (:func:`_moved`) with what is left.
+STEP_COST = 0.05
+#: The most Ws :func:`_moved` tries to move on one rank.
+W_TRIES = 6
 
 
 def _behind(schedule: Schedule, costs: StageCosts, ranks: set) -> set:
@@ -627,6 +650,120 @@ def _paced(best: Schedule, schedule: Schedule, pairs: _Pairs, costs: StageCosts,
             return paced
         found.append((max(peaks), paced))
     return min(found, key=lambda f: f[0])[1] if found else best
+
+
+def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ratio: float | None) -> Schedule:
+    """``offloaded``, with Ws moved right after their Bs where that lowers a ``short`` rank's peak:
+    a W deferred past its B holds what B keeps for it (``m_w``), and in a cool-down the copy
+    streams may have no room to take it away. Greedy, while the largest peak is above the target
+    (selective: (1 - ``ratio``) of the largest peak without copies; full: none): the rank with
+    the largest peak moves a W held at it (:func:`_held_w`; its copies dropped if it had any,
+    :func:`_move_w`); the whole schedule is simulated and the move kept where that rank's peak
+    falls or is reached fewer times, no other rank's rises, and the step stays within
+    :data:`STEP_COST` of the step without copies and no shorter (the planner bounds an offloaded
+    step by the bare schedule's: offload never shortens a step). It stops where that rank has tried
+    :data:`W_TRIES` Ws or holds none at its peak, keeping the fewest moves that reach the lowest
+    largest peak. The moves are
+    recorded as ``options["offload"]["moved"]`` (``[stage, microbatch, index]``: the W's index in
+    its rank's list without copies, :func:`unmoved`)."""
+    span = max((max(e, default=0.0) for e in pairs.ends), default=0.0)
+    target = 0.0 if ratio is None else (1 - ratio) * max(_levels(pairs.schedule, costs, pairs.starts, pairs.ends))
+    current, moved, tried, refused = offloaded, {}, dict.fromkeys(short, 0), set()
+    timeline = asap(current, costs.duration, costs.transfer)
+    peaks = _levels(current, costs, *timeline)
+    best = max(peaks), current, {}  # the largest peak, and the fewest moves that reach it
+    while max(peaks) > target + _slack(target):
+        rank = peaks.index(max(peaks))
+        if tried.get(rank, W_TRIES) >= W_TRIES:
+            break
+        at = _peak_times(current.ranks[rank], costs, *(times[rank] for times in timeline))[1]
+        pair = _held_w(current.ranks[rank], *(times[rank] for times in timeline), at, refused)
+        if pair is None:
+            break
+        tried[rank] += 1
+        trial = replace(current, ranks=tuple(_move_w(actions, pair) if r == rank else actions
+                                             for r, actions in enumerate(current.ranks)))
+        times = asap(trial, costs.duration, costs.transfer)
+        levels = _levels(trial, costs, *times)
+        fewer = (levels[rank] < peaks[rank] - _slack(peaks[rank]) or levels[rank] <= peaks[rank] + _slack(peaks[rank])
+                 and len(_peak_times(trial.ranks[rank], costs, *(t[rank] for t in times))[1]) < len(at))
+        step = max((max(e, default=0.0) for e in times[1]), default=0.0)
+        if (fewer and span - _slack(span) <= step <= (1 + STEP_COST) * span
+                and all(new <= old + _slack(old) for r, (new, old) in enumerate(zip(levels, peaks)) if r != rank)):
+            current, timeline, peaks = trial, times, levels
+            moved[pair] = pairs.schedule.ranks[rank].index(Action(W, *pair))
+            if max(peaks) < best[0] - _slack(best[0]):
+                best = max(peaks), current, dict(moved)
+        else:
+            refused.add(pair)
+    _, current, moved = best
+    if not moved:
+        return offloaded
+    record = {**current.options["offload"], "moved": sorted([*pair, k] for pair, k in moved.items())}
+    return replace(current, options={**current.options, "offload": record})
+
+
+def _peak_times(actions, costs: StageCosts, starts, ends) -> tuple[float, list[float]]:
+    """One rank's activation peak on a timeline and the instants its memory reaches it."""
+    events = sorted((starts[k] if d > 0 else ends[k], d) for k, a in enumerate(actions)
+                    if (d := costs.memory_delta(a)))
+    level = peak = 0.0
+    at: list[float] = []
+    for t, d in events:
+        level += d
+        if level > peak + _slack(peak):
+            peak, at = level, [t]
+        elif d > 0 and level >= peak - _slack(peak):
+            at.append(t)
+    return peak, at
+
+
+def _held_w(actions, starts, ends, at: list[float], refused: set) -> tuple[int, int] | None:
+    """The (stage, microbatch) of a W in ``actions`` (not in ``refused``) that holds what its B kept
+    at instants ``at`` (from its B's start, not on host then, not yet running): the one held at most
+    of them, then the one whose rank idles the longest between its B's end and its start (moving it
+    costs least); None where none is held."""
+    opened, away, busy, best = {}, {}, [0.0], None
+    for k, a in enumerate(actions):
+        busy.append(busy[-1] + (0.0 if KINDS[a.kind].stream else ends[k] - starts[k]))
+        if a.kind in (OFFLOAD_W, RELOAD_W):
+            away.setdefault((a.stage, a.microbatch), []).append(ends[k] if a.kind == OFFLOAD_W else starts[k])
+        for part in parts(a):
+            if part.kind == B:
+                opened[part.stage, part.microbatch] = k
+        if a.kind != W or (pair := (a.stage, a.microbatch)) in refused or pair not in opened:
+            continue
+        b, off = opened[pair], away.get(pair, ())
+        held = sum(starts[b] <= t < starts[k] and not (len(off) == 2 and off[0] <= t < off[1]) for t in at)
+        key = held, starts[k] - ends[b] - (busy[k] - busy[b + 1])
+        if held and (best is None or key > best[0]):
+            best = key, pair
+    return best and best[1]
+
+
+def _move_w(actions, pair) -> tuple[Action, ...]:
+    """One rank's list with the W of ``pair`` (stage, microbatch) right after its B (after the copies
+    issued there), the copies of what that B keeps for it dropped."""
+    w = Action(W, *pair)
+    dropped = {w, *copies((*pair, 1))}
+    kept = [a for a in actions if a not in dropped]
+    k = next(k for k, a in enumerate(kept) if Action(B, *pair) in parts(a)) + 1
+    while k < len(kept) and KINDS[kept[k].kind].stream:
+        k += 1
+    return (*kept[:k], w, *kept[k:])
+
+
+def unmoved(schedule: Schedule) -> Schedule:
+    """An offloaded schedule without its copies and with its moved Ws (:func:`_moved`) back in their
+    places: the schedule the transform was given."""
+    offload = schedule.options.get("offload") or {}
+    ranks = [[a for a in actions if a.kind not in COPIES] for actions in schedule.ranks]
+    for stage, microbatch, k in offload.get("moved", ()):
+        ranks[schedule.placement[stage]].remove(Action(W, stage, microbatch))
+    for stage, microbatch, k in sorted(offload.get("moved", ()), key=lambda m: m[2]):
+        ranks[schedule.placement[stage]].insert(k, Action(W, stage, microbatch))
+    return replace(schedule, ranks=tuple(map(tuple, ranks)),
+                   options={key: v for key, v in schedule.options.items() if key != "offload"})
 
 
 def _waits(ranks, entries: list[list[tuple]], paced: set, pace: int) -> list[list[int]]:
