@@ -15,7 +15,8 @@ class Offload(Technique):
     summary = "activations copied to host memory between their forward and backward, on a copy stream"
     flags = (Flag("offload", "PipeOffload: copy activations to host memory after F and back before the backward, on "
                   "two copy streams per rank (one per direction), delaying no compute but the forwards a stream "
-                  "cannot keep up with (at most 2%% of the step): each rank's peak as low as the streams allow (full) "
+                  "cannot keep up with and the Ws run right after their Bs where the streams cannot take what they "
+                  "hold (at most 5%% of the step): each rank's peak as low as the streams allow (full) "
                   "or down by --offload-ratio (selective, else full's and a line that says so); default none",
                   choices=CHOICES, compared=True),
              Flag("offload_ratio", "with --offload selective: the share of each rank's activation peak to move, in "

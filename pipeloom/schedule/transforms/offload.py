@@ -31,6 +31,17 @@ paced to the stream: each F waits for the OFFLOAD a few offloads before it
 grows by at most :data:`PACE_COST`. In 1F1B the warm-up's Fs run ahead of
 when the next ranks need them, so pacing them costs little.
 
+Where the worst peak still holds what Bs keep for deferred Ws (a split
+backward's cool-down, when the copy streams are full), Ws held there may run
+right after their Bs instead (:func:`_moved`: the W moved in the list, the
+copies of its ``m_w`` dropped; a move rather than a fused BW, which would send
+B's gradient W's time later), one by one on the rank of the worst peak, each
+simulated on the whole schedule and kept where that rank's peak falls, no
+other's rises, and the step stays within :data:`STEP_COST` of the step
+without copies (``options["offload"]["moved"]``). The time budget is spent in
+that order: pacing first (at most :data:`PACE_COST`), the moves with what is
+left.
+
 Policies (:class:`Offload`), per rank:
 
 - ``selective`` with a ratio r in (0, 1]: sweeping the instants in time
@@ -43,7 +54,9 @@ Policies (:class:`Offload`), per rank:
   OFFLOAD right after its F, the stream left to order the copies,
   :func:`_eager`) is tried too, and the rank keeps the lower simulated peak;
   then the eager copies with paced Fs (:func:`_paced`: full keeps the
-  tightest pace within its cost, selective the loosest that reaches (1 - r)).
+  tightest pace within its cost, selective the loosest that reaches (1 - r));
+  then moved Ws (full: while the worst peak falls; selective: until it is at
+  (1 - r) of the worst peak without offload).
 
 Dependencies: OFFLOAD(s,i) after F(s,i); RELOAD(s,i) after OFFLOAD(s,i);
 the backward (B or BW) of an offloaded pair after its RELOAD; a paced F
