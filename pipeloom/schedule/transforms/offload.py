@@ -676,9 +676,8 @@ def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ra
     :data:`STEP_COST` of the step without copies and no shorter (the planner bounds an offloaded
     step by the bare schedule's: offload never shortens a step). It stops where that rank has tried
     :data:`W_TRIES` Ws or holds none at its peak, keeping the fewest moves that reach the lowest
-    largest peak. The moves are
-    recorded as ``options["offload"]["moved"]`` (``[stage, microbatch, index]``: the W's index in
-    its rank's list without copies, :func:`unmoved`)."""
+    largest peak. The moves are recorded as ``options["offload"]["moved"]`` (``[stage,
+    microbatch, index]``: the W's index in its rank's list without copies, :func:`unmoved`)."""
     span = max((max(e, default=0.0) for e in pairs.ends), default=0.0)
     target = 0.0 if ratio is None else (1 - ratio) * max(_levels(pairs.schedule, costs, pairs.starts, pairs.ends))
     current, moved, tried, refused = offloaded, {}, dict.fromkeys(short, 0), set()
@@ -689,7 +688,7 @@ def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ra
         rank = peaks.index(max(peaks))
         if tried.get(rank, W_TRIES) >= W_TRIES:
             break
-        at = _peak_times(current.ranks[rank], costs, *(times[rank] for times in timeline))[1]
+        at = _peak_times(current.ranks[rank], costs, *(times[rank] for times in timeline))
         pair = _held_w(current.ranks[rank], *(times[rank] for times in timeline), at, refused)
         if pair is None:
             break
@@ -699,7 +698,7 @@ def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ra
         times = asap(trial, costs.duration, costs.transfer)
         levels = _levels(trial, costs, *times)
         fewer = (levels[rank] < peaks[rank] - _slack(peaks[rank]) or levels[rank] <= peaks[rank] + _slack(peaks[rank])
-                 and len(_peak_times(trial.ranks[rank], costs, *(t[rank] for t in times))[1]) < len(at))
+                 and len(_peak_times(trial.ranks[rank], costs, *(t[rank] for t in times))) < len(at))
         step = max((max(e, default=0.0) for e in times[1]), default=0.0)
         if (fewer and span - _slack(span) <= step <= (1 + STEP_COST) * span
                 and all(new <= old + _slack(old) for r, (new, old) in enumerate(zip(levels, peaks)) if r != rank)):
@@ -716,8 +715,8 @@ def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ra
     return replace(current, options={**current.options, "offload": record})
 
 
-def _peak_times(actions, costs: StageCosts, starts, ends) -> tuple[float, list[float]]:
-    """One rank's activation peak on a timeline and the instants its memory reaches it."""
+def _peak_times(actions, costs: StageCosts, starts, ends) -> list[float]:
+    """The instants one rank's activation memory reaches its peak on a timeline."""
     events = sorted((starts[k] if d > 0 else ends[k], d) for k, a in enumerate(actions)
                     if (d := costs.memory_delta(a)))
     level = peak = 0.0
@@ -728,7 +727,7 @@ def _peak_times(actions, costs: StageCosts, starts, ends) -> tuple[float, list[f
             peak, at = level, [t]
         elif d > 0 and level >= peak - _slack(peak):
             at.append(t)
-    return peak, at
+    return at
 
 
 def _held_w(actions, starts, ends, at: list[float], refused: set) -> tuple[int, int] | None:
@@ -771,7 +770,7 @@ def unmoved(schedule: Schedule) -> Schedule:
     places: the schedule the transform was given."""
     offload = schedule.options.get("offload") or {}
     ranks = [[a for a in actions if a.kind not in COPIES] for actions in schedule.ranks]
-    for stage, microbatch, k in offload.get("moved", ()):
+    for stage, microbatch, _ in offload.get("moved", ()):
         ranks[schedule.placement[stage]].remove(Action(W, stage, microbatch))
     for stage, microbatch, k in sorted(offload.get("moved", ()), key=lambda m: m[2]):
         ranks[schedule.placement[stage]].insert(k, Action(W, stage, microbatch))
