@@ -8,7 +8,8 @@ without cheap recomputation (norms and activation functions, 34 -> 20 bsh a
 layer), PipeOffload's k, and per schedule (1f1b, interleaved-1f1b, v-half,
 zb-v) the largest per-rank peak activation memory and the makespan under
 none, selective 0.5 and full, as ratios to none, with the copy time not
-hidden. Then the selective curve of 1f1b and v-half at the setting where k
+hidden, and the bytes moved per step (what F keeps and, in split-backward
+schedules, what B keeps for W). Then the selective curve of 1f1b and v-half at the setting where k
 is lowest: for r = 0.1 ... 1, the share of the bytes full offload moves that
 selective moves, against the share of full's saving it reaches (above the
 diagonal: better than linear). Writes bench/results/offload_sim.json.
@@ -24,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
 
-from pipeloom.schedule import OFFLOAD, Offload, build  # noqa: E402
+from pipeloom.schedule import Offload, build  # noqa: E402
 from pipeloom.sim import costs_from_model, simulate  # noqa: E402
 from pipeloom.sim.model import offload_time_ratio  # noqa: E402
 
@@ -37,8 +38,7 @@ def run(name, chunks, pp, microbatches, seq, recompute, policy):
     costs = costs_from_model(MODEL, pp, seq, 1, DEVICE, chunks=chunks, attention="ring", recompute=recompute)
     schedule = build(name, pp, microbatches, chunks, transforms=[Offload(*policy)], costs=costs)
     result = simulate(schedule, costs)
-    moved = sum(costs.m_b[a.stage] if isinstance(costs.m_b, list) else costs.m_b
-                for actions in schedule.ranks for a in actions if a.kind == OFFLOAD)
+    moved = sum(max(result.costs.host_delta(a), 0.0) for actions in schedule.ranks for a in actions)
     return result, moved
 
 

@@ -14,7 +14,8 @@ from pipeloom.errors import PipeloomError  # noqa: E402
 from pipeloom.nn.linear import Linear, WeightGradStore, defer_weight_grads  # noqa: E402
 from pipeloom.runtime.handlers.offload import SMALL, Offloader, _unpack  # noqa: E402
 from pipeloom.runtime.local import spawn  # noqa: E402
-from pipeloom.schedule import OFFLOAD, RELOAD, Action, Costs, F, Offload, build  # noqa: E402
+from pipeloom.schedule import (OFFLOAD, OFFLOAD_W, RELOAD, RELOAD_W, Action, Costs, F, Offload,  # noqa: E402
+                               build)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 PAIR = (0, 0)
@@ -125,6 +126,31 @@ def test_gradients_as_without_hooks_and_the_pool_reused_across_steps(device):
     assert offloader.stats.offloaded > 0 and offloader.stats.device == offloader.stats.host == 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_what_b_queues_for_w_goes_to_host_and_back(device):
+    """OFFLOAD_W copies the layers' inputs and output gradients that B queued for W to host and
+    frees them on the device; RELOAD_W brings them back and W computes the same gradients."""
+    block, x = _block(device), torch.randn(4, 32, 64, device=device)
+    plain = _grads(block, x)
+    offloader, store = _offloader(device), WeightGradStore()
+    _new_step(offloader)
+    offloader.context.step.slots[PAIR].weights = store
+    y = block(x.clone().requires_grad_() * 2)  # as _grads computes it
+    with defer_weight_grads(store):
+        y.square().sum().backward()
+    del y
+    queued = 4 * 32 * (64 + 256 + 256 + 64) * 4  # each Linear's input and output gradient, fp32
+    stats = offloader.stats
+    offloader.offload_w(Action(OFFLOAD_W, *PAIR))
+    assert (stats.host, stats.offloaded, stats.device) == (queued, queued, 0)
+    assert store.held() and not any(isinstance(t, torch.Tensor) for t in store.held())  # each packed
+    offloader.reload_w(Action(RELOAD_W, *PAIR))
+    assert (stats.host, stats.device) == (0, queued)
+    store.run()
+    assert all(torch.allclose(p.grad, g) for p, g in zip(block.parameters(), plain))
+    assert stats.device == 0
+
+
 def test_a_backward_without_its_reload_is_named():
     offloader = _offloader()
     with offloader.hooks(Action(F, *PAIR)):
@@ -180,6 +206,21 @@ def test_two_ranks_match_one_process():
                                   Costs(f=1, b=2, comm=0.1, m_b=1, extra={"offload": 1.8}))
     assert paced.options["offload"]["waits"]
     runs = [*_offload_cases(2, cases), ("interleaved-1f1b paced", dict(schedule=paced, timeout=30))]
+    _check_offloaded(spawn(2, parity_worker, runs, {}, 8, 32, None, _stats, timeout=150))
+
+
+@pytest.mark.timeout(200)
+def test_two_ranks_match_one_process_with_what_b_keeps_for_w_offloaded():
+    """Split-backward families whose costs make B's queued tensors worth copying (OFFLOAD_W after
+    B, RELOAD_W before W), with cheap recomputation (B rebuilds what W reads): parity. v-half and
+    zb-v also move Ws right after their Bs where the copies cannot take what they hold."""
+    costs = Costs(m_b=1, m_w=1.5, extra={"offload": 0.1})
+    runs = []
+    for family, moved in (("zb-h1", False), ("v-half", True), ("zb-v", True)):
+        schedule = build(family, 2, 4, transforms=[Offload("full")], costs=costs)
+        assert any(a.kind == OFFLOAD_W for actions in schedule.ranks for a in actions), family
+        assert bool(schedule.options["offload"].get("moved")) == moved, family
+        runs.append((f"{family} full", dict(schedule=schedule, recompute="cheap", timeout=30)))
     _check_offloaded(spawn(2, parity_worker, runs, {}, 8, 32, None, _stats, timeout=150))
 
 

@@ -16,6 +16,11 @@ runs the backward's nodes on a device thread of its own, which a
 thread-local store would never reach (the B/W split then silently computed
 every weight gradient in B). So one store is active per process at a time:
 run one deferred backward at a time, as a pipeline's executor does.
+
+The queued work holds its tensors (each layer's input and output gradient)
+in the store, not in closures, so they can be moved while they wait:
+:meth:`WeightGradStore.pack` (the runtime's offload copies them to host
+memory after B and back before W).
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ from torch import nn
 from .recompute import mark, recipe
 
 
+def _same(tensor):
+    return tensor
+
+
 class WeightGradStore:
     """Weight-gradient work of one (stage, microbatch) backward: queued until
     :meth:`run`, or with ``eager`` done as the backward reaches each layer
@@ -37,24 +46,36 @@ class WeightGradStore:
 
     def __init__(self, eager: bool = False):
         self.eager = eager
-        self.work: list[Callable[[], None]] = []
+        #: the queued work: each job with the tensors it is called on
+        self.work: list[tuple[Callable[..., None], list]] = []
         self.deferred: set[int] = set()  # ids of the parameters whose gradients it computes
+        self.unpack: Callable = _same
 
-    def add(self, job: Callable[[], None], *params: torch.Tensor) -> None:
-        """Queue (or with ``eager`` do) ``job``, which computes the gradients of ``params``."""
+    def add(self, job: Callable[..., None], tensors: tuple[torch.Tensor, ...], *params: torch.Tensor) -> None:
+        """Queue (or with ``eager`` do) ``job(*tensors)``, which computes the gradients of ``params``."""
         self.deferred.update(id(p) for p in params if p is not None)
         if self.eager:
-            job()
+            job(*tensors)
         else:
-            self.work.append(job)
+            self.work.append((job, list(tensors)))
+
+    def held(self) -> list[torch.Tensor]:
+        """The tensors the queued work holds until :meth:`run`."""
+        return [t for _, tensors in self.work for t in tensors]
+
+    def pack(self, pack: Callable, unpack: Callable) -> None:
+        """Keep each queued tensor as ``pack(tensor)`` until :meth:`run`, which reads it back with
+        ``unpack`` (the offloader's copy to host memory and back)."""
+        self.work = [(job, [pack(t) for t in tensors]) for job, tensors in self.work]
+        self.unpack = unpack
 
     def run(self) -> None:
         """Compute and accumulate every queued weight gradient, then forget them. Without
         autograd: the inputs kept for W require grad, and a gradient recorded as a function of
         them would keep every microbatch's output gradient alive until the gradients are freed."""
         with torch.no_grad():
-            for job in self.work:
-                job()
+            for job, tensors in self.work:
+                job(*map(self.unpack, tensors))
         self.work.clear()
 
 
@@ -116,16 +137,15 @@ class _LinearFunction(torch.autograd.Function):
             flat = grad_out.reshape(-1, grad_out.shape[-1])
             grad_w = (flat.t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype)
             return grad_x, grad_w, (flat.sum(0).to(bias.dtype) if bias is not None else None)
-        store.add(_weight_grads(grad_out, x, weight, bias), weight, bias)
+        store.add(_weight_grads(weight, bias), (grad_out, x), weight, bias)
         return grad_x, None, None
 
 
-def _weight_grads(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None) -> Callable[[], None]:
+def _weight_grads(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor, torch.Tensor], None]:
     """The work that accumulates a linear layer's weight (and bias) gradients into their ``.grad``,
-    for the output gradient ``grad_out`` and the saved input ``x``."""
+    called on the output gradient and the saved input."""
 
-    def work():
+    def work(grad_out: torch.Tensor, x: torch.Tensor) -> None:
         flat = grad_out.reshape(-1, grad_out.shape[-1])
         if weight.grad is None or weight.grad.dtype != grad_out.dtype:
             _accumulate(weight, (flat.t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype))
@@ -184,11 +204,11 @@ def _linear_backward_op(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.T
     """The input gradient; the weight gradients queued in the active store, or accumulated now."""
     weight, bias = _parameter(weight), _parameter(bias)
     if weight.requires_grad or (bias is not None and bias.requires_grad):
-        work = _weight_grads(grad_out, x, weight, bias)
+        work = _weight_grads(weight, bias)
         if _active is None:
-            work()
+            work(grad_out, x)
         else:
-            _active.add(work, weight, bias)
+            _active.add(work, (grad_out, x), weight, bias)
     return grad_out @ weight.to(grad_out.dtype)
 
 

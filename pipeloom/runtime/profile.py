@@ -314,26 +314,12 @@ def saved_bytes(forward, cheap: bool = False) -> tuple[int, object]:
 
 def _queued_bytes(forward, grad) -> int:
     """Bytes the weight-gradient work that B queues holds until W (inputs and output gradients
-    of the linear layers), found in the queued closures; the queue is then run."""
+    of the linear layers, :meth:`~pipeloom.nn.linear.WeightGradStore.held`); the queue is then run."""
     y, store = forward(), WeightGradStore()
     with defer_weight_grads(store):
         torch.autograd.backward(y, grad)
     del y
-    tensors, seen = [], set()
-
-    def visit(obj):
-        if isinstance(obj, torch.Tensor):
-            tensors.append(obj)
-        elif callable(obj) and id(obj) not in seen and getattr(obj, "__closure__", None):
-            seen.add(id(obj))
-            for cell in obj.__closure__:
-                try:
-                    visit(cell.cell_contents)
-                except ValueError:  # an empty cell
-                    pass
-    for job in store.work:
-        visit(job)
-    held = _storage_bytes(tensors)
+    held = _storage_bytes(store.held())
     store.run()
     return held
 

@@ -11,7 +11,7 @@ from .lower import RECV_B, RECV_F, SEND_B, SEND_F, lower
 from .registry import FAMILIES, build, get_family
 from .transforms import Transform
 from .transforms.kfac import Kfac
-from .transforms.offload import OFFLOAD, RELOAD, Offload
+from .transforms.offload import OFFLOAD, OFFLOAD_W, RELOAD, RELOAD_W, Offload
 from .transforms.vocab import VOCAB_PASSES, VocabPasses, add_vocab_passes
 from .torch_csv import TORCH_SCHEDULES, from_torch, to_torch_csv, write_torch_csv
 from .validate import validate
@@ -22,5 +22,5 @@ __all__ = [
     "FAMILIES", "build", "get_family", "validate", "forward_only", "looped_placement", "v_placement",
     "to_torch_csv", "write_torch_csv", "from_torch", "TORCH_SCHEDULES", "VOCAB_PASSES", "add_vocab_passes",
     "lower", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "KINDS", "Kind",
-    "Transform", "VocabPasses", "Offload", "OFFLOAD", "RELOAD", "Kfac",
+    "Transform", "VocabPasses", "Offload", "OFFLOAD", "RELOAD", "OFFLOAD_W", "RELOAD_W", "Kfac",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Mapping, Sequence, Union
+from typing import Callable, Mapping, Sequence, Union
 
 from ..errors import PipeloomError
 from .deps import memory_delta
@@ -23,22 +23,26 @@ class CostField:
     """A cost field: ``per`` "stage" (one value per virtual stage; a number for a
     full stage is split over the chunks when ``split``), "rank" (one per rank) or
     "unit" (weights of a stage's units, cycled over them: a :class:`~.kinds.Kind`'s
-    ``weight``; none given, every unit weighs 1)."""
+    ``weight``; none given, every unit weighs 1). ``derive``: where the costs do not give
+    it, its values from the other fields' (``derive(values)``, resolved per stage)."""
 
     name: str
     per: str = "stage"
     split: bool = True
+    derive: Callable[[dict], tuple[float, ...]] | None = None
 
 
 #: Every cost field by name: :class:`Costs`' own, and those a technique adds with :func:`register_field`.
 COST_FIELDS: dict[str, CostField] = {}
 
 
-def register_field(name: str, per: str = "stage", split: bool = True) -> CostField:
-    """Declare cost field ``name`` (a technique's: given in ``Costs(extra={name: ...})``)."""
+def register_field(name: str, per: str = "stage", split: bool = True,
+                   derive: Callable[[dict], tuple[float, ...]] | None = None) -> CostField:
+    """Declare cost field ``name`` (a technique's: given in ``Costs(extra={name: ...})``;
+    ``derive`` as in :class:`CostField`)."""
     if per not in ("stage", "rank", "unit"):
         raise PipeloomError(f"cost field {name}: per={per!r}; choose 'stage', 'rank' or 'unit'")
-    COST_FIELDS[name] = CostField(name, per, split and per == "stage")
+    COST_FIELDS[name] = CostField(name, per, split and per == "stage", derive)
     return COST_FIELDS[name]
 
 
@@ -134,7 +138,11 @@ class Costs:
                 raise PipeloomError(f"costs: {spec.name} has {len(value)} values; the schedule has {count} {unit}")
             return value
 
-        return StageCosts({name: expand(spec) for name, spec in COST_FIELDS.items()})
+        values = {name: expand(spec) for name, spec in COST_FIELDS.items() if not spec.derive or name in self.extra}
+        for name, spec in COST_FIELDS.items():
+            if name not in values:
+                values[name] = spec.derive(values)
+        return StageCosts(values)
 
 
 _OWN = frozenset(f.name for f in fields(Costs)) - {"extra"}

@@ -15,7 +15,8 @@ class Offload(Technique):
     summary = "activations copied to host memory between their forward and backward, on a copy stream"
     flags = (Flag("offload", "PipeOffload: copy activations to host memory after F and back before the backward, on "
                   "two copy streams per rank (one per direction), delaying no compute but the forwards a stream "
-                  "cannot keep up with (at most 2%% of the step): each rank's peak as low as the streams allow (full) "
+                  "cannot keep up with and the Ws run right after their Bs where the streams cannot take what they "
+                  "hold (at most 5%% of the step): each rank's peak as low as the streams allow (full) "
                   "or down by --offload-ratio (selective, else full's and a line that says so); default none",
                   choices=CHOICES, compared=True),
              Flag("offload_ratio", "with --offload selective: the share of each rank's activation peak to move, in "
@@ -49,17 +50,19 @@ class Offload(Technique):
 
     def report(self, result, priced) -> dict:
         """Policy, the worst rank's peak cut and the step's time against no copies (``cut``, ``time``),
-        and, per rank, peak host memory, what is offloaded per step and the copy time not
+        whether forwards are paced to the copy stream and how many Ws run right after their Bs
+        (``paced``, ``moved``), and, per rank, peak host memory, what is offloaded per step and the copy time not
         hidden (bytes and ms with --model, else in the units of --costs), and with --model PipeOffload's k."""
         from ..modes import RECOMPUTE
-        from ..schedule.transforms.offload import OFFLOAD
 
         schedule, costs, spec = result.schedule, result.costs, priced.spec
         if not self.active(spec):
             return {}
-        offloaded = [sum(costs.m_b[a.stage] for a in actions if a.kind == OFFLOAD) for actions in schedule.ranks]
+        offloaded = [sum(max(costs.host_delta(a), 0.0) for a in actions) for actions in schedule.ranks]
         cut, time = _against_bare(result)
-        report = {"policy": spec.offload, "ratio": spec.offload_ratio, "cut": cut, "time": time}
+        done = schedule.options.get("offload") or {}
+        report = {"policy": spec.offload, "ratio": spec.offload_ratio, "cut": cut, "time": time,
+                  "paced": bool(done.get("waits")), "moved": len(done.get("moved", ()))}
         if priced.model is None:
             report["ranks"] = [{"rank": r, "host": h, "offloaded": o, "exposed": e}
                                for r, (h, o, e) in enumerate(zip(result.peak_host, offloaded, result.exposed))]
@@ -123,43 +126,45 @@ class Offload(Technique):
 
     def plan_memory_lists(self, c) -> tuple[tuple[str, bool], ...]:
         """First every pair that may be copied (:func:`~pipeloom.schedule.transforms.offload.copyable`,
-        from the list without offload), then those the offloaded list copies (building it)."""
+        from the list without offload, each W right after its B where the transform may move it:
+        :func:`~pipeloom.schedule.transforms.offload.early_ws`), then those the offloaded list
+        copies (building it)."""
         return () if c.offload == "none" else (("copyable", True), ("copied", False))
 
     def plan_memory_list(self, step: str, actions) -> list:
-        """Each pair copied to host held only while its F runs and from its backward's start
+        """Each pair copied to host held only while the action that opens it runs (F; B) and from
+        the start of the one that closes it (its backward; W)
         (:func:`~pipeloom.schedule.transforms.offload.tightest`)."""
-        from ..schedule.transforms.offload import RELOAD, copyable, tightest
+        from ..schedule.transforms.offload import copied_pairs, copyable, early_ws, tightest
 
-        away = copyable(actions) if step == "copyable" else [(a.stage, a.microbatch) for a in actions
-                                                             if a.kind == RELOAD]
-        return tightest(actions, away)
+        if step == "copyable":
+            return tightest(early_ws(actions), copyable(actions))
+        return tightest(actions, copied_pairs(actions))
 
 
 def _against_bare(result) -> tuple[float, float]:
     """The share of the worst rank's activation peak the copies remove, and the step's time as a
-    multiple of its time without them: the schedule simulated against itself without its copies."""
-    from dataclasses import replace
-
-    from ..schedule.transforms.offload import OFFLOAD, RELOAD
+    multiple of its time without them: the schedule simulated against the one offload was given
+    (:func:`~pipeloom.schedule.transforms.offload.unmoved`: no copies, moved Ws back)."""
+    from ..schedule.transforms.offload import unmoved
     from ..sim import simulate
 
-    schedule = result.schedule
-    bare = replace(schedule, ranks=tuple(tuple(a for a in actions if a.kind not in (OFFLOAD, RELOAD))
-                                         for actions in schedule.ranks),
-                   options={k: v for k, v in schedule.options.items() if k != "offload"})
-    plain = simulate(bare, result.costs)
+    plain = simulate(unmoved(result.schedule), result.costs)
     before = max(plain.peak_activation)
     return (1 - max(result.peak_activation) / before if before else 0.0,
             result.makespan / plain.makespan if plain.makespan else 1.0)
 
 
 def _cut_line(offload: dict) -> str:
-    """What the copies cut, at what time, and for selective offload short of its ratio, that it is the most."""
+    """What the copies cut, at what time and why (paced forwards, moved Ws), and for selective
+    offload short of its ratio, that it is the most."""
     cut = f"the copies cut the worst rank's activation peak by {offload['cut']:.0%}"
+    moved = offload["moved"]
+    why = " and ".join(text for text, on in (
+        ("pacing forwards to the copy stream where it falls behind", offload["paced"]),
+        (f"running {moved} W{'s' * (moved != 1)} right after {'its B' if moved == 1 else 'their Bs'}", moved)) if on)
     if offload["time"] > 1 + 1e-9:
-        cut += (f", pacing forwards to the copy stream where it falls behind: the step takes "
-                f"{offload['time']:.3f}x its time without copies")
+        cut += f", {why + ':' if why else ''} the step takes {offload['time']:.3f}x its time without copies"
     if _short(offload):
         return (f"selective {offload['ratio']:g}: {cut}, not {offload['ratio']:.0%}: more copies would delay "
                 "compute (the copy streams are full where the peak is)")

@@ -1,4 +1,4 @@
-"""PipeOffload in the runtime: the OFFLOAD and RELOAD actions and what F saves.
+"""PipeOffload in the runtime: the OFFLOAD and RELOAD actions and what F saves; OFFLOAD_W and RELOAD_W.
 
 While F of a (stage, microbatch) pair runs, ``saved_tensors_hooks`` (put
 around F with :func:`~pipeloom.runtime.handlers.around`) capture the tensors
@@ -34,6 +34,13 @@ a warm-up) waits on the host for the offload it names before it allocates.
 On the CPU the same path copies synchronously into a separate pool, so tests
 run it.
 
+OFFLOAD_W (after B) moves what B queued for W in the same way: the tensors
+the slot's :class:`~pipeloom.nn.linear.WeightGradStore` holds (each linear
+layer's input and output gradient; parameters and small tensors stay) are
+packed into a capture of their own (:meth:`~pipeloom.nn.linear.WeightGradStore.pack`),
+copied to host on the offload stream and dropped; RELOAD_W copies them back
+on the reload stream, and W's unpacking waits for that copy.
+
 With ``Pipeline(recompute="cheap")`` the same hooks save the recipe of a
 tensor the model marked rebuildable (:mod:`pipeloom.nn.recompute`: the
 norms' and GELU's outputs) instead of the tensor, and unpacking reruns it.
@@ -56,7 +63,7 @@ from torch import nn
 
 from ...errors import PipeloomError
 from ...nn.recompute import cheap_recompute, recipe
-from ...schedule import OFFLOAD, RELOAD, F
+from ...schedule import OFFLOAD, OFFLOAD_W, RELOAD, RELOAD_W, F
 from ...schedule import Offload as Transform
 from ...schedule.transforms.offload import paced
 from ..parts import Part
@@ -239,6 +246,8 @@ class Offloader:
         self.stats = OffloadStats()
         self.pool = HostPool(self.cuda, self.stats)
         self.captures: dict[tuple[int, int], _Capture] = {}
+        #: what the B of each pair whose W inputs are offloaded queued for W, from OFFLOAD_W to RELOAD_W
+        self.queued: dict[tuple[int, int], _Capture] = {}
         self.held: dict[int, int] = {}  # address -> bytes of each device storage counted
         self.step = None
         context.extras[NAME] = self
@@ -271,11 +280,17 @@ class Offloader:
         if found is not None:
             rebuild, inputs = found
             return _Rebuilt(rebuild, tuple(self._pack(i, capture) for i in inputs), self.hold)
-        if (tensor.numel() <= SMALL or isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
-                or tensor.device.type != self.device.type or tensor.layout is not torch.strided):
+        if not self._moves(tensor):
             return tensor
         self.hold(tensor.untyped_storage())
         return tensor if capture is None else capture.save(tensor)
+
+    def _moves(self, tensor: torch.Tensor) -> bool:
+        """Whether an offload copies ``tensor``: not a parameter or a view of one, more than
+        :data:`SMALL` elements, strided, on the offloader's device."""
+        return not (tensor.numel() <= SMALL or isinstance(tensor, nn.Parameter)
+                    or isinstance(tensor._base, nn.Parameter) or tensor.device.type != self.device.type
+                    or tensor.layout is not torch.strided)
 
     def hold(self, storage) -> None:
         """Count ``storage`` as activation bytes on the device until it is freed."""
@@ -293,11 +308,12 @@ class Offloader:
 
     def _new_step(self) -> None:
         """Hand back the buffers of captures a failed step left, and start the step's peaks."""
-        for capture in self.captures.values():
+        for capture in (*self.captures.values(), *self.queued.values()):
             for where in capture.ranges:
                 if where.host is not None:
                     self.pool.give(where.host)
         self.captures.clear()
+        self.queued.clear()
         self.copied.clear()
         self.stats.new_step()
         self.step = self.context.step
@@ -309,9 +325,22 @@ class Offloader:
         kept = {slot.output.untyped_storage().data_ptr()} if slot.output is not None else set()
         leaf = slot.input if slot.input is not None and slot.input.is_floating_point() else None
         moving = capture.gather(kept, leaf)
+        self._out(moving)
+        if self.cuda and moving and pair in self.waited:
+            self.copied[pair] = self.out.record_event()
+
+    def offload_w(self, action) -> None:
+        """Copy what the pair's B queued for W (:meth:`_moves`) to host buffers; drop the device copies."""
+        pair = action.stage, action.microbatch
+        capture = self.queued[pair] = _Capture()
+        self.context.step.slots[pair].weights.pack(lambda t: capture.save(t) if self._moves(t) else t, _unpack)
+        self._out(capture.gather(set(), None))
+
+    def _out(self, moving: list[_Range]) -> None:
+        """Copy ``moving`` to host buffers on the offload stream, after the compute so far; drop the device copies."""
         if self.cuda and moving:
             ready = torch.cuda.Event()
-            ready.record()  # after F, on the compute stream
+            ready.record()  # after the compute before it, on the compute stream
             self.out.wait_event(ready)
         with self._on(self.out):
             for where in moving:
@@ -321,13 +350,22 @@ class Offloader:
                     where.tensor.record_stream(self.out)
                 self.stats.offloaded += _nbytes(where.host)
                 where.tensor = None
-        if self.cuda and moving and pair in self.waited:
-            self.copied[pair] = self.out.record_event()
 
     def reload(self, action) -> None:
         """Copy the pair's offloaded ranges back to new device tensors; their buffers go back to the pool."""
         capture = self.captures.pop((action.stage, action.microbatch))
-        back = capture.ranges
+        self._back(capture.ranges)
+        if capture.leaf is not None:  # the stage input's data again, a view of its reloaded range: nothing
+            # reads it before the backward, whose unpack waits for the copy (so this action does not)
+            self.context.step.slots[action.stage, action.microbatch].input.data = capture.leaf.view()
+
+    def reload_w(self, action) -> None:
+        """Copy what the pair's B queued for W back to new device tensors; W's unpacking waits for the copy."""
+        self._back(self.queued.pop((action.stage, action.microbatch)).ranges)
+
+    def _back(self, back: list[_Range]) -> None:
+        """Copy ``back`` to new device tensors on the reload stream, after the compute so far; their
+        host buffers go back to the pool."""
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
         if self.cuda and back:  # no earlier than the compute before it in the list ends, as the simulator times it
             issued = torch.cuda.Event()
@@ -348,9 +386,6 @@ class Offloader:
             where.ready = done
             self.pool.give(where.host, done)
             where.host = None
-        if capture.leaf is not None:  # the stage input's data again, a view of its reloaded range: nothing
-            # reads it before the backward, whose unpack waits for the copy (so this action does not)
-            self.context.step.slots[action.stage, action.microbatch].input.data = capture.leaf.view()
 
     def _on(self, stream):
         return torch.cuda.stream(stream) if self.cuda else nullcontext()
@@ -414,3 +449,5 @@ def _hooks(action, context):
 around(F, _hooks)
 register(OFFLOAD, lambda action, context: context.extras[NAME].offload(action))
 register(RELOAD, lambda action, context: context.extras[NAME].reload(action))
+register(OFFLOAD_W, lambda action, context: context.extras[NAME].offload_w(action))
+register(RELOAD_W, lambda action, context: context.extras[NAME].reload_w(action))

@@ -1,4 +1,4 @@
-"""PipeOffload as a transform: activations copied to host after F and back before B.
+"""PipeOffload as a transform: activations copied to host after F and back before B, and what B keeps for W.
 
 "PipeOffload: Improving Scalability of Pipeline Parallelism with Memory
 Optimization" (Wan et al. 2025). After the forward of a (stage, microbatch)
@@ -9,7 +9,11 @@ copies them back before its backward. They run on two side streams per rank
 carries both directions at once. Their time is the cost field ``offload``
 (one pair's ``m_b`` over the host link); activation memory falls by ``m_b``
 when an OFFLOAD ends and rises when a RELOAD starts; host memory holds it
-from the OFFLOAD's start to the RELOAD's end.
+from the OFFLOAD's start to the RELOAD's end. In split-backward schedules the
+memory kept from B until W (``m_w``: the weight gradients' inputs) is a second
+kind of pair (:data:`PHASES`): ``OFFLOAD_W`` after B, ``RELOAD_W`` before W,
+on the same streams, in the time ``offload_w`` (by default ``offload``
+scaled by ``m_w / m_b``), placed by the same machinery; a pair below is either.
 
 First no copy delays compute: each rank's copy streams are planned as
 timetables (:class:`_Link`), and a pair is copied only where its OFFLOAD fits
@@ -27,6 +31,17 @@ paced to the stream: each F waits for the OFFLOAD a few offloads before it
 grows by at most :data:`PACE_COST`. In 1F1B the warm-up's Fs run ahead of
 when the next ranks need them, so pacing them costs little.
 
+Where the worst peak still holds what Bs keep for deferred Ws (a split
+backward's cool-down, when the copy streams are full), Ws held there may run
+right after their Bs instead (:func:`_moved`: the W moved in the list, the
+copies of its ``m_w`` dropped; a move rather than a fused BW, which would send
+B's gradient W's time later), one by one on the rank of the worst peak, each
+simulated on the whole schedule and kept where that rank's peak falls, no
+other's rises, and the step stays within :data:`STEP_COST` of the step
+without copies (``options["offload"]["moved"]``). The time budget is spent in
+that order: pacing first (at most :data:`PACE_COST`), the moves with what is
+left.
+
 Policies (:class:`Offload`), per rank:
 
 - ``selective`` with a ratio r in (0, 1]: sweeping the instants in time
@@ -39,11 +54,14 @@ Policies (:class:`Offload`), per rank:
   OFFLOAD right after its F, the stream left to order the copies,
   :func:`_eager`) is tried too, and the rank keeps the lower simulated peak;
   then the eager copies with paced Fs (:func:`_paced`: full keeps the
-  tightest pace within its cost, selective the loosest that reaches (1 - r)).
+  tightest pace within its cost, selective the loosest that reaches (1 - r));
+  then moved Ws (full: while the worst peak falls; selective: until it is at
+  (1 - r) of the worst peak without offload).
 
 Dependencies: OFFLOAD(s,i) after F(s,i); RELOAD(s,i) after OFFLOAD(s,i);
 the backward (B or BW) of an offloaded pair after its RELOAD; a paced F
-after the OFFLOAD it waits for.
+after the OFFLOAD it waits for; OFFLOAD_W(s,i) after B(s,i), RELOAD_W(s,i)
+after OFFLOAD_W(s,i), W(s,i) after RELOAD_W(s,i) where it has one.
 
 Works with every family, DualPipeV's overlapped F-and-backward pairs included
 (a pair's RELOAD goes before the compound action whose backward needs it, its
@@ -58,11 +76,12 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import replace
+from typing import NamedTuple
 
 from ...errors import PipeloomError, ScheduleError
 from ..costs import Costs, StageCosts, register_field
 from ..deps import asap
-from ..ir import BW, B, F, Action, Schedule, parts
+from ..ir import BW, B, F, W, Action, Schedule, parts
 from ..kinds import KINDS, Kind, register, register_inputs
 from . import insert
 
@@ -70,12 +89,74 @@ from . import insert
 OFFLOAD = "OFFLOAD"
 #: Copy them back to the device (before its backward).
 RELOAD = "RELOAD"
+#: Copy what a pair's B keeps for its W (the weight gradients' inputs) to host memory (after its B).
+OFFLOAD_W = "OFFLOAD_W"
+#: Copy them back to the device (before its W).
+RELOAD_W = "RELOAD_W"
 #: The side streams they run on, one per direction of the host link (which carries both at once).
 OUT_STREAM, BACK_STREAM = "d2h", "h2d"
 POLICIES = ("none", "full", "selective")
 _NOISE = 1e-9  # relative: memory levels that differ by less are equal
 
 register_field("offload")
+
+
+def _w_copy_time(values: dict) -> tuple[float, ...]:
+    """``offload_w`` not given: ``offload`` scaled by ``m_w / m_b`` (the same host link)."""
+    return tuple(t * w / b if b else 0.0 for t, w, b in zip(values["offload"], values["m_w"], values["m_b"]))
+
+
+register_field("offload_w", derive=_w_copy_time)
+
+
+class Phase(NamedTuple):
+    """One kind of pair: the memory ``held`` (a cost field) from an action of a kind in ``after``
+    to one of a kind in ``before``, copied to host by ``out`` and back by ``back``, each taking
+    the cost field ``time``."""
+
+    out: str
+    back: str
+    after: tuple[str, ...]
+    before: tuple[str, ...]
+    held: str
+    time: str
+
+
+#: The pairs offload copies, a pair being (stage, microbatch, index here): a forward's activations
+#: (F to its backward) and what B keeps for W.
+PHASES = (Phase(OFFLOAD, RELOAD, (F,), (B, BW), "m_b", "offload"),
+          Phase(OFFLOAD_W, RELOAD_W, (B,), (W,), "m_w", "offload_w"))
+#: The copy kinds: kind -> (its phase's index, whether it goes to host).
+COPIES = {kind: (p, kind == phase.out) for p, phase in enumerate(PHASES) for kind in (phase.out, phase.back)}
+_OPENS = {kind: p for p, phase in enumerate(PHASES) for kind in phase.after}
+_CLOSES = {kind: p for p, phase in enumerate(PHASES) for kind in phase.before}
+
+
+def copies(pair) -> tuple[Action, Action]:
+    """The two copies of ``pair`` (stage, microbatch, phase): to host and back."""
+    phase = PHASES[pair[2]]
+    return Action(phase.out, pair[0], pair[1]), Action(phase.back, pair[0], pair[1])
+
+
+def pair_of(copy: Action) -> tuple[int, int, int]:
+    """The pair a copy action moves."""
+    return copy.stage, copy.microbatch, COPIES[copy.kind][0]
+
+
+def spans(actions):
+    """(pair, index of the action that opens it, index of the one that closes it) of one rank's
+    list, its side-stream actions skipped (a compound action's parts count)."""
+    opened = {}
+    for k, a in enumerate(actions):
+        if KINDS[a.kind].stream:
+            continue
+        for part in parts(a):
+            closes, opens = _CLOSES.get(part.kind), _OPENS.get(part.kind)
+            if closes is not None and (part.stage, part.microbatch, closes) in opened:
+                pair = part.stage, part.microbatch, closes
+                yield pair, opened.pop(pair), k
+            if opens is not None:
+                opened[part.stage, part.microbatch, opens] = k
 
 
 def check_policy(policy: str, ratio: float | None = None) -> tuple[str, float]:
@@ -97,8 +178,8 @@ class Offload:
     """The transform: ``policy`` none, full or selective (with ``ratio``)."""
 
     name = "offload"
-    kinds = (OFFLOAD, RELOAD)
-    cost_fields = ("offload",)
+    kinds = tuple(COPIES)
+    cost_fields = ("offload", "offload_w")
     room = 0
 
     def __init__(self, policy: str, ratio: float | None = None):
@@ -115,26 +196,31 @@ class Offload:
         pairs = _Pairs(schedule, per_stage)
         options = {**schedule.options, "offload": {"policy": self.policy, "ratio": self.ratio}}
         schedule = replace(schedule, options=options)
-        swept, short = pairs.choose(None if self.policy == "full" else self.ratio)
+        ratio = None if self.policy == "full" else self.ratio
+        swept, short = pairs.choose(ratio)
         timed = [_timetabled(pairs, {p: v for p, v in swept.items() if pairs.where[p][0] == r})
                  for r in range(schedule.pp)]
         if not short:
             return _assemble(schedule, pairs, timed)
-        # where the timetable stops short (full, or selective beyond the stream), the copies of each
-        # pair right after its F, the copy stream left to order them, are tried too: the rank keeps
-        # whichever peaks lower (its copies touch no other rank)
-        eager, eagerly = _eager(schedule, pairs, per_stage)
-        assembled = (_assemble(schedule, pairs, timed), eagerly)
-        peaks = [_peaks(each, per_stage) for each in assembled]
-        kept = [1 if r in short and peaks[1][r] < peaks[0][r] else 0 for r in range(schedule.pp)]
-        entries = [(timed, eager)[k][r] for r, k in enumerate(kept)]
-        best = assembled[kept[0]] if len(set(kept)) == 1 else _assemble(schedule, pairs, entries)
-        behind = _behind(eagerly, per_stage, short)
-        if not behind:
-            return best
-        before = [peaks[k][r] for r, k in enumerate(kept)]  # a rank's copies touch no other rank
-        ratio = None if self.policy == "full" else self.ratio
-        return _paced(best, schedule, pairs, per_stage, entries, eager, behind, before, ratio)
+        return _moved(_fallen_back(schedule, pairs, per_stage, timed, short, ratio), pairs, per_stage, short, ratio)
+
+
+def _fallen_back(schedule: Schedule, pairs: _Pairs, costs: StageCosts, timed: list, short: set,
+                 ratio: float | None) -> Schedule:
+    """Where the timetable stops short (full, or selective beyond the stream), the copies of each
+    pair right after its F, the copy stream left to order them (:func:`_eager`), are tried too: the
+    rank keeps whichever peaks lower (its copies touch no other rank); then paced Fs (:func:`_paced`)."""
+    eager, eagerly = _eager(schedule, pairs, costs)
+    assembled = (_assemble(schedule, pairs, timed), eagerly)
+    peaks = [_peaks(each, costs) for each in assembled]
+    kept = [1 if r in short and peaks[1][r] < peaks[0][r] else 0 for r in range(schedule.pp)]
+    entries = [(timed, eager)[k][r] for r, k in enumerate(kept)]
+    best = assembled[kept[0]] if len(set(kept)) == 1 else _assemble(schedule, pairs, entries)
+    behind = _behind(eagerly, costs, short)
+    if not behind:
+        return best
+    before = [peaks[k][r] for r, k in enumerate(kept)]  # a rank's copies touch no other rank
+    return _paced(best, schedule, pairs, costs, entries, eager, behind, before, ratio)
 
 
 class _Pairs:
@@ -144,27 +230,23 @@ class _Pairs:
     def __init__(self, schedule: Schedule, costs: StageCosts):
         self.schedule, self.costs = schedule, costs
         self.starts, self.ends = asap(schedule, costs.duration, costs.transfer)
-        #: (stage, microbatch) -> (rank, index of F, index of its backward)
-        self.where: dict[tuple[int, int], tuple[int, int, int]] = {}
+        #: pair -> (rank, index of the action that opens it (F; B), of the one that closes it (its backward; W))
+        self.where: dict[tuple[int, int, int], tuple[int, int, int]] = {}
         #: per rank, (end, index) of its compute actions in list order: where a copy can be issued
         self.issues: list[list[tuple[float, int]]] = []
         for rank, actions in enumerate(schedule.ranks):
-            forwards, issues = {}, []
-            for k, a in enumerate(actions):
-                if KINDS[a.kind].stream:
-                    continue
-                issues.append((self.ends[rank][k], k))
-                for part in parts(a):
-                    if part.kind == F:
-                        forwards[part.stage, part.microbatch] = k
-                    elif part.kind in (B, BW):
-                        self.where[part.stage, part.microbatch] = (rank, forwards[part.stage, part.microbatch], k)
-            self.issues.append(issues)
-        #: (stage, microbatch) -> (end of its F, start of its backward)
+            self.issues.append([(self.ends[rank][k], k) for k, a in enumerate(actions) if not KINDS[a.kind].stream])
+            self.where.update((pair, (rank, f, b)) for pair, f, b in spans(actions))
+        #: pair -> (end of the action that opens it, start of the one that closes it)
         self.gaps = {pair: (self.ends[rank][f], self.starts[rank][b]) for pair, (rank, f, b) in self.where.items()}
 
     def copy(self, pair) -> float:
-        return self.costs.offload[pair[0]]
+        """The time of each of the pair's copies."""
+        return self.costs.values[PHASES[pair[2]].time][pair[0]]
+
+    def size(self, pair) -> float:
+        """The memory the pair's copies move."""
+        return self.costs.values[PHASES[pair[2]].held][pair[0]]
 
     def stream(self) -> _Link:
         """An empty pair of copy streams, times equal within float noise of the schedule's span."""
@@ -172,7 +254,7 @@ class _Pairs:
         return _Link(_Stream(slack), _Stream(slack))
 
     def gap(self, pair) -> tuple[float, float]:
-        """End of the pair's F and start of its backward."""
+        """End of the action that opens the pair (F; B) and start of the one that closes it (its backward; W)."""
         return self.gaps[pair]
 
     def reload_at(self, pair) -> int:
@@ -185,13 +267,13 @@ class _Pairs:
             k -= 1
         return k
 
-    def eligible(self) -> list[tuple[int, int]]:
-        """Pairs whose gap holds both copies (any gap when copies are free) with two actions or
-        more between F and the backward (:func:`copyable`)."""
+    def eligible(self) -> list[tuple[int, int, int]]:
+        """Pairs that move memory, whose gap holds both copies (any gap when copies are free) with
+        two actions or more between the actions that open and close them (:func:`copyable`)."""
         found = []
         for pair, (rank, f, b) in self.where.items():
             end, start = self.gap(pair)
-            if start - end > 2 * self.copy(pair) and start > end and b - f > 2:
+            if start - end > 2 * self.copy(pair) and start > end and b - f > 2 and self.size(pair) > 0:
                 found.append(pair)
         return found
 
@@ -259,7 +341,7 @@ class _Sweep:
         self.grid = sorted({t for t, _ in events}.union(end for end, _ in pairs.issues[rank]))
         self.base = _profile(events, self.grid)
         self.peak = max(self.base, default=0.0)
-        self.candidates = sorted(candidates, key=lambda p: (pairs.gap(p)[0], p[1], p[0]))  # by their F's end
+        self.candidates = sorted(candidates, key=lambda p: (pairs.gap(p)[0], p[1], p[0], p[2]))  # by their F's (B's) end
 
     def cover(self, target: float, stream: _Link | None = None) -> dict | None:
         """Pairs and their places that keep every instant at or below ``target``, or None."""
@@ -287,8 +369,8 @@ class _Sweep:
                 stream.take(pairs.copy(pair), placed)
                 chosen[pair] = placed
                 live.remove(pair)
-                saved += pairs.costs.m_b[pair[0]]
-                ends[end] += pairs.costs.m_b[pair[0]]
+                saved += pairs.size(pair)
+                ends[end] += pairs.size(pair)
         return chosen
 
     def lowest(self) -> dict:
@@ -379,39 +461,50 @@ def _forwards(action: Action) -> list[Action]:
     return [part for part in parts(action) if part.kind == F]
 
 
-def copyable(actions) -> list[tuple[int, int]]:
-    """The (stage, microbatch) pairs of one rank's list, before offload, that a
-    policy may copy: those with at least two actions between
-    their F and their backward (OFFLOAD goes right after F, RELOAD at least one
-    action later, :meth:`_Pairs.reload_at`), whatever the costs."""
-    forwards, found = {}, []
-    for k, a in enumerate(actions):
-        for part in parts(a):
-            if part.kind == F:
-                forwards[part.stage, part.microbatch] = k
-            elif part.kind in (B, BW) and k - forwards.get((part.stage, part.microbatch), k) > 2:
-                found.append((part.stage, part.microbatch))
+def copyable(actions) -> list[tuple[int, int, int]]:
+    """The pairs of one rank's list, before offload, that a policy may copy: those with at
+    least two actions between the actions that open and close them (the copy to host goes
+    right after the first, the one back at least one action later,
+    :meth:`_Pairs.reload_at`), whatever the costs."""
+    return [pair for pair, f, b in spans(actions) if b - f > 2]
+
+
+def early_ws(actions) -> list[Action]:
+    """One rank's list with each W right after its B: where the transform may move it
+    (:func:`_moved`), so the least a W can hold what its B kept (side-stream actions kept)."""
+    split = {(a.stage, a.microbatch) for a in actions if a.kind == W}
+    found = []
+    for a in actions:
+        if a.kind != W:
+            found.append(a)
+            found += [Action(W, p.stage, p.microbatch) for p in parts(a)
+                      if p.kind == B and (p.stage, p.microbatch) in split]
     return found
+
+
+def copied_pairs(actions) -> list[tuple[int, int, int]]:
+    """The pairs a list copies back (with an offload: each it copies)."""
+    return [pair_of(a) for a in actions if a.kind in COPIES and not COPIES[a.kind][1]]
 
 
 def tightest(actions, pairs) -> list[Action]:
     """One rank's list with the copies of ``pairs`` at their tightest: its side-stream
-    actions left out, each pair's OFFLOAD right after its F and its RELOAD right before
-    its backward. On any timeline an OFFLOAD frees its bytes after the F ends and a
-    RELOAD holds them before the backward starts, so this list's
-    :func:`~..deps.peak_activation` is at most the rank's simulated peak once ``pairs``
-    are copied to host, wherever the copies run."""
+    actions left out, each pair's copy to host right after the action that opens it (F; B) and
+    its copy back right before the one that closes it (its backward; W). On any timeline a copy
+    to host frees its bytes after that action ends and a copy back holds them before the other
+    starts, so this list's :func:`~..deps.peak_activation` is at most the rank's simulated peak
+    once ``pairs`` are copied to host, wherever the copies run."""
     pairs = set(pairs)
     found = []
     for a in actions:
         if KINDS[a.kind].stream:
             continue
         members = parts(a)
-        found += [Action(RELOAD, p.stage, p.microbatch) for p in members
-                  if p.kind in (B, BW) and (p.stage, p.microbatch) in pairs]
+        found += [copies(pair)[1] for p in members if p.kind in _CLOSES
+                  and (pair := (p.stage, p.microbatch, _CLOSES[p.kind])) in pairs]
         found.append(a)
-        found += [Action(OFFLOAD, p.stage, p.microbatch) for p in members
-                  if p.kind == F and (p.stage, p.microbatch) in pairs]
+        found += [copies(pair)[0] for p in members if p.kind in _OPENS
+                  and (pair := (p.stage, p.microbatch, _OPENS[p.kind])) in pairs]
     return found
 
 
@@ -435,8 +528,9 @@ def _timetabled(pairs: _Pairs, chosen: dict) -> list[tuple]:
     entries = []
     for pair, (leave, back, after) in chosen.items():
         rank, f, _ = pairs.where[pair]
-        entries.append((pairs.issued_after(rank, leave, f) + 1, leave, 0, pair, Action(OFFLOAD, *pair)))
-        entries.append((after + 1, back, 1, pair, Action(RELOAD, *pair)))
+        out, home = copies(pair)
+        entries.append((pairs.issued_after(rank, leave, f) + 1, leave, 0, pair, out))
+        entries.append((after + 1, back, 1, pair, home))
     return entries
 
 
@@ -486,11 +580,13 @@ def _levels(schedule: Schedule, costs: StageCosts, starts, ends) -> list[float]:
 
 def _eager(schedule: Schedule, pairs: _Pairs, costs: StageCosts) -> tuple[list[list[tuple]], Schedule]:
     """Each rank's copies placed as the list goes rather than on a timetable (and the schedule with
-    them, :func:`_assemble`'s): every eligible pair's
+    them, :func:`_assemble`'s): every eligible F pair's
     OFFLOAD right after its F and its RELOAD where its copy would end just before its backward;
     while the stream makes backwards wait, each waiting RELOAD moves earlier by its wait (up to
-    :data:`_MOVES` times), then its pair is left out."""
-    issue = {pair: pairs.reload_at(pair) for pair in pairs.eligible()}
+    :data:`_MOVES` times), then its pair is left out. What B keeps for W is left to the timetable:
+    eager copies of it crowd the stream the warm-up's Fs need (v-half at seq 32768 without
+    recomputation: full's cut fell from 2.5x to 2.0x)."""
+    issue = {pair: pairs.reload_at(pair) for pair in pairs.eligible() if pair[2] == 0}
     moves = dict.fromkeys(issue, 0)
     while True:
         entries = _issued(schedule, pairs, issue)
@@ -515,6 +611,11 @@ _MOVES = 3
 PACES = (1, 2)
 #: The most time pacing may add to the step (a fraction of the unpaced step).
 PACE_COST = 0.02
+#: The most time offload may add to the step in all (a fraction of the step without copies): pacing
+#: first (at most :data:`PACE_COST`), then Ws moved right after their Bs (:func:`_moved`) with what is left.
+STEP_COST = 0.05
+#: The most Ws :func:`_moved` tries to move on one rank.
+W_TRIES = 6
 
 
 def _behind(schedule: Schedule, costs: StageCosts, ranks: set) -> set:
@@ -564,13 +665,126 @@ def _paced(best: Schedule, schedule: Schedule, pairs: _Pairs, costs: StageCosts,
     return min(found, key=lambda f: f[0])[1] if found else best
 
 
+def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ratio: float | None) -> Schedule:
+    """``offloaded``, with Ws moved right after their Bs where that lowers a ``short`` rank's peak:
+    a W deferred past its B holds what B keeps for it (``m_w``), and in a cool-down the copy
+    streams may have no room to take it away. Greedy, while the largest peak is above the target
+    (selective: (1 - ``ratio``) of the largest peak without copies; full: none): the rank with
+    the largest peak moves a W held at it (:func:`_held_w`; its copies dropped if it had any,
+    :func:`_move_w`); the whole schedule is simulated and the move kept where that rank's peak
+    falls or is reached fewer times, no other rank's rises, and the step stays within
+    :data:`STEP_COST` of the step without copies and no shorter (the planner bounds an offloaded
+    step by the bare schedule's: offload never shortens a step). It stops where that rank has tried
+    :data:`W_TRIES` Ws or holds none at its peak, keeping the fewest moves that reach the lowest
+    largest peak. The moves are recorded as ``options["offload"]["moved"]`` (``[stage,
+    microbatch, index]``: the W's index in its rank's list without copies, :func:`unmoved`)."""
+    span = max((max(e, default=0.0) for e in pairs.ends), default=0.0)
+    target = 0.0 if ratio is None else (1 - ratio) * max(_levels(pairs.schedule, costs, pairs.starts, pairs.ends))
+    current, moved, tried, refused = offloaded, {}, dict.fromkeys(short, 0), set()
+    timeline = asap(current, costs.duration, costs.transfer)
+    peaks = _levels(current, costs, *timeline)
+    best = max(peaks), current, {}  # the largest peak, and the fewest moves that reach it
+    while max(peaks) > target + _slack(target):
+        rank = peaks.index(max(peaks))
+        if tried.get(rank, W_TRIES) >= W_TRIES:
+            break
+        at = _peak_times(current.ranks[rank], costs, *(times[rank] for times in timeline))
+        pair = _held_w(current.ranks[rank], *(times[rank] for times in timeline), at, refused)
+        if pair is None:
+            break
+        tried[rank] += 1
+        trial = replace(current, ranks=tuple(_move_w(actions, pair) if r == rank else actions
+                                             for r, actions in enumerate(current.ranks)))
+        times = asap(trial, costs.duration, costs.transfer)
+        levels = _levels(trial, costs, *times)
+        fewer = (levels[rank] < peaks[rank] - _slack(peaks[rank]) or levels[rank] <= peaks[rank] + _slack(peaks[rank])
+                 and len(_peak_times(trial.ranks[rank], costs, *(t[rank] for t in times))) < len(at))
+        step = max((max(e, default=0.0) for e in times[1]), default=0.0)
+        if (fewer and span - _slack(span) <= step <= (1 + STEP_COST) * span
+                and all(new <= old + _slack(old) for r, (new, old) in enumerate(zip(levels, peaks)) if r != rank)):
+            current, timeline, peaks = trial, times, levels
+            moved[pair] = pairs.schedule.ranks[rank].index(Action(W, *pair))
+            if max(peaks) < best[0] - _slack(best[0]):
+                best = max(peaks), current, dict(moved)
+        else:
+            refused.add(pair)
+    _, current, moved = best
+    if not moved:
+        return offloaded
+    record = {**current.options["offload"], "moved": sorted([*pair, k] for pair, k in moved.items())}
+    return replace(current, options={**current.options, "offload": record})
+
+
+def _peak_times(actions, costs: StageCosts, starts, ends) -> list[float]:
+    """The instants one rank's activation memory reaches its peak on a timeline."""
+    events = sorted((starts[k] if d > 0 else ends[k], d) for k, a in enumerate(actions)
+                    if (d := costs.memory_delta(a)))
+    level = peak = 0.0
+    at: list[float] = []
+    for t, d in events:
+        level += d
+        if level > peak + _slack(peak):
+            peak, at = level, [t]
+        elif d > 0 and level >= peak - _slack(peak):
+            at.append(t)
+    return at
+
+
+def _held_w(actions, starts, ends, at: list[float], refused: set) -> tuple[int, int] | None:
+    """The (stage, microbatch) of a W in ``actions`` (not in ``refused``) that holds what its B kept
+    at instants ``at`` (from its B's start, not on host then, not yet running): the one held at most
+    of them, then the one whose rank idles the longest between its B's end and its start (moving it
+    costs least); None where none is held."""
+    opened, away, busy, best = {}, {}, [0.0], None
+    for k, a in enumerate(actions):
+        busy.append(busy[-1] + (0.0 if KINDS[a.kind].stream else ends[k] - starts[k]))
+        if a.kind in (OFFLOAD_W, RELOAD_W):
+            away.setdefault((a.stage, a.microbatch), []).append(ends[k] if a.kind == OFFLOAD_W else starts[k])
+        for part in parts(a):
+            if part.kind == B:
+                opened[part.stage, part.microbatch] = k
+        if a.kind != W or (pair := (a.stage, a.microbatch)) in refused or pair not in opened:
+            continue
+        b, off = opened[pair], away.get(pair, ())
+        held = sum(starts[b] <= t < starts[k] and not (len(off) == 2 and off[0] <= t < off[1]) for t in at)
+        key = held, starts[k] - ends[b] - (busy[k] - busy[b + 1])
+        if held and (best is None or key > best[0]):
+            best = key, pair
+    return best and best[1]
+
+
+def _move_w(actions, pair) -> tuple[Action, ...]:
+    """One rank's list with the W of ``pair`` (stage, microbatch) right after its B (after the copies
+    issued there), the copies of what that B keeps for it dropped."""
+    w = Action(W, *pair)
+    dropped = {w, *copies((*pair, 1))}
+    kept = [a for a in actions if a not in dropped]
+    k = next(k for k, a in enumerate(kept) if Action(B, *pair) in parts(a)) + 1
+    while k < len(kept) and KINDS[kept[k].kind].stream:
+        k += 1
+    return (*kept[:k], w, *kept[k:])
+
+
+def unmoved(schedule: Schedule) -> Schedule:
+    """An offloaded schedule without its copies and with its moved Ws (:func:`_moved`) back in their
+    places: the schedule the transform was given."""
+    offload = schedule.options.get("offload") or {}
+    ranks = [[a for a in actions if a.kind not in COPIES] for actions in schedule.ranks]
+    for stage, microbatch, _ in offload.get("moved", ()):
+        ranks[schedule.placement[stage]].remove(Action(W, stage, microbatch))
+    for stage, microbatch, k in sorted(offload.get("moved", ()), key=lambda m: m[2]):
+        ranks[schedule.placement[stage]].insert(k, Action(W, stage, microbatch))
+    return replace(schedule, ranks=tuple(map(tuple, ranks)),
+                   options={key: v for key, v in schedule.options.items() if key != "offload"})
+
+
 def _waits(ranks, entries: list[list[tuple]], paced: set, pace: int) -> list[list[int]]:
     """Each F of a ``paced`` rank after ``pace`` offloaded Fs, as ``[stage, microbatch, stage,
     microbatch]``: it waits for the OFFLOAD of the pair ``pace`` offloads before it (the eager
     copies put each OFFLOAD right after its F, so that OFFLOAD is earlier in the list)."""
     waits = []
     for r in sorted(paced):
-        copied = {pair for *_, pair, action in entries[r] if action.kind == OFFLOAD}
+        copied = {pair[:2] for *_, pair, action in entries[r] if action.kind == OFFLOAD}
         done = []
         for a in (f for action in ranks[r] for f in _forwards(action)):
             if len(done) >= pace:
@@ -581,31 +795,32 @@ def _waits(ranks, entries: list[list[tuple]], paced: set, pace: int) -> list[lis
 
 
 def _issued(schedule: Schedule, pairs: _Pairs, issue: dict) -> list[list[tuple]]:
-    """Per rank, OFFLOAD after each pair's F and RELOAD before the action at index ``issue[pair]``
-    (reloads ahead of offloads at one point, but after their own pair's offload)."""
+    """Per rank, each pair's copy to host after the action that opens it and its copy back before
+    the action at index ``issue[pair]`` (copies back ahead of copies to host at one point, but
+    after their own pair's)."""
     entries: list[list[tuple]] = [[] for _ in schedule.ranks]
     for pair, k in issue.items():
         rank, f, _ = pairs.where[pair]
-        entries[rank].append((f + 1, 1, pair, Action(OFFLOAD, *pair)))
-        entries[rank].append((k, 2 if k == f + 1 else 0, pair, Action(RELOAD, *pair)))
+        out, home = copies(pair)
+        entries[rank].append((f + 1, 1, pair, out))
+        entries[rank].append((k, 2 if k == f + 1 else 0, pair, home))
     return entries
 
 
-def _late_reloads(schedule: Schedule, costs: StageCosts) -> dict[tuple[int, int], float]:
-    """Pairs whose backward waits for its RELOAD on the simulated timeline, and how long."""
+def _late_reloads(schedule: Schedule, costs: StageCosts) -> dict[tuple[int, int, int], float]:
+    """Pairs whose closing action (backward; W) waits for its copy back on the simulated timeline, and how long."""
     starts, ends = asap(schedule, costs.duration, costs.transfer)
     late = {}
     for rank, actions in enumerate(schedule.ranks):
         reloaded, previous = {}, 0.0
         for k, a in enumerate(actions):
-            if a.kind == RELOAD:
-                reloaded[a.stage, a.microbatch] = ends[rank][k]
-                continue
-            if a.kind == OFFLOAD:
+            if a.kind in COPIES:
+                if not COPIES[a.kind][1]:
+                    reloaded[pair_of(a)] = ends[rank][k]
                 continue
             for part in parts(a):
-                pair = (part.stage, part.microbatch)
-                if part.kind in (B, BW) and pair in reloaded and reloaded[pair] > previous + 1e-12:
+                pair = (part.stage, part.microbatch, _CLOSES.get(part.kind))
+                if pair in reloaded and reloaded[pair] > previous + 1e-12:
                     if math.isclose(starts[rank][k], reloaded[pair]):
                         late[pair] = reloaded[pair] - previous
             previous = ends[rank][k]
@@ -614,15 +829,16 @@ def _late_reloads(schedule: Schedule, costs: StageCosts) -> dict[tuple[int, int]
 
 # -- the kinds and their dependencies ---------------------------------------------
 def _offloaded(schedule: Schedule) -> frozenset:
-    return frozenset((a.stage, a.microbatch) for actions in schedule.ranks for a in actions if a.kind == RELOAD)
+    """The pairs the schedule copies."""
+    return frozenset(pair for actions in schedule.ranks for pair in copied_pairs(actions))
 
 
-def _offload_needs(action, deps):
-    return (Action(F, action.stage, action.microbatch),)
+def _out_needs(action, deps):
+    return (Action(PHASES[COPIES[action.kind][0]].after[0], action.stage, action.microbatch),)
 
 
-def _reload_needs(action, deps):
-    return (Action(OFFLOAD, action.stage, action.microbatch),)
+def _back_needs(action, deps):
+    return (copies(pair_of(action))[0],)
 
 
 def paced(schedule: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
@@ -632,15 +848,16 @@ def paced(schedule: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
 
 @register_inputs
 def _copy_inputs(schedule: Schedule):
-    """In offloaded schedules, the backward of an offloaded pair after its RELOAD, and a paced F
-    after the OFFLOAD it waits for."""
+    """In offloaded schedules, the action that closes a copied pair (its backward; W) after the
+    pair's copy back, and a paced F after the OFFLOAD it waits for."""
     if not schedule.options.get("offload"):
         return None
 
     def rule(action, deps):
         kind, pair = action.kind, (action.stage, action.microbatch)
-        if (kind == B or kind == BW) and pair in deps.fact("offload", _offloaded):
-            return (Action(RELOAD, *pair),)
+        closes = _CLOSES.get(kind)
+        if closes is not None and (*pair, closes) in deps.fact("offload", _offloaded):
+            return (copies((*pair, closes))[1],)
         if kind == F and (waited := deps.fact("offload waits", paced).get(pair)) is not None:
             return (Action(OFFLOAD, *waited),)
         return ()
@@ -648,35 +865,42 @@ def _copy_inputs(schedule: Schedule):
 
 
 def check_copies(schedule: Schedule) -> None:
-    """Each OFFLOAD has one RELOAD of its pair and the reverse, on the pair's rank, after
-    its F and before its backward; only schedules marked offloaded hold them."""
+    """Each copy to host has one copy back of its pair and the reverse, on the pair's rank (the
+    dependencies put them after the action that opens the pair and before the one that closes
+    it); only schedules marked offloaded hold them."""
     offloads, reloads = {}, {}
     for rank, actions in enumerate(schedule.ranks):
         for a in actions:
-            if a.kind == OFFLOAD:
-                offloads[a.stage, a.microbatch] = rank
-            elif a.kind == RELOAD:
-                reloads[a.stage, a.microbatch] = rank
+            if a.kind in COPIES:
+                (offloads if COPIES[a.kind][1] else reloads)[pair_of(a)] = rank
     if not offloads and not reloads:
         return
     if not schedule.options.get("offload"):
         pair = next(iter(offloads or reloads))
-        raise ScheduleError(f"the schedule copies {pair[0]}F{pair[1]}'s activations, but options['offload'] "
-                            "names no offload policy")
+        opener = PHASES[pair[2]].after[0]
+        raise ScheduleError(f"the schedule copies what {pair[0]}{KINDS[opener].code}{pair[1]} keeps, but "
+                            "options['offload'] names no offload policy")
     for pair in offloads.keys() ^ reloads.keys():
-        have, missing = (OFFLOAD, RELOAD) if pair in offloads else (RELOAD, OFFLOAD)
+        have, missing = copies(pair) if pair in offloads else copies(pair)[::-1]
         rank = schedule.placement[pair[0]]
-        raise ScheduleError(f"rank {rank}: {have} {pair[0]}:{pair[1]} has no {missing} of the same stage and microbatch")
+        raise ScheduleError(f"rank {rank}: {have.kind} {pair[0]}:{pair[1]} has no {missing.kind} of the same stage "
+                            "and microbatch")
     for pair, waited in paced(schedule).items():
         rank = schedule.placement[pair[0]]
-        if offloads.get(waited) != rank:
+        if offloads.get((*waited, 0)) != rank:
             raise ScheduleError(f"rank {rank}: F {pair[0]}:{pair[1]} waits for OFFLOAD {waited[0]}:{waited[1]}, "
                                 "which is not on its rank (options['offload']['waits'] names offloads of the F's rank)")
 
 
-register(Kind(OFFLOAD, "offload", needs=_offload_needs, memory=((-1.0, "m_b"),), host=((1.0, "m_b"),),
-              cost=("offload",), colour="#8172b3", letter="o", torch_csv=None, stream=OUT_STREAM,
-              check=check_copies))
-register(Kind(RELOAD, "reload", needs=_reload_needs, memory=((1.0, "m_b"),), host=((-1.0, "m_b"),),
-              cost=("offload",), colour="#da8bc3", letter="r", torch_csv=None, stream=BACK_STREAM,
-              check=check_copies))
+def _copy_kind(name: str, label: str, held: str, time: str, out: bool, colour: str, letter: str) -> Kind:
+    """A copy kind: to host (``out``) or back, of ``held`` (a memory field) in the time ``time``."""
+    sign = -1.0 if out else 1.0
+    return register(Kind(name, label, needs=_out_needs if out else _back_needs, memory=((sign, held),),
+                         host=((-sign, held),), cost=(time,), colour=colour, letter=letter, torch_csv=None,
+                         stream=OUT_STREAM if out else BACK_STREAM, check=check_copies))
+
+
+_copy_kind(OFFLOAD, "offload", "m_b", "offload", True, "#8172b3", "o")
+_copy_kind(RELOAD, "reload", "m_b", "offload", False, "#da8bc3", "r")
+_copy_kind(OFFLOAD_W, "offload W", "m_w", "offload_w", True, "#64b5cd", "u")
+_copy_kind(RELOAD_W, "reload W", "m_w", "offload_w", False, "#ccb974", "l")

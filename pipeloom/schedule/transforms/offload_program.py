@@ -11,17 +11,18 @@ same floats as compiling it gives (a test compares them).
 from __future__ import annotations
 
 from .. import deps as _deps
-from ..ir import BW, B, F, Action, Schedule
+from ..ir import F, Action, Schedule
 from ..kinds import COMPOUND, KINDS
-from .offload import OFFLOAD, RELOAD, _offloaded, paced
+from .offload import _CLOSES, _OPENS, COPIES, _offloaded, pair_of, paced
 
 
 def with_copies(schedule: Schedule, base: Schedule) -> None:
     """Give ``schedule`` (``base`` with copies inserted by :func:`_insert`) the timing program
     (:func:`~..deps.asap`'s) derived from ``base``'s: each base action keeps its inputs (the copies,
     on a side stream, never advance a rank's clock), each copy waits for its rank's clock at its
-    place in the list, the stream's previous copy and its pair's F or OFFLOAD, each reloaded pair's
-    backward for its RELOAD too, and each paced F for the OFFLOAD it waits for; the order runs each
+    place in the list, the stream's previous copy and the action that opens its pair (a copy to
+    host) or its copy to host (a copy back), the action that closes a copied pair for its copy back
+    too, and each paced F for the OFFLOAD it waits for; the order runs each
     copy as its rank's list reaches it. What compiling ``schedule`` gives, in a fraction of its
     time (the placement times each of its attempts); anything else, and the program is compiled
     as usual."""
@@ -60,7 +61,7 @@ def _derive(schedule: Schedule, base: Schedule):
         at, first, mine = offsets[r], old.bounds[r][0], []
         j = first
         for k, a in enumerate(actions):
-            if a.kind == OFFLOAD or a.kind == RELOAD:
+            if a.kind in COPIES:
                 mine.append((at + k, a))
                 key = copy_keys.setdefault((a.kind, a.stage, a.payload), len(timed))
                 if key == len(timed):
@@ -82,30 +83,29 @@ def _derive(schedule: Schedule, base: Schedule):
         copies.append(mine)
     old_keys = old.steps[2]
     offloaded, waits = _offloaded(schedule), paced(schedule)
-    reloads = {}  # pair -> slot of its RELOAD
-    forwards = {}  # pair -> slot of its F
-    copied = {}  # pair -> slot of its OFFLOAD
+    reloads = {}  # pair -> slot of its copy back
+    opened = {}  # pair -> slot of the action that opens it
+    copied = {}  # pair -> slot of its copy to host
     order, inputs_of, keys_of, sides = [], [], [], []
     clock = [zero] * len(lists)
-    stream = [{OFFLOAD: zero, RELOAD: zero} for _ in lists]  # the last copy on each of a rank's streams
+    stream = [{True: zero, False: zero} for _ in lists]  # the last copy on each of a rank's streams (to host, back)
     get = new_of.__getitem__
     flat_new = [a for actions in lists for a in actions]
-    backward = (B, BW)
 
     def place(r: int, mine: list) -> bool:
         """Each copy as its rank's list reaches it: after the clock there, the stream's previous
-        copy and its pair's F (OFFLOAD) or OFFLOAD (RELOAD)."""
+        copy and the action that opens its pair (to host) or its copy to host (back)."""
         for slot, a in mine:
-            pair = a.stage, a.microbatch
-            q = (forwards if a.kind == OFFLOAD else copied).get(pair)
+            pair, out = pair_of(a), COPIES[a.kind][1]
+            q = (opened if out else copied).get(pair)
             if q is None:
                 return False
             order.append(slot)
-            inputs_of.append((clock[r], stream[r][a.kind], q))
+            inputs_of.append((clock[r], stream[r][out], q))
             keys_of.append(copy_keys[a.kind, a.stage, a.payload])
             sides.append(None)
-            stream[r][a.kind] = slot
-            (copied if a.kind == OFFLOAD else reloads)[pair] = slot
+            stream[r][out] = slot
+            (copied if out else reloads)[pair] = slot
         return True
 
     for old_slot, inputs, key in zip(old.steps[0], old.steps[1], old_keys):
@@ -118,18 +118,20 @@ def _derive(schedule: Schedule, base: Schedule):
         inputs_of.append(tuple(map(get, inputs)))
         keys_of.append(key)
         clock[r] = slot
+        opens, closes = _OPENS.get(a.kind), _CLOSES.get(a.kind)
+        if opens is not None:
+            opened[a.stage, a.microbatch, opens] = slot
         if a.kind == F:
             if a != Action(F, a.stage, a.microbatch):
                 return None
-            forwards[a.stage, a.microbatch] = slot
             waited = waits.get((a.stage, a.microbatch))
-            if waited is not None and waited not in copied:
+            if waited is not None and (*waited, 0) not in copied:
                 return None  # its OFFLOAD comes later in the list: compiling says so
-            sides.append(None if waited is None else (r, (zero, copied[waited])))
-        elif a.kind in backward and (a.stage, a.microbatch) in offloaded:
-            waited = reloads.get((a.stage, a.microbatch))
+            sides.append(None if waited is None else (r, (zero, copied[(*waited, 0)])))
+        elif closes is not None and (a.stage, a.microbatch, closes) in offloaded:
+            waited = reloads.get((a.stage, a.microbatch, closes))
             if waited is None:
-                return None  # its RELOAD comes later in the list: compiling says so
+                return None  # its copy back comes later in the list: compiling says so
             sides.append((r, (zero, waited)))
         else:
             sides.append(None)
