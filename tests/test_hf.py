@@ -107,8 +107,14 @@ CASES = {  # label: (config overrides, max_shard_size, pipeline flags); "gpt2" i
 }
 
 
+#: The cases the default suite runs (one of each model, tying, GQA with rope scaling, shards and each
+#: vocabulary split); the others run with the slow set.
+QUICK = {"pp2-vocab-1", "tied-pp2", "gqa-rope-pp2", "gpt2-untied-pp4-vocab-2"}
+
+
 @pytest.mark.timeout(TIMEOUT)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [case if case in QUICK else pytest.param(case, marks=pytest.mark.slow)
+                                  for case in CASES])
 def test_init_from_trains_from_transformers_loss_and_saves_what_transformers_reloads(tmp_path, monkeypatch, case):
     monkeypatch.setenv("PIPELOOM_CACHE", str(tmp_path / "cache"))
     overrides, shard, flags = CASES[case]
