@@ -162,14 +162,16 @@ class _Pairs:
             self.issues.append(issues)
         #: (stage, microbatch) -> (end of its F, start of its backward)
         self.gaps = {pair: (self.ends[rank][f], self.starts[rank][b]) for pair, (rank, f, b) in self.where.items()}
+        self._span_slack: float | None = None
 
     def copy(self, pair) -> float:
         return self.costs.offload[pair[0]]
 
     def stream(self) -> _Link:
         """An empty pair of copy streams, times equal within float noise of the schedule's span."""
-        slack = _slack(max((max(ends, default=0.0) for ends in self.ends), default=0.0))
-        return _Link(_Stream(slack), _Stream(slack))
+        if self._span_slack is None:  # once: the sweeps ask for hundreds of streams
+            self._span_slack = _slack(max((max(ends, default=0.0) for ends in self.ends), default=0.0))
+        return _Link(_Stream(self._span_slack), _Stream(self._span_slack))
 
     def gap(self, pair) -> tuple[float, float]:
         """End of the pair's F and start of its backward."""

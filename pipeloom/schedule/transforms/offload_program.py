@@ -11,7 +11,7 @@ same floats as compiling it gives (a test compares them).
 from __future__ import annotations
 
 from .. import deps as _deps
-from ..ir import BW, B, F, Action, Schedule
+from ..ir import BW, B, F, Schedule
 from ..kinds import COMPOUND, KINDS
 from .offload import OFFLOAD, RELOAD, _offloaded, paced
 
@@ -113,21 +113,21 @@ def _derive(schedule: Schedule, base: Schedule):
         mine = before.get(old_slot)
         if mine is not None and not place(r, mine):
             return None
-        a = flat_new[slot]
+        kind, stage, microbatch, payload = flat_new[slot]
         order.append(slot)
         inputs_of.append(tuple(map(get, inputs)))
         keys_of.append(key)
         clock[r] = slot
-        if a.kind == F:
-            if a != Action(F, a.stage, a.microbatch):
+        if kind == F:
+            if payload:
                 return None
-            forwards[a.stage, a.microbatch] = slot
-            waited = waits.get((a.stage, a.microbatch))
+            forwards[stage, microbatch] = slot
+            waited = waits.get((stage, microbatch))
             if waited is not None and waited not in copied:
                 return None  # its OFFLOAD comes later in the list: compiling says so
             sides.append(None if waited is None else (r, (zero, copied[waited])))
-        elif a.kind in backward and (a.stage, a.microbatch) in offloaded:
-            waited = reloads.get((a.stage, a.microbatch))
+        elif kind in backward and (stage, microbatch) in offloaded:
+            waited = reloads.get((stage, microbatch))
             if waited is None:
                 return None  # its RELOAD comes later in the list: compiling says so
             sides.append((r, (zero, waited)))
