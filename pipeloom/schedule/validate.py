@@ -9,7 +9,7 @@ from operator import itemgetter
 
 from ..errors import ScheduleError
 from .costs import Costs
-from .deps import asap, peak_activation
+from .deps import _program, peak_activation
 from .ir import Schedule, parts
 from .kinds import COMPOUND, KINDS, RANK, checks, get
 
@@ -38,8 +38,9 @@ def validate(
     ``m_w`` is the fraction of M_B kept from B to W; other kinds' buffers are
     not counted).
 
-    Order and deadlock come from one dry run of :func:`~pipeloom.schedule.deps.asap`:
-    an input that is not ready must come from a later action of another rank.
+    Order and deadlock come from compiling the schedule's timing program (what
+    :func:`~pipeloom.schedule.deps.asap` runs, kept for the simulator): an input that is not
+    ready must come from a later action of another rank.
     """
     _check_shape(schedule)
     compound = any(not COMPOUND.isdisjoint(map(_KIND, actions)) for actions in schedule.ranks)
@@ -48,7 +49,7 @@ def validate(
     _check_once(flat)
     for check in checks():
         check(flat)
-    asap(schedule, duration=lambda action: 0.0)
+    _program(schedule)  # compiling its timing program finds misordered inputs and deadlocks
     if memory_limit is not None:
         units = Costs(m_b=1.0, m_w=m_w).per_stage(schedule.stages, schedule.chunks)
         for rank, actions in enumerate(schedule.ranks):
