@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from operator import sub
+from itertools import chain
+from operator import itemgetter, sub
 from typing import NamedTuple
 
 from ..errors import PipeloomError
@@ -84,7 +85,7 @@ class Result:
         (per rank, in list order): simulated, or measured on the runtime;
         ``exposed``: per rank, the time compute waited for side streams."""
         makespan = max((max(e) for e in ends if e), default=0.0)
-        present = {a.kind for actions in schedule.ranks for a in actions}
+        present = set(map(itemgetter(0), chain.from_iterable(schedule.ranks)))  # the kinds it holds
         side = frozenset(name for name, kind in KINDS.items() if kind.stream and name in present)
         hosted = frozenset(name for name, kind in KINDS.items() if kind.host and name in present)
         stats, timelines = [], []
