@@ -14,12 +14,12 @@ actions), which is what lets the search skip most simulations.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass
 
 from ..schedule.costs import StageCosts
-from ..schedule.deps import Dependencies
-from ..schedule.kinds import KINDS, RANK
+from ..schedule.deps import _program
 from ..sim import Result
 
 
@@ -40,12 +40,17 @@ class CriticalPath:
 
 
 def critical_path(result: Result) -> CriticalPath:
-    """The chain that ends last in ``result`` (a schedule without side-stream actions)."""
+    """The chain that ends last in ``result`` (a schedule without side-stream actions), read off the
+    timing program that simulated it (:func:`~pipeloom.schedule.deps.asap`'s): each action's inputs
+    are the action before it on its rank, then the producers of its inputs in the order its kind's
+    rules name them, each marked where its result crosses to another rank or through a collective."""
     schedule, starts, ends = result.schedule, result.starts, result.ends
-    deps_of = Dependencies(schedule)
-    where = {action: (r, k) for r, actions in enumerate(schedule.ranks) for k, action in enumerate(actions)}
-    by_rank = {name for name, kind in KINDS.items() if kind.owner == RANK}
-    reduced = {name for name, kind in KINDS.items() if kind.reduced}
+    program = _program(schedule)
+    n = program.n
+    inputs_at = dict(zip(program.steps[0], program.steps[1]))
+    flat_ends = [end for rank in ends for end in rank]
+    offsets = [a for a, _ in program.bounds]
+    transfer, timed, key_at = result.costs.transfer, program.timed, dict(zip(program.steps[0], program.steps[2]))
     rank = max(range(schedule.pp), key=lambda r: max(ends[r], default=0.0))
     k = max(range(len(ends[rank])), key=lambda i: ends[rank][i])
     runs: Counter = Counter()
@@ -55,22 +60,23 @@ def critical_path(result: Result) -> CriticalPath:
         action = schedule.ranks[r][k]
         runs[_key(action)] += 1
         start = starts[r][k]
+        slot = offsets[r] + k
         # the predecessor whose end (plus transfer) is latest: it set this start
         best, best_time, crossed = None, 0.0 if k == 0 else ends[r][k - 1], False
         if k > 0:
-            best = (r, k - 1)
-        for dep in deps_of(action):
-            dr, dk = where[dep]
-            owner = dep.stage if dep.kind in by_rank else schedule.placement[dep.stage]
-            cross = owner != r or dep.kind in reduced
-            arrival = ends[dr][dk] + (result.costs.transfer(dep) if cross else 0.0)
+            best = slot - 1
+        for q in inputs_at[slot][1:]:  # the first is the rank's previous action
+            cross = q >= n
+            dep = q - n if cross else q
+            arrival = flat_ends[dep] + (transfer(timed[key_at[dep]]) if cross else 0.0)
             if arrival > best_time:
-                best, best_time, crossed = (dr, dk), arrival, cross
+                best, best_time, crossed = dep, arrival, cross
         if best is None or best_time < start - 1e-9 * max(1.0, start):
             break  # nothing made it wait: the chain starts here
+        r = bisect_right(offsets, best) - 1
+        k = best - offsets[r]
         if crossed:
-            transfers[_key(schedule.ranks[best[0]][best[1]])] += 1
-        r, k = best
+            transfers[_key(schedule.ranks[r][k])] += 1
     return CriticalPath(rank, _stand_ins(schedule, runs), _stand_ins(schedule, transfers))
 
 
@@ -79,9 +85,15 @@ def _key(action) -> tuple:
 
 
 def _stand_ins(schedule, counts: Counter) -> tuple:
-    """One action of each (kind, stage) key, with its count."""
-    first = {}
+    """One action of each (kind, stage) key, its first in the lists, with its count."""
+    first, wanted = {}, len(counts)
     for actions in schedule.ranks:
         for action in actions:
-            first.setdefault(_key(action), action)
+            key = action.kind, action.stage
+            if key in counts and key not in first:
+                first[key] = action
+                if len(first) == wanted:
+                    break
+        if len(first) == wanted:
+            break
     return tuple((first[key], n) for key, n in sorted(counts.items()))

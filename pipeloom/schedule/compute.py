@@ -10,6 +10,7 @@ a forward-only schedule (:mod:`.forward`) one F and no backward.
 from __future__ import annotations
 
 from collections import Counter
+from itertools import product
 
 from ..errors import ScheduleError
 from .ir import BW, B, F, W, Action, Schedule
@@ -34,6 +35,8 @@ def _weight_needs(action: Action, deps) -> tuple:
 def check_compute(schedule: Schedule) -> None:
     """Each (stage, microbatch) has one F and either one BW or one B and one W (a
     forward-only schedule: one F and no backward)."""
+    if _complete(schedule):
+        return  # else the checks below, pair by pair, name what is wrong
     counts = Counter(a for actions in schedule.ranks for a in actions if a.kind in (F, B, W, BW))
     if schedule.forward_only:
         backward = next((a for a in counts if a.kind != F), None)
@@ -61,6 +64,22 @@ def check_compute(schedule: Schedule) -> None:
             elif not all(split):
                 missing = f"{stage}W{mb}" if split[0] else f"{stage}I{mb}"
                 raise ScheduleError(f"rank {rank}: {missing} is missing (a split backward needs both B and W)")
+
+
+def _complete(schedule: Schedule) -> bool:
+    """True when :func:`check_compute` finds nothing wrong, decided on sets of (stage, microbatch)
+    pairs (a forward-only schedule: False, left to the checks pair by pair)."""
+    if schedule.forward_only:
+        return False
+    pairs = {F: set(), B: set(), W: set(), BW: set()}
+    for actions in schedule.ranks:
+        for kind, stage, microbatch, payload in actions:
+            found = pairs.get(kind)
+            if found is not None and not payload:
+                found.add((stage, microbatch))
+    every = set(product(range(schedule.stages), range(schedule.total_microbatches)))
+    forwards, split, weights, fused = pairs[F], pairs[B], pairs[W], pairs[BW]
+    return forwards >= every and every <= fused | (split & weights) and not fused & (split | weights) & every
 
 
 register(Kind(F, "forward", needs=_forward_needs, memory=((1.0, "m_b"),), cost=("f",), transfer="comm",

@@ -17,6 +17,7 @@ import weakref
 from array import array
 from collections import deque
 from itertools import accumulate
+from operator import itemgetter
 from typing import Callable, Iterable
 
 from ..errors import ScheduleError
@@ -130,6 +131,8 @@ def asap(
 
 
 _BY_RANK, _REDUCED, _SIDE = 1, 2, 4
+#: (kind, stage, payload) of an action: what its time depends on
+_KEY = itemgetter(0, 1, 3)
 _COLLECTED = _REDUCED | _SIDE  # a collective's inputs are reduced, not side-stream results
 
 
@@ -155,10 +158,12 @@ class _Program:
                  | (_SIDE if kind.stream else 0) for name, kind in KINDS.items()}
         flat = [action for actions in lists for action in actions]
         keys: dict[tuple, int] = {}  # each distinct (kind, stage, payload), numbered
-        key_at = [keys.setdefault((a.kind, a.stage, a.payload), len(keys)) for a in flat]
+        key_at = [keys.setdefault(key, len(keys)) for key in map(_KEY, flat)]
         #: an action of each key, standing for all in timing
         self.timed: list[Action] = list(dict(zip(key_at, flat)).values())
-        sent: set[int] = set()  # keys of the actions whose arrival another reads
+        sent = bytearray(len(keys))  # 1 for the keys of the actions whose arrival another reads
+        # the dependency rules, read here as Dependencies.__call__ reads them (the hot loop below)
+        needs_of, rules, compound = deps_of._needs, deps_of.rules, deps_of.compound
         # in the order the actions can run: each one's slot, its inputs' slots and, when
         # it waits for side-stream results, (its rank, their slots)
         order, inputs_of, sides = [], [], []
@@ -171,58 +176,80 @@ class _Program:
         clock = [zero] * len(lists)  # the slot of each rank's latest compute end
         streams: list[dict[str, int]] = [{} for _ in lists]
         ready = deque(range(len(lists)))
+        done_get, add_order, add_inputs, add_side = done.get, order.append, inputs_of.append, sides.append
         while ready:
             r = ready.popleft()
             blocked_on.pop(r, None)
             actions, k = lists[r], pos[r]
-            while k < len(actions):
+            at = offsets[r]
+            last = clock[r]
+            end = len(actions)
+            while k < end:
                 action = actions[k]
-                stream = side.get(action.kind)
-                inputs = [clock[r], streams[r].get(stream, zero)] if stream else [clock[r]]
+                kind = action[0]
+                stream = side.get(kind) if side else None
+                inputs = [last, streams[r].get(stream, zero)] if stream else [last]
                 waited = None
-                found = deps_of(action)
-                known = collected.get(id(found))
+                needs = needs_of.get(kind)
+                if needs is None:
+                    get(kind)  # raises, naming the registered kinds
+                found = needs(action, deps_of)
+                for rule in rules:
+                    extra = rule(action, deps_of)
+                    if extra:
+                        found = found + extra
+                if compound:
+                    found = tuple(compound.get(dep, dep) for dep in found)
+                known = collected.get(id(found)) if collected else None
                 if known is not None and known[0] is found:  # a collective's inputs, resolved before
                     inputs.extend(known[1])
                     found = ()
                 for dep in found:
-                    q = done.get(dep)
-                    flag = flags[dep.kind]
+                    q = done_get(dep)
                     if q is None:
-                        if (dep.stage if flag & _BY_RANK else placement[dep.stage]) == r:
+                        flag = flags[dep[0]]
+                        if (dep[1] if flag & _BY_RANK else placement[dep[1]]) == r:
                             _local_order_error(schedule, r, k, action, dep)
                         waiting.setdefault(dep, []).append(r)
                         blocked_on[r] = dep
                         break
-                    if flag & _REDUCED or (dep.stage if flag & _BY_RANK else placement[dep.stage]) != r:
-                        sent.add(key_at[q])
+                    flag = flags[dep[0]]
+                    if flag:
+                        if flag & _REDUCED or (dep[1] if flag & _BY_RANK else placement[dep[1]]) != r:
+                            sent[key_at[q]] = 1
+                            q += n
+                        if flag & _SIDE and not stream:
+                            waited = (waited or [zero]) + [q]
+                            continue
+                    elif placement[dep[1]] != r:
+                        sent[key_at[q]] = 1
                         q += n
-                    if flag & _SIDE and not stream:
-                        waited = (waited or [zero]) + [q]
-                    else:
-                        inputs.append(q)
+                    inputs.append(q)
                 else:
-                    if (len(found) > 1 and flags[found[0].kind] & _COLLECTED == _REDUCED
-                            and all(flags[dep.kind] & _COLLECTED == _REDUCED for dep in found)):
+                    if (len(found) > 1 and flags[found[0][0]] & _COLLECTED == _REDUCED
+                            and all(flags[dep[0]] & _COLLECTED == _REDUCED for dep in found)):
                         collected[id(found)] = found, inputs[-len(found):]
-                    slot = offsets[r] + k
-                    order.append(slot)
-                    inputs_of.append(tuple(inputs))
-                    sides.append(waited and (r, tuple(waited)))
+                    slot = at + k
+                    add_order(slot)
+                    add_inputs(tuple(inputs))
+                    add_side(waited and (r, tuple(waited)))
                     if stream:
                         streams[r][stream] = slot
                     else:
-                        clock[r] = slot
+                        last = slot
                     done[action] = slot
                     k += 1
-                    for other in waiting.pop(action, ()):
-                        ready.append(other)
+                    if waiting:
+                        woken = waiting.pop(action, None)
+                        if woken:
+                            ready.extend(woken)
                     continue
                 break
             pos[r] = k
+            clock[r] = last
         if any(pos[r] < len(lists[r]) for r in range(len(lists))):
             raise ScheduleError(_deadlock_message(schedule, pos, blocked_on))
-        self.sent = sorted(sent)
+        self.sent = [key for key, crossed in enumerate(sent) if crossed]
         #: parallel lists, zipped by :meth:`run`: slot, inputs, key and side-stream inputs of each action
         self.steps = order, inputs_of, [key_at[slot] for slot in order], sides
         self.bounds = list(zip(offsets, offsets[1:]))

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import replace
+from itertools import chain
+from operator import itemgetter
 
 from ..errors import ScheduleError
 from .costs import Costs
-from .deps import asap, peak_activation
+from .deps import _program, peak_activation
 from .ir import Schedule, parts
 from .kinds import COMPOUND, KINDS, RANK, checks, get
+
+_KIND, _STAGE, _MICROBATCH = itemgetter(0), itemgetter(1), itemgetter(2)
 
 
 def validate(
@@ -34,15 +38,18 @@ def validate(
     ``m_w`` is the fraction of M_B kept from B to W; other kinds' buffers are
     not counted).
 
-    Order and deadlock come from one dry run of :func:`~pipeloom.schedule.deps.asap`:
-    an input that is not ready must come from a later action of another rank.
+    Order and deadlock come from compiling the schedule's timing program (what
+    :func:`~pipeloom.schedule.deps.asap` runs, kept for the simulator): an input that is not
+    ready must come from a later action of another rank.
     """
     _check_shape(schedule)
-    flat = replace(schedule, ranks=tuple(tuple(p for a in actions for p in parts(a)) for actions in schedule.ranks))
+    compound = any(not COMPOUND.isdisjoint(map(_KIND, actions)) for actions in schedule.ranks)
+    flat = replace(schedule, ranks=tuple(tuple(p for a in actions for p in parts(a)) for actions in schedule.ranks)
+                   ) if compound else schedule
     _check_once(flat)
     for check in checks():
         check(flat)
-    asap(schedule, duration=lambda action: 0.0)
+    _program(schedule)  # compiling its timing program finds misordered inputs and deadlocks
     if memory_limit is not None:
         units = Costs(m_b=1.0, m_w=m_w).per_stage(schedule.stages, schedule.chunks)
         for rank, actions in enumerate(schedule.ranks):
@@ -67,6 +74,8 @@ def _check_shape(schedule: Schedule) -> None:
             raise ScheduleError(f"stage {stage} is placed on rank {rank}, outside 0..{p - 1}")
     total = schedule.total_microbatches
     for rank, actions in enumerate(schedule.ranks):
+        if _plainly_placed(schedule, rank, actions, total):
+            continue  # else the same checks, action by action, to name the first that fails
         placed = set()  # (kind, stage) of the actions checked to belong here
         for action in (p for a in actions for p in _parts(rank, a)):
             if (action.kind, action.stage) not in placed:
@@ -77,6 +86,28 @@ def _check_shape(schedule: Schedule) -> None:
                     f"rank {rank}: action {action} names microbatch {action.microbatch}; "
                     f"microbatches are 0..{total - 1}"
                 )
+
+
+def _plainly_placed(schedule: Schedule, rank: int, actions, total: int) -> bool:
+    """True when ``actions`` (rank ``rank``'s list) holds no compound action, each of its (kind,
+    stage) is registered and belongs to ``rank``, and every microbatch is in 0..``total - 1``: what
+    :func:`_check_shape` checks action by action, in a few passes over the list."""
+    if not actions:
+        return True
+    kinds = set(map(_KIND, actions))
+    if not kinds <= KINDS.keys() or not COMPOUND.isdisjoint(kinds):
+        return False
+    microbatches = set(map(_MICROBATCH, actions))
+    if min(microbatches) < 0 or max(microbatches) >= total:
+        return False
+    placement, stages = schedule.placement, schedule.stages
+    for kind, stage in set(zip(map(_KIND, actions), map(_STAGE, actions))):
+        if KINDS[kind].owner == RANK:
+            if stage != rank:
+                return False
+        elif not 0 <= stage < stages or placement[stage] != rank:
+            return False
+    return True
 
 
 def _check_place(schedule: Schedule, rank: int, action) -> None:
@@ -119,6 +150,8 @@ def _parts(rank: int, action) -> tuple:
 
 def _check_once(schedule: Schedule) -> None:
     """No action appears twice."""
+    if len(set(chain.from_iterable(schedule.ranks))) == schedule.num_actions():
+        return
     counts = Counter(a for actions in schedule.ranks for a in actions)
     for action, n in counts.items():
         if n > 1:

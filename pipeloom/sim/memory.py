@@ -12,7 +12,7 @@ import math
 
 from ..modes import VocabMode
 from ..schedule.ir import parts
-from ..schedule.kinds import get, graded
+from ..schedule.kinds import COMPOUND, get, graded
 from .formulas import _attention, _attention_memory, kfac_state_bytes
 from .simulate import Result
 from .specs import ModelSpec, _positive, get_model
@@ -99,10 +99,11 @@ def _with_gradients(result: Result, rank: int, grads: dict[int, float], casts: d
     bytes per stage) of the stages whose backward has begun (from the start of a stage's first
     action timed by the ``b`` or ``w`` cost, or a compound action holding one), plus, at the start
     of an action timed by ``f`` (its activations are counted from then), its stage's ``casts``."""
-    backward, casts = graded(), casts or {}
+    backward = graded()
+    casts = {s: c for s, c in (casts or {}).items() if c}  # none: the list read only up to each first backward
     first, forward = {}, {}
     for action, start in zip(result.schedule.ranks[rank], result.starts[rank]):
-        for part in parts(action):
+        for part in parts(action) if action.kind in COMPOUND else (action,):
             if part.kind in backward and part.stage in grads and part.stage not in first:
                 first[part.stage] = start
             if casts.get(part.stage) and "f" in get(part.kind).cost:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import chain
+from operator import itemgetter, sub
 from typing import NamedTuple
 
 from ..errors import PipeloomError
@@ -74,6 +76,8 @@ class Result:
     ranks: list[RankStats]
     starts: list[list[float]] = field(repr=False)
     ends: list[list[float]] = field(repr=False)
+    #: per rank, its :meth:`memory_timeline` as :meth:`from_times` worked it out (None: worked out when asked)
+    timelines: list[list[tuple[float, float]]] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_times(cls, schedule: Schedule, costs: StageCosts, starts, ends, exposed=None) -> Result:
@@ -81,24 +85,29 @@ class Result:
         (per rank, in list order): simulated, or measured on the runtime;
         ``exposed``: per rank, the time compute waited for side streams."""
         makespan = max((max(e) for e in ends if e), default=0.0)
-        present = {a.kind for actions in schedule.ranks for a in actions}
+        present = set(map(itemgetter(0), chain.from_iterable(schedule.ranks)))  # the kinds it holds
         side = frozenset(name for name, kind in KINDS.items() if kind.stream and name in present)
         hosted = frozenset(name for name, kind in KINDS.items() if kind.host and name in present)
-        stats = []
+        stats, timelines = [], []
         for rank, actions in enumerate(schedule.ranks):
             times = list(zip(actions, starts[rank], ends[rank]))
-            compute = [(s, e) for a, s, e in times if a.kind not in side] if side else [(s, e) for _, s, e in times]
-            busy = sum(e - s for s, e in compute)
-            span = compute[-1][1] - compute[0][0] if compute else 0.0
+            if side:
+                compute = [(s, e) for a, s, e in times if a.kind not in side]
+                busy = sum(e - s for s, e in compute)
+                span = compute[-1][1] - compute[0][0] if compute else 0.0
+            else:
+                busy = sum(map(sub, ends[rank], starts[rank]))  # the same sum, in the same order
+                span = ends[rank][-1] - starts[rank][0] if actions else 0.0
             host = [t for t in times if t[0].kind in hosted] if hosted else []
+            timelines.append(_levels(times, costs.memory_delta))
             stats.append(RankStats(
                 busy=busy, idle=span - busy, span=span, makespan=makespan,
-                peak_activation=max(level for _, level in _levels(times, costs.memory_delta)),
+                peak_activation=max(level for _, level in timelines[-1]),
                 peak_host=max(level for _, level in _levels(host, costs.host_delta)),
                 exposed=exposed[rank] if exposed else 0.0,
             ))
         bubble = max((s.bubble_rate for s in stats), default=0.0)
-        return cls(schedule, costs, makespan, bubble, stats, starts, ends)
+        return cls(schedule, costs, makespan, bubble, stats, starts, ends, timelines)
 
     @cached_property
     def events(self) -> list[list[Event]]:
@@ -127,6 +136,8 @@ class Result:
     def memory_timeline(self, rank: int) -> list[tuple[float, float]]:
         """(time, activation memory) steps of one rank, in time order: memory
         grows when an action starts and shrinks when it ends."""
+        if self.timelines is not None:
+            return list(self.timelines[rank])
         return _levels(self._times(rank), self.costs.memory_delta)
 
     def host_timeline(self, rank: int) -> list[tuple[float, float]]:

@@ -239,6 +239,7 @@ class _Pairs:
             self.where.update((pair, (rank, f, b)) for pair, f, b in spans(actions))
         #: pair -> (end of the action that opens it, start of the one that closes it)
         self.gaps = {pair: (self.ends[rank][f], self.starts[rank][b]) for pair, (rank, f, b) in self.where.items()}
+        self._span_slack: float | None = None
 
     def copy(self, pair) -> float:
         """The time of each of the pair's copies."""
@@ -250,8 +251,9 @@ class _Pairs:
 
     def stream(self) -> _Link:
         """An empty pair of copy streams, times equal within float noise of the schedule's span."""
-        slack = _slack(max((max(ends, default=0.0) for ends in self.ends), default=0.0))
-        return _Link(_Stream(slack), _Stream(slack))
+        if self._span_slack is None:  # once: the sweeps ask for hundreds of streams
+            self._span_slack = _slack(max((max(ends, default=0.0) for ends in self.ends), default=0.0))
+        return _Link(_Stream(self._span_slack), _Stream(self._span_slack))
 
     def gap(self, pair) -> tuple[float, float]:
         """End of the action that opens the pair (F; B) and start of the one that closes it (its backward; W)."""

@@ -11,7 +11,7 @@ same floats as compiling it gives (a test compares them).
 from __future__ import annotations
 
 from .. import deps as _deps
-from ..ir import F, Action, Schedule
+from ..ir import F, Schedule
 from ..kinds import COMPOUND, KINDS
 from .offload import _CLOSES, _OPENS, COPIES, _offloaded, pair_of, paced
 
@@ -113,23 +113,23 @@ def _derive(schedule: Schedule, base: Schedule):
         mine = before.get(old_slot)
         if mine is not None and not place(r, mine):
             return None
-        a = flat_new[slot]
+        kind, stage, microbatch, payload = flat_new[slot]
         order.append(slot)
         inputs_of.append(tuple(map(get, inputs)))
         keys_of.append(key)
         clock[r] = slot
-        opens, closes = _OPENS.get(a.kind), _CLOSES.get(a.kind)
+        opens, closes = _OPENS.get(kind), _CLOSES.get(kind)
         if opens is not None:
-            opened[a.stage, a.microbatch, opens] = slot
-        if a.kind == F:
-            if a != Action(F, a.stage, a.microbatch):
+            opened[stage, microbatch, opens] = slot
+        if kind == F:
+            if payload:
                 return None
-            waited = waits.get((a.stage, a.microbatch))
+            waited = waits.get((stage, microbatch))
             if waited is not None and (*waited, 0) not in copied:
                 return None  # its OFFLOAD comes later in the list: compiling says so
             sides.append(None if waited is None else (r, (zero, copied[(*waited, 0)])))
-        elif closes is not None and (a.stage, a.microbatch, closes) in offloaded:
-            waited = reloads.get((a.stage, a.microbatch, closes))
+        elif closes is not None and (stage, microbatch, closes) in offloaded:
+            waited = reloads.get((stage, microbatch, closes))
             if waited is None:
                 return None  # its copy back comes later in the list: compiling says so
             sides.append((r, (zero, waited)))

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from dataclasses import replace
+from operator import itemgetter
 
 from ...errors import PipeloomError, ScheduleError
 from ...modes import VOCAB_ALGORITHMS, VocabMode
@@ -316,12 +317,18 @@ def check_passes(schedule: Schedule) -> None:
     passes = VOCAB_PASSES[algorithm]
     if schedule.forward_only:
         passes = tuple(kind for kind in passes if get(kind).forward)
-    for action in found:
+    pp, total = schedule.pp, schedule.total_microbatches
+    # as many distinct passes as wanted, each one of them: all there (else the checks below say what is wrong)
+    complete = (len(found) == pp * total * len(passes) and set(map(itemgetter(0), found)) <= set(passes)
+                and set(map(itemgetter(3), found)) == {()} and 0 <= min(map(itemgetter(1), found))
+                and max(map(itemgetter(1), found)) < pp and 0 <= min(map(itemgetter(2), found))
+                and max(map(itemgetter(2), found)) < total)
+    for action in () if complete else found:
         if action.kind not in passes:
             raise ScheduleError(
                 f"rank {action.stage}: action {action} is not a pass of {algorithm} (its passes: {', '.join(passes)})"
             )
-    for rank in range(schedule.pp):
+    for rank in range(0 if complete else schedule.pp):
         for mb in range(schedule.total_microbatches):
             for kind in passes:
                 if Action(kind, rank, mb) not in found:
