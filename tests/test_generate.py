@@ -37,6 +37,7 @@ def validation_loss(model, fraction=0.05):
     return float(np.mean(losses))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT)
 def test_validation_save_tensorboard_and_generate(tmp_path):
     from safetensors.torch import load_model

@@ -33,8 +33,9 @@ def settings(plans):
     return [(p.candidate, p.step_ms) for p in plans]
 
 
-@pytest.mark.parametrize("gpus,memory,batch", [(4, 80, 16), (4, 0.6, 16), pytest.param(8, 0.3, 16, marks=pytest.mark.slow),
-                                               (2, 0.4, 8), (8, 80, 8)])
+@pytest.mark.parametrize("gpus,memory,batch", [pytest.param(4, 80, 16, marks=pytest.mark.slow), (4, 0.6, 16),
+                                               pytest.param(8, 0.3, 16, marks=pytest.mark.slow), (2, 0.4, 8),
+                                               pytest.param(8, 80, 8, marks=pytest.mark.slow)])
 def test_search_equals_brute_force(gpus, memory, batch):
     """The pruned search returns exactly the plans (and order) simulating every candidate gives,
     with ample memory and with memory so tight that recomputation or offload must be chosen."""

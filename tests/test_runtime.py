@@ -165,7 +165,8 @@ def test_two_bw_gives_its_delayed_update(pp, dp, tied, vocab, options):
         assert error < 1e-5
 
 
-def _bad_input_worker(rank, case):
+def _bad_input_worker(rank, cases):
+    """Each case's error message (None where none came), by case, on one pair of ranks."""
     import pipeloom
     from pipeloom.errors import PipeloomError
     from pipeloom.nn import GPT, GPTConfig
@@ -178,24 +179,37 @@ def _bad_input_worker(rank, case):
         "batch": lambda: pipeloom.Pipeline(GPT(config), "1f1b", pp=2, microbatches=4).step(*make_batch(config, 6, 8)),
         "device": lambda: pipeloom.Pipeline(GPT(config), "1f1b", pp=2, microbatches=4, device="cuda"),
     }
-    try:
-        make[case]()
-    except PipeloomError as err:
-        return str(err)
-    return None
+    found = {}
+    for case in cases:
+        try:
+            make[case]()
+        except PipeloomError as err:
+            found[case] = str(err)
+        else:
+            found[case] = None
+    return found
+
+
+BAD_INPUT = {
+    "world": "world size 2 does not match dp=1 x pp=3 x sp=1 = 3",
+    "layers": "3 layers cannot fill 4 stages",
+    "microbatches": "microbatches=9 does not divide",
+    "batch": "a batch of 6 sequences does not divide into dp=1 x microbatches=4",
+    "device": "device cuda with the gloo backend, which sends cpu tensors only",
+}
+
+
+@pytest.fixture(scope="module")
+def bad_input_errors():
+    """Every case of :data:`BAD_INPUT` tried on one pair of ranks (one start-up for them all)."""
+    return spawn(2, _bad_input_worker, list(BAD_INPUT), timeout=90)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("case,message", [
-    ("world", "world size 2 does not match dp=1 x pp=3 x sp=1 = 3"),
-    ("layers", "3 layers cannot fill 4 stages"),
-    ("microbatches", "microbatches=9 does not divide"),
-    ("batch", "a batch of 6 sequences does not divide into dp=1 x microbatches=4"),
-    ("device", "device cuda with the gloo backend, which sends cpu tensors only"),
-])
-def test_bad_input_stops_before_work(case, message):
-    for err in spawn(2, _bad_input_worker, case, timeout=90):
-        assert err is not None and message in err, err
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_stops_before_work(bad_input_errors, case):
+    for errors in bad_input_errors:
+        assert errors[case] is not None and BAD_INPUT[case] in errors[case], errors[case]
 
 
 def _cuda_machine_worker(rank):

@@ -126,6 +126,7 @@ def test_offloaded_and_recomputed_pipelines_match_kfac_on_one_process():
     assert all(results[0][label][3] > 0 for label, options in cases if "offload" in options)  # pairs went to host
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sequence_parallel_ranks_sum_their_factors():
     """Each sp rank captures its chunk of every sequence: the factors are summed over the sp group
@@ -136,6 +137,7 @@ def test_sequence_parallel_ranks_sum_their_factors():
     _check(spawn(4, _worker, cases, {}, timeout=200), {}, {"pp2 sp2 zb-h1": 1})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_data_parallel_replicas_sum_their_factors():
     cases = [("dp2 pp2 zb-v", dict(schedule="zb-v", pp=2, dp=2, microbatches=4, kfac={"every": 2}))]

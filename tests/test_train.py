@@ -181,6 +181,7 @@ def test_kfac_trains_and_says_its_refresh_interval(tmp_path):
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT)
 def test_clip_zero_or_none_turns_clipping_off(tmp_path):
     for value in ("0", "none"):
@@ -213,6 +214,7 @@ def test_resume_gives_the_uninterrupted_losses_also_with_another_pp(tmp_path):
     assert np.allclose(other, full[10:], rtol=1e-4, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT)
 def test_kfac_resumes_with_its_factors_and_inverses_also_with_another_pp(tmp_path):
     """A checkpoint between refresh cycles holds K-FAC's factors and inverses in use under the layers'
@@ -297,6 +299,7 @@ def test_a_killed_rank_stops_the_others_naming_what_they_waited_for(tmp_path):
     assert "stopped: rank 1 died of SIGKILL\n" in err and proc.returncode == 128 + signal.SIGKILL
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT)
 def test_two_bw_trains_in_calls_and_resumes_with_its_weight_versions(tmp_path):
     # with vocabulary parallelism: the shards' versions are saved whole, and resume without it
@@ -312,6 +315,7 @@ def test_two_bw_trains_in_calls_and_resumes_with_its_weight_versions(tmp_path):
     assert done.returncode == 2 and "use a --steps that is a multiple of 4" in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT)
 def test_vocab_parallel_with_a_bpe_vocabulary_resumes_under_other_splits(tmp_path):
     pytest.importorskip("tokenizers")
