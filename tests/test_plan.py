@@ -6,6 +6,7 @@ import re
 import shlex
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -41,6 +42,22 @@ def test_search_equals_brute_force(gpus, memory, batch):
     with ample memory and with memory so tight that recomputation or offload must be chosen."""
     want = request(gpus, memory, batch, top=6)
     assert settings(search(want).plans) == settings(exhaustive(want))
+
+
+@pytest.mark.parametrize("gpus,memory,kfac", [(2, 80, dict(optimizer=("kfac",), recompute=("none",), offload=("none",))),
+                                               (2, 1.2, dict(optimizer=("kfac",), kfac_every=2)),
+                                               (2, 80, dict(optimizer=("adamw", "kfac"), kfac_every=2, top=30))])
+def test_search_equals_brute_force_with_kfac(gpus, memory, kfac):
+    """With K-FAC's axis the bounds (AdamW's work, and each stage's preconditioning every step)
+    stay lower bounds: the refresh chosen by the bubbles, a forced one with memory so tight that
+    savers must be chosen, and both optimizers ranked together."""
+    want = request(gpus, memory, 8, **{"schedules": ("1f1b", "zb-h1", "2bw"), "vocab_parallel": ("none", "vocab-1"),
+                                       "microbatch_sizes": (1, 2), "top": 4, **kfac})
+    plans = search(want).plans
+    assert settings(plans) == settings(exhaustive(want))
+    assert {p.candidate.optimizer for p in plans} == set(want.optimizer)
+    if memory < 80:
+        assert any((p.candidate.recompute, p.candidate.offload) != ("none", "none") for p in plans)
 
 
 def test_search_says_how_far_it_is():
@@ -88,6 +105,27 @@ def test_bounds_hold_for_every_candidate(links):
         assert costing.memory_lower_bound(c) <= costing.activation_memory_bound(c) <= max(plan.peak_memory_bytes)
 
 
+@pytest.mark.parametrize("every,sample", [(None, 17), (3, 5)])
+def test_bounds_hold_with_kfac(every, sample):
+    """The bounds of K-FAC candidates (AdamW's, with each stage's preconditioning every step, and
+    the critical path of the schedule without K-FAC) are within their refresh cycle's mean step,
+    whichever family, placement and saver."""
+    want = request(4, 80, 16, optimizer=("kfac",), kfac_every=every, microbatch_sizes=(2,))
+    costing = Costing(want)
+    plans = {}
+    for c in list(candidates(want))[::sample]:
+        try:
+            costing.evaluate(costing.bare(c))  # without K-FAC and offload: its critical path bounds c
+            plans[c] = costing.evaluate(c)
+        except PipeloomError:
+            continue
+    assert len(plans) > 20 and sum(costing.has_path(c) for c in plans) > 20
+    assert {p.result.schedule.options["kfac"]["every"] for p in plans.values()} != {1}
+    for c, plan in plans.items():
+        assert costing.bound_ms(c) <= plan.step_ms * (1 + 1e-9)
+        assert costing.memory_lower_bound(c) <= costing.activation_memory_bound(c) <= max(plan.peak_memory_bytes)
+
+
 def test_dualpipev_is_searched_with_the_vocabulary_passes():
     """The planner prices dualpipev with vocab-1 and vocab-2 (the room the passes ask for) as brute
     force does, and train builds the schedule each plan was priced with."""
@@ -121,6 +159,49 @@ def test_the_command_reruns_the_plan(memory):
         assert (again.step_ms, again.peak_memory_bytes) == (plan.step_ms, plan.peak_memory_bytes)
         assert costs_of(spec) == costing.costs(plan.candidate)  # train prices the run as the plan did
         assert build_run(spec).digest() == costing.schedule(plan.candidate).digest()
+
+
+@pytest.mark.parametrize("every", [None, 2])
+def test_kfac_plans_are_what_simulate_and_train_make_of_their_command(capsys, every):
+    """A K-FAC plan's command (its refresh passed through: as train would choose it, or forced) is
+    the run simulate prices and train builds: the same schedule digest, peak memory and step (the
+    refresh cycle's mean: each rank's end over the cycle's steps, then its all-reduce and optimizer step)."""
+    from pipeloom.cli import main
+    from pipeloom.cli.simulate import simulate_spec
+    from pipeloom.plan.evaluate import allreduce_ms, optimizer_ms
+
+    want = request(4, 80, 8, model="gpt-125m", seq=512, optimizer=("kfac",), kfac_every=every,
+                   schedules=("1f1b", "2bw"), vocab_parallel=("none", "vocab-2"), top=2)
+    costing = Costing(want)
+    for plan in search(want).plans:
+        c, line = plan.candidate, command(want, plan.candidate)
+        assert ("--optimizer kfac" in line) and (f"--kfac-every {every}" in line) == (every is not None)
+        flags = shlex.split(line)[shlex.split(line).index("train") + 1:]
+        report, result = simulate_spec(spec_of(_parser().parse_args(["simulate", *flags])))
+        steps = result.schedule.steps
+        assert report["kfac"]["every"] == (every or report["kfac"]["every"]) and steps == report["kfac"]["every"] * (
+            4 if c.schedule == "2bw" else 1)
+        assert report["schedule_digest"] == costing.schedule(c).digest()
+        assert main(["train", *flags, "--dry-run", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["schedule_digest"] == report["schedule_digest"]
+        assert report["peak_memory_bytes"] == plan.peak_memory_bytes
+        tails = [a + o for a, o in zip(allreduce_ms(want, c), optimizer_ms(want, c))]
+        ends = [max(e) / steps for e in result.ends]
+        assert report["kfac"]["step_time_after"] == result.makespan / steps == max(ends)
+        assert plan.step_ms == (max(ends) + max(tails) if c.schedule == "2bw" else
+                                max(e + t for e, t in zip(ends, tails)))
+
+
+def test_kfac_memory_is_its_factors_and_inverses():
+    """A K-FAC plan holds, beyond the same layout's AdamW plan, 3 fp32 copies of each linear layer's
+    factors (A: inputs + bias squared, G: outputs squared) for each layer of the rank: gpt-125m
+    (h 768, MLP 3072) on pp 2, 6 layers a rank."""
+    want = request(2, 80, 8, model="gpt-125m", seq=512, optimizer=("adamw", "kfac"), kfac_every=1)
+    base = Candidate(2, 1, 1, "1f1b", 1, 1, 8, "none", "none", "none", "adamw")
+    adamw, kfac = (Costing(want).evaluate(replace(base, optimizer=o)) for o in ("adamw", "kfac"))
+    factors = (769**2 + 2304**2) + (769**2 + 768**2) + (769**2 + 3072**2) + (3073**2 + 768**2)
+    assert [k - a for k, a in zip(kfac.peak_memory_bytes, adamw.peak_memory_bytes)] == [6 * 3 * 4 * factors] * 2
+    assert kfac.step_ms > adamw.step_ms
 
 
 def test_command_launches_every_node():
@@ -173,11 +254,12 @@ def test_infeasible_names_the_least_memory_any_candidate_needs():
     with pytest.raises(PipeloomError) as error:
         search(want)
     found = re.search(r"the smallest needs ([0-9.]+) GiB \(pp (\d+), dp (\d+), sp (\d+), ([\w-]+), chunks (\d+), "
-                      r"microbatch size (\d+), recompute (\w+), vocab-parallel ([\w-]+), offload (\w+)\)$",
+                      r"microbatch size (\d+), recompute (\w+), vocab-parallel ([\w-]+), offload (\w+), "
+                      r"optimizer (\w+)\)$",
                       error.value.args[0])
-    pp, dp, sp, schedule, chunks, b, recompute, vocab, offload = found.groups()[1:]
+    pp, dp, sp, schedule, chunks, b, recompute, vocab, offload, optimizer = found.groups()[1:]
     named = Candidate(int(pp), int(dp), int(sp), schedule, int(chunks), int(b), 16 // int(dp) // int(b), recompute,
-                      vocab, offload)
+                      vocab, offload, optimizer)
     assert peaks[named] == min(peaks.values()) and found[1] == f"{peaks[named] / GiB:.1f}"
 
 
@@ -188,6 +270,12 @@ def test_bad_requests_one_line():
         request(batch=0)
     with pytest.raises(PipeloomError, match="do not fill whole nodes of 8"):
         Cluster.of("a100", 12)
+    with pytest.raises(PipeloomError, match="unknown optimizer 'sgd'; choose from adamw, kfac$"):
+        request(optimizer=("sgd",))
+    with pytest.raises(PipeloomError, match="--kfac-every 2 goes with --optimizer kfac or any$"):
+        request(kfac_every=2)
+    with pytest.raises(PipeloomError, match="--kfac-every must be a whole number >= 1, got 0$"):
+        request(optimizer=("kfac",), kfac_every=0)
 
 
 def run_cli(*args):
@@ -202,7 +290,8 @@ def test_cli_json_has_the_plan_fields():
     report = json.loads(done.stdout)
     assert report["costs"] == "formulas, device preset a100" and report["search"]["seconds"] > 0
     fields = {"pp", "dp", "sp", "schedule", "chunks", "microbatch_size", "microbatches", "recompute",
-              "vocab_parallel", "offload", "step_ms", "tokens_per_s", "peak_memory_bytes", "command"}
+              "vocab_parallel", "offload", "optimizer", "kfac_every", "step_ms", "tokens_per_s", "peak_memory_bytes",
+              "command"}
     assert len(report["plans"]) == 3 and all(fields <= set(plan) for plan in report["plans"])
     first = report["plans"][0]
     assert first["pp"] * first["dp"] * first["sp"] == 8
@@ -210,6 +299,22 @@ def test_cli_json_has_the_plan_fields():
     assert first["tokens_per_s"] == pytest.approx(32 * 512 / (first["step_ms"] / 1e3))
     steps = [p["step_ms"] for p in report["plans"]]
     assert all(a <= b * (1 + 1e-9) for a, b in zip(steps, steps[1:]))  # fastest first, ties (9 digits) on memory
+
+
+def test_cli_optimizer_any_ranks_both():
+    """``--optimizer any`` plans each layout with AdamW and with K-FAC (its ``--kfac-every`` passed
+    into the commands), in the table's optimizer column and the JSON's fields."""
+    flags = ("--model", "gpt-125m", "--gpus", "2", "--global-batch", "8", "--seq", "256", "--schedules", "1f1b",
+             "--vocab-parallel", "none", "--microbatch-sizes", "1", "--top", "6", "--optimizer", "any",
+             "--kfac-every", "4")
+    table, done = run_cli(*flags), run_cli(*flags, "--json")
+    assert table.returncode == done.returncode == 0, table.stderr + done.stderr
+    header, *rows = table.stdout.splitlines()[3:10]
+    assert header.split()[9:11] == ["offload", "optimizer"]
+    assert [row.split()[10] for row in rows] == ["adamw"] * 3 + ["kfac"] * 3
+    plans = json.loads(done.stdout)["plans"]
+    assert [(p["optimizer"], p["kfac_every"]) for p in plans] == [("adamw", None)] * 3 + [("kfac", 4)] * 3
+    assert all(("--optimizer kfac --kfac-every 4" in p["command"]) == (p["optimizer"] == "kfac") for p in plans)
 
 
 def test_cli_infeasible_is_one_line():

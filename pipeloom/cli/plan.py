@@ -14,6 +14,7 @@ def add_parser(sub) -> None:
     from ..plan.space import axes
     from ..schedule import FAMILIES
     from ..sim.specs import DEVICES
+    from ..techniques import flags
 
     p = sub.add_parser(
         "plan",
@@ -40,6 +41,7 @@ def add_parser(sub) -> None:
     p.add_argument("--schedules", metavar="A,B,...", help=f"families to search (default all: {', '.join(FAMILIES)})")
     for _, axis in axes():  # each technique's values, narrowed
         p.add_argument(axis.flag, metavar="A,B,...", help=axis.help.format(default=",".join(axis.values)))
+    next(flag for flag in flags() if flag.name == "kfac_every").add(p)  # train's flag: the refresh planned
     p.add_argument("--microbatch-sizes", metavar="1,2,...", help="microbatch sizes to search (default: every divisor)")
     p.add_argument("--top", type=int, default=10, help="plans to print (default 10)")
     p.add_argument("--json", action="store_true", help="print the facts as one JSON object")
@@ -96,7 +98,8 @@ def request_of(args):
     request = PlanRequest(
         model, seq, args.global_batch, cluster, profile=profile,
         schedules=_listed("--schedules", args.schedules, tuple(FAMILIES)),
-        **{axis.name: _listed(axis.flag, getattr(args, axis.name), axis.values) for _, axis in axes()},
+        **{axis.name: _listed(axis.flag, getattr(args, axis.name), axis.values, axis.every) for _, axis in axes()},
+        kfac_every=args.kfac_every,
         microbatch_sizes=None if args.microbatch_sizes is None else tuple(
             _number("--microbatch-sizes", x) for x in _listed("--microbatch-sizes", args.microbatch_sizes, ())),
         top=args.top)
@@ -104,9 +107,12 @@ def request_of(args):
     return request, costs
 
 
-def _listed(flag: str, text: str | None, default: tuple) -> tuple:
+def _listed(flag: str, text: str | None, default: tuple, every: tuple | None = None) -> tuple:
+    """The values of a comma list ``text`` (None: ``default``; ``any``: ``every``, where given)."""
     if text is None:
         return default
+    if every is not None and text.strip() == "any":
+        return every
     names = tuple(x.strip() for x in text.split(",") if x.strip())
     if not names:
         raise PipeloomError(f"{flag} {text!r}: give at least one value")
@@ -126,7 +132,7 @@ def _fields(plan, request, command) -> dict:
     c = plan.candidate
     settings = {}
     for technique, axis in axes():  # each axis's value, then the fields the technique derives from it
-        settings.update({axis.name: getattr(c, axis.name), **technique.plan_fields(c)})
+        settings.update({axis.name: getattr(c, axis.name), **technique.plan_fields(request, c)})
     return {
         "pp": c.pp, "dp": c.dp, "sp": c.sp, "schedule": c.schedule, "chunks": c.chunks,
         "microbatch_size": c.microbatch_size, "microbatches": c.microbatches, **settings,

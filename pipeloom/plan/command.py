@@ -20,7 +20,7 @@ def run_spec(request: PlanRequest, c: Candidate, steps: int | None = None) -> Ru
     model, cluster = request.model, request.cluster
     preset = SIZES.get(model.name)
     link = cluster.device_for(c.pp, c.dp, c.sp).link_bandwidth
-    derived = {name: value for t in hooked("plan_fields") for name, value in t.plan_fields(c).items()}
+    derived = {name: value for t in hooked("plan_fields") for name, value in t.plan_fields(request, c).items()}
     return RunSpec(
         model=model.name, vocab=None if preset is not None and preset.vocab == model.vocab else model.vocab,
         seq=request.seq, **{name: getattr(c, name) for name in FIELDS}, **derived,

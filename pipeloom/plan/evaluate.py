@@ -111,6 +111,7 @@ class Costing:
         self._bare = {axis.name: axis.values[0] for _, axis in named if axis.added}
         self._adders = [t for t, axis in named if axis.added]
         self._passers, self._listers = hooked("plan_passes"), hooked("plan_memory_lists")
+        self._steppers = hooked("plan_step_passes")
 
     def family(self, c: Candidate) -> tuple:
         """Facts of ``c``'s family the bounds read, once per family: (V-shaped, fused, ``costs`` among
@@ -181,7 +182,7 @@ class Costing:
                 else:
                     schedule = self.schedule(bare, steps)
                     for technique in self._adders:
-                        schedule = technique.plan_add(c, schedule, self.costs(c))
+                        schedule = technique.plan_add(self.request, c, schedule, self.costs(c))
                     self._schedules[key] = schedule
             except PipeloomError as err:
                 self._schedules[key] = err
@@ -211,15 +212,16 @@ class Costing:
         """A step time no schedule of ``c`` can beat (once per costs and schedule shape), the larger of:
 
         - busy: each rank's compute (F, B and W of its stages and the techniques' passes
-          (:meth:`~pipeloom.techniques.Technique.plan_passes`), for every microbatch) after the
+          (:meth:`~pipeloom.techniques.Technique.plan_passes`), for every microbatch, and each
+          stage's passes of the step, :meth:`~pipeloom.techniques.Technique.plan_step_passes`) after the
           first microbatch's forwards reach it, then its all-reduce and optimizer step (a steady
           family: no wait, as its steady step has none, and the longest tail);
         - chain (not for a steady family), ending on stage 0's rank: a rank's last backward of one of its
           stages ``s`` ends after the forwards reach the rank and all its forwards and its
           backwards of stages ``s`` and later ran, as each precedes that microbatch's backward of
           ``s``; that microbatch's backward then runs down stages ``s - 1`` to 0, each waiting for
-          its input to cross between ranks, then stage 0's W and its rank's all-reduce and
-          optimizer step. A backward counts its W too in the families that never split it
+          its input to cross between ranks, then stage 0's W and passes of the step and its rank's
+          all-reduce and optimizer step. A backward counts its W too in the families that never split it
           (``fused``).
         """
         v_shape, fused, _, steady, _ = self.family(c)
@@ -235,6 +237,7 @@ class Costing:
         for rank, stages in enumerate(stages_of_ranks(c)):
             busy = c.microbatches * (sum(costs.f[s] + costs.b[s] + costs.w[s] for s in stages)
                                      + sum(costs.duration(Action(kind, rank, 0)) for kind in passes))
+            busy += sum(self._step_passes_ms(c, s) for s in stages)
             wait = 0.0 if steady else sum(costs.f[:min(stages)])
             bound = max(bound, wait + busy + (max(tail) if steady else tail[rank]))
         return bound
@@ -252,7 +255,7 @@ class Costing:
             reach.append(reach[-1] + f[s - 1] + (costs.transfer(Action(F, s - 1, 0)) if cross else 0.0))
             down.append(down[-1] + back[s - 1] + (min(costs.transfer(Action(kind, s, 0)) for kind in (B, BW))
                                                   if cross else 0.0))
-        last_w = 0.0 if fused else w[0]
+        last_w = (0.0 if fused else w[0]) + self._step_passes_ms(c, 0)
         bound = 0.0
         for stages in ranks:
             before = reach[min(stages)] + c.microbatches * sum(f[s] for s in stages)
@@ -260,6 +263,11 @@ class Costing:
                 backwards = c.microbatches * sum(back[t] for t in stages if t >= s)
                 bound = max(bound, before + backwards + down[s] + last_w)
         return bound + self.tail_ms(c)[0]
+
+    def _step_passes_ms(self, c: Candidate, stage: int) -> float:
+        """Stage ``stage``'s passes of a step (:meth:`~pipeloom.techniques.Technique.plan_step_passes`)."""
+        costs = self._both(c)[1]
+        return sum(costs.duration(Action(kind, stage, 0)) for t in self._steppers for kind in t.plan_step_passes(c))
 
     def activation_memory_bound(self, c: Candidate, limit: float = math.inf) -> float:
         """Bytes the busiest rank needs at least once its costs are known: the model state but the
@@ -296,7 +304,8 @@ class Costing:
         key = self._schedule_key(listed), step
         if key not in self._peaks:
             try:
-                schedule = self.schedule(listed, STEADY_STEPS[-1] if self.steady(c) else None)  # as evaluated
+                steps = STEADY_STEPS[-1] if self.steady(c) and not cycled(c) else None
+                schedule = self.schedule(listed, steps)  # as evaluated
             except PipeloomError:
                 self._peaks[key] = None
             else:
@@ -363,6 +372,12 @@ def _placements(v_shape: bool, pp: int, chunks: int) -> tuple[tuple[int, ...], .
     return tuple(tuple(s for s, r in enumerate(placement) if r == rank) for rank in range(pp))
 
 
+def cycled(c: Candidate) -> bool:
+    """Whether ``c``'s schedule is a cycle of steps that runs whole
+    (:meth:`~pipeloom.techniques.Technique.plan_cycle`)."""
+    return any(t.plan_cycle(c) for t in hooked("plan_cycle"))
+
+
 def schedule_of(request: PlanRequest, c: Candidate, costs: Costs, steps: int | None = None) -> Schedule:
     """The schedule ``pipeloom train`` builds for ``c``'s command (``steps`` consecutive steps of a family without a flush),
     with the one builder (:func:`~pipeloom.builder.build_run`) under ``costs``."""
@@ -393,7 +408,9 @@ def evaluate(request: PlanRequest, c: Candidate, stage_costs: Costs, build_sched
     """Simulate ``c`` under ``stage_costs`` and cost it (raises :class:`~pipeloom.errors.PipeloomError`
     when its schedule cannot be built); ``build_schedule(c, steps)`` gives its schedule (by default
     :func:`schedule_of`); ``steady``: whether its family never flushes (by default as the techniques
-    say: :meth:`~pipeloom.techniques.Technique.plan_steady`)."""
+    say: :meth:`~pipeloom.techniques.Technique.plan_steady`). A cycle of steps (:func:`cycled`) is
+    built once, as ``train`` builds it, and its step is its mean: each rank's end over its steps, then
+    its tail (a family that never flushes: the last end, then the longest tail)."""
     if build_schedule is None:
         def build_schedule(c, steps=None):
             return schedule_of(request, c, stage_costs, steps)
@@ -402,7 +419,7 @@ def evaluate(request: PlanRequest, c: Candidate, stage_costs: Costs, build_sched
 
     reduce, update = allreduce_ms(request, c), optimizer_ms(request, c)
     tail = [a + o for a, o in zip(reduce, update)]
-    if steady:
+    if steady and not cycled(c):
         one, result = (simulate(build_schedule(c, steps), stage_costs) for steps in STEADY_STEPS)
         # the steady step: two steps' time less one's, and no less than a rank's work in a step
         work = [two.busy - first.busy for two, first in zip(result.ranks, one.ranks)]
@@ -411,7 +428,9 @@ def evaluate(request: PlanRequest, c: Candidate, stage_costs: Costs, build_sched
         bubble = max(1 - busy / steady for busy in work)
     else:
         result = simulate(build_schedule(c), stage_costs)
-        step = max(max(ends, default=0.0) + t for ends, t in zip(result.ends, tail))
+        # per step of the steps built (a cycle's: its makespan over them, as pipeloom simulate says)
+        ends = [max(ends, default=0.0) / result.schedule.steps for ends in result.ends]
+        step = max(ends) + max(tail) if steady else max(end + t for end, t in zip(ends, tail))
         bubble = result.bubble_rate
     memory = peak_memory_bytes(request.model, result, request.seq, microbatch_size=c.microbatch_size, sp=c.sp,
                                bytes_per_param=request.bytes_per_param,

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields, replace
 from itertools import product
 from typing import Iterator
 
-from ..errors import PipeloomError
+from ..errors import PipeloomError, whole
 from ..schedule import FAMILIES, get_family
 from ..sim.profile import Profile
 from ..sim.specs import ModelSpec, get_model
@@ -22,7 +22,7 @@ class PlanRequest:
     """Train ``model`` on ``seq``-token sequences, ``global_batch`` of them a step, on ``cluster``;
     costs from ``profile`` when given (else FLOP formulas and the cluster's device preset);
     ``schedules`` and each technique's axis (:func:`axes`; None: its values) narrow the search;
-    ``top`` plans kept."""
+    ``kfac_every``: K-FAC's refresh interval (None: as ``train`` chooses it); ``top`` plans kept."""
 
     model: ModelSpec
     seq: int
@@ -34,6 +34,8 @@ class PlanRequest:
     recompute: tuple[str, ...] | None = None
     vocab_parallel: tuple[str, ...] | None = None
     offload: tuple[str, ...] | None = None
+    optimizer: tuple[str, ...] | None = None
+    kfac_every: int | None = None
     microbatch_sizes: tuple[int, ...] | None = None
     top: int = 10
     bytes_per_param: float = field(default=None)
@@ -51,6 +53,10 @@ class PlanRequest:
             if getattr(self, axis.name) is None:
                 object.__setattr__(self, axis.name, axis.values)
             axis.check(getattr(self, axis.name))
+        if self.kfac_every is not None:
+            whole("kfac_every", self.kfac_every)
+            if "kfac" not in self.optimizer:
+                raise PipeloomError(f"plan: --kfac-every {self.kfac_every} goes with --optimizer kfac or any")
         if self.bytes_per_param is None:
             object.__setattr__(self, "bytes_per_param", self.profile.bytes_per_param if self.profile else 18.0)
         if self.cast_bytes_per_param is None:
@@ -72,6 +78,7 @@ class Candidate:
     recompute: str
     vocab_parallel: str
     offload: str
+    optimizer: str
     options: tuple = ()  # plug-in techniques' settings, (name, value) pairs
 
     @property

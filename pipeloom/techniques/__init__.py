@@ -74,7 +74,8 @@ class Flag:
 class PlanAxis:
     """A built-in technique's dimension of the planner's search. ``name`` is the field of the
     candidate, of the plan request (the values searched), of the run spec and of the ``--json``
-    plans; ``pipeloom plan``'s flag ``--name`` (dashes) narrows ``values``, a comma list.
+    plans; ``pipeloom plan``'s flag ``--name`` (dashes) narrows ``values``, a comma list, or ``any``
+    (:attr:`every`).
 
     ``values``: searched by default, in the order equal plans are ranked (the bare value, the
     technique off, first); ``choices``: what a request may name (default ``values``; a callable
@@ -106,6 +107,11 @@ class PlanAxis:
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
+
+    @property
+    def every(self) -> tuple:
+        """What ``any`` names: every value a request may name (``values`` where ``choices`` checks one)."""
+        return self.choices if isinstance(self.choices, tuple) else self.values
 
     @property
     def most_saving(self) -> tuple:
@@ -204,14 +210,19 @@ class Technique:
         """Whether the runtime accepts ``c`` on the request's cluster as far as the technique goes."""
         return True
 
-    def plan_fields(self, c) -> dict:
-        """Run spec fields the technique derives from ``c`` (also the plan's ``--json`` fields after
-        its axis's)."""
+    def plan_fields(self, request, c) -> dict:
+        """Run spec fields the technique derives from ``c`` and the request (also the plan's ``--json``
+        fields after its axis's)."""
         return {}
 
     def plan_steady(self, schedule: str) -> bool:
         """Whether the family ``schedule`` never flushes, so the planner takes its steady step (the
         time of two steps less one's), bounds it by the ranks' work alone and keeps no critical path."""
+        return False
+
+    def plan_cycle(self, c) -> bool:
+        """Whether ``c``'s schedule is a cycle of several steps that runs whole (K-FAC's refresh): the
+        planner simulates it once, as ``train`` builds it, and takes its mean step."""
         return False
 
     def plan_weight_versions(self, schedule: str) -> int:
@@ -220,6 +231,11 @@ class Technique:
 
     def plan_passes(self, c) -> tuple:
         """Kinds each rank runs once per microbatch besides its stages' F, B and W (its busy time)."""
+        return ()
+
+    def plan_step_passes(self, c) -> tuple:
+        """Kinds each stage runs once per step after its last weight gradient (its rank's busy time,
+        and the end of the chain that bounds the step)."""
         return ()
 
     def plan_shard_params(self, request, c) -> int:
@@ -231,9 +247,9 @@ class Technique:
         :func:`~pipeloom.sim.memory.peak_memory_bytes` the technique sets."""
         return {}
 
-    def plan_add(self, c, schedule, costs):
+    def plan_add(self, request, c, schedule, costs):
         """``schedule`` (built without the technique's added axis) with its work added, placed by
-        ``costs``, checked: what the builder makes of it."""
+        ``costs``, checked: what the builder makes of it for ``c``'s run spec."""
         return schedule
 
     def plan_memory_lists(self, c) -> tuple[tuple[str, bool], ...]:

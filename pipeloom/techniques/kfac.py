@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..errors import PipeloomError, whole
-from . import Flag, Technique, register
+from . import Flag, PlanAxis, Technique, register
 
 
 class Kfac(Technique):
@@ -38,7 +38,7 @@ class Kfac(Technique):
             return []
         from ..schedule import Kfac as Transform
 
-        return [Transform(_units(priced, stages), spec.kfac_every)]
+        return [Transform(_units(priced.model, priced.spec.seq, priced.spec.vocab_parallel, stages), spec.kfac_every)]
 
     def report(self, result, priced) -> dict:
         if not self.active(priced.spec):
@@ -60,6 +60,31 @@ class Kfac(Technique):
 
     def describe(self, spec, pipe) -> str:
         return f", K-FAC refreshed every {pipe.schedule.options['kfac']['every']} steps" if self.active(spec) else ""
+
+    def plan_axis(self) -> PlanAxis:
+        # AdamW unless asked: K-FAC never steps faster, and what its refresh buys (fewer steps) is the user's to weigh
+        return PlanAxis("optimizer", ("adamw",), "optimizers to search: adamw, kfac (PipeFisher), or any: both "
+                        "(default {default})", "optimizer", 9, choices=("adamw", "kfac"), priced=True, added=True)
+
+    def plan_fields(self, request, c) -> dict:
+        return {"kfac_every": request.kfac_every if c.optimizer == "kfac" else None}
+
+    def plan_cycle(self, c) -> bool:
+        return c.optimizer == "kfac"
+
+    def plan_step_passes(self, c) -> tuple:
+        from ..schedule.transforms.kfac import KFAC_PRE
+
+        return (KFAC_PRE,) if c.optimizer == "kfac" else ()
+
+    def plan_add(self, request, c, schedule, costs):
+        if c.optimizer != "kfac":
+            return schedule
+        from ..schedule import Kfac as Transform
+        from ..schedule import validate
+
+        units = _units(request.model, request.seq, c.vocab_parallel, schedule.stages)
+        return validate(Transform(units, request.kfac_every).apply(schedule, costs))
 
     def report_lines(self, report: dict) -> list[str]:
         if "kfac" not in report:
@@ -96,15 +121,14 @@ class Kfac(Technique):
                 (f"{'step after':>10}", f"{kfac['step_time_after']:>10.4g}")]
 
 
-def _units(priced, stages: int) -> int | list[int]:
+def _units(model, seq: int, vocab_parallel: str, stages: int) -> int | list[int]:
     """K-FAC's pieces per stage: one per linear layer of the model's layers (1 per stage without a model)."""
-    if priced.model is None:
+    if model is None:
         return 1
     from ..sim.formulas import KFAC_UNITS_PER_LAYER
     from ..sim.stages import stage_layers
 
-    return [KFAC_UNITS_PER_LAYER * n for n in stage_layers(priced.model, stages, priced.spec.seq,
-                                                           vocab_parallel=priced.spec.vocab_mode)]
+    return [KFAC_UNITS_PER_LAYER * n for n in stage_layers(model, stages, seq, vocab_parallel=vocab_parallel)]
 
 
 register(Kfac())

@@ -113,16 +113,16 @@ class Offload(Technique):
     def plan_allows(self, request, c) -> bool:
         return c.offload == "none" or request.cluster.device.name != "cpu"  # copies need an accelerator
 
-    def plan_fields(self, c) -> dict:
+    def plan_fields(self, request, c) -> dict:
         return {"offload_ratio": PLAN_RATIO if c.offload == "selective" else None}
 
-    def plan_add(self, c, schedule, costs):
+    def plan_add(self, request, c, schedule, costs):
         if c.offload == "none":
             return schedule
         from ..schedule import Offload as Transform
         from ..schedule import validate
 
-        return validate(Transform(c.offload, self.plan_fields(c)["offload_ratio"]).apply(schedule, costs))
+        return validate(Transform(c.offload, self.plan_fields(request, c)["offload_ratio"]).apply(schedule, costs))
 
     def plan_memory_lists(self, c) -> tuple[tuple[str, bool], ...]:
         """First every pair that may be copied (:func:`~pipeloom.schedule.transforms.offload.copyable`,
