@@ -18,7 +18,8 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser(
         "plan",
-        help="choose the layout (pp, dp, sp, microbatches, schedule, recomputation, offload) under a memory limit",
+        help="choose the layout (pp, dp, sp, microbatches, schedule, recomputation, offload, optimizer) under a memory "
+             "limit",
         description="Search every layout of a model on a cluster with the simulator and print the fastest that fit, "
                     "each with the torchrun command that trains it.",
     )

@@ -3,10 +3,10 @@
 From a model, a sequence length, a global batch and a cluster (GPUs, memory,
 two tiers of links), optionally a measured profile, it searches pipeline
 depth, data- and sequence-parallel widths, microbatch size and count, schedule
-family and chunks, recomputation, vocabulary parallelism and offload; each
-layout is costed with the simulator (:mod:`pipeloom.plan.evaluate`) and the
-search is pruned by bounds (:mod:`pipeloom.plan.search`). Pure Python: nothing
-here imports torch.
+family and chunks, recomputation, vocabulary parallelism, offload and, where
+asked, the optimizer (K-FAC); each layout is costed with the simulator
+(:mod:`pipeloom.plan.evaluate`) and the search is pruned by bounds
+(:mod:`pipeloom.plan.search`). Pure Python: nothing here imports torch.
 """
 
 from .cluster import Cluster

@@ -8,9 +8,13 @@ then taking its optimizer step (:func:`~pipeloom.sim.model.optimizer_ms`):
 flushes (:meth:`~pipeloom.techniques.Technique.plan_steady`) steps at its
 steady state: the simulated time of 2 steps less that of 1 (and no less than
 any rank's work in a step), plus the longest all-reduce and optimizer step.
+A schedule that is a cycle of steps (K-FAC's refresh:
+:meth:`~pipeloom.techniques.Technique.plan_cycle`) is simulated once, as
+``train`` builds it, and costed per step: each rank's end over its steps.
 Memory per rank is :func:`~pipeloom.sim.memory.peak_memory_bytes` (model
 state with its weight versions, gradients from a stage's first backward,
-simulated activations, the transients of attention and recomputation).
+simulated activations, the transients of attention and recomputation, K-FAC's
+factors and inverses).
 
 What the techniques change here comes through the planner's hooks of
 :class:`~pipeloom.techniques.Technique` (``plan_*``) and their axes'
