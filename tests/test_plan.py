@@ -105,7 +105,7 @@ def test_bounds_hold_for_every_candidate(links):
         assert costing.memory_lower_bound(c) <= costing.activation_memory_bound(c) <= max(plan.peak_memory_bytes)
 
 
-@pytest.mark.parametrize("every,sample", [(None, 17), (3, 5)])
+@pytest.mark.parametrize("every,sample", [(None, 29), (3, 7)])
 def test_bounds_hold_with_kfac(every, sample):
     """The bounds of K-FAC candidates (AdamW's, with each stage's preconditioning every step, and
     the critical path of the schedule without K-FAC) are within their refresh cycle's mean step,
