@@ -34,7 +34,8 @@ def settings(plans):
     return [(p.candidate, p.step_ms) for p in plans]
 
 
-@pytest.mark.parametrize("gpus,memory,batch", [pytest.param(4, 80, 16, marks=pytest.mark.slow), (4, 0.6, 16),
+@pytest.mark.parametrize("gpus,memory,batch", [pytest.param(4, 80, 16, marks=pytest.mark.slow),
+                                               pytest.param(4, 0.6, 16, marks=pytest.mark.slow),
                                                pytest.param(8, 0.3, 16, marks=pytest.mark.slow), (2, 0.4, 8),
                                                pytest.param(8, 80, 8, marks=pytest.mark.slow)])
 def test_search_equals_brute_force(gpus, memory, batch):
