@@ -476,3 +476,17 @@ def test_the_placement_times_copies_as_the_compiled_program_does(name, policy, c
         waits = [[0.0] * schedule.pp for _ in range(2)]
         assert derived.run(duration, transfer, waits[0]) == compiled.run(duration, transfer, waits[1])
         assert waits[0] == waits[1]
+
+
+def test_moved_ws_go_back_in_place_past_the_pieces_k_fac_adds_later():
+    """K-FAC's pieces go in after the copies and moved Ws: ``unmoved`` puts each W back before the
+    action that followed it, not at its old index (which the pieces shifted), so the schedule is valid."""
+    from pipeloom.builder import build_run
+    from pipeloom.spec import RunSpec
+
+    schedule = build_run(RunSpec(schedule="v-half", optimizer="kfac", offload="full", recompute="cheap"))
+    assert schedule.options["offload"].get("moved") and schedule.options.get("kfac")
+    bare = validate(unmoved(schedule))
+    for stage, microbatch, *_ in schedule.options["offload"]["moved"]:
+        actions = bare.ranks[schedule.placement[stage]]
+        assert actions.index(Action(W, stage, microbatch)) > actions.index(Action(B, stage, microbatch)) + 1

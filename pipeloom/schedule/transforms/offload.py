@@ -679,7 +679,8 @@ def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ra
     step by the bare schedule's: offload never shortens a step). It stops where that rank has tried
     :data:`W_TRIES` Ws or holds none at its peak, keeping the fewest moves that reach the lowest
     largest peak. The moves are recorded as ``options["offload"]["moved"]`` (``[stage,
-    microbatch, index]``: the W's index in its rank's list without copies, :func:`unmoved`)."""
+    microbatch, index, follower]``: the W's index in its rank's list without copies, and
+    :func:`_follower`, for :func:`unmoved`)."""
     span = max((max(e, default=0.0) for e in pairs.ends), default=0.0)
     target = 0.0 if ratio is None else (1 - ratio) * max(_levels(pairs.schedule, costs, pairs.starts, pairs.ends))
     current, moved, tried, refused = offloaded, {}, dict.fromkeys(short, 0), set()
@@ -713,7 +714,8 @@ def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ra
     _, current, moved = best
     if not moved:
         return offloaded
-    record = {**current.options["offload"], "moved": sorted([*pair, k] for pair, k in moved.items())}
+    record = {**current.options["offload"], "moved": sorted([*pair, k, _follower(pairs.schedule, pair, k)]
+                                                            for pair, k in moved.items())}
     return replace(current, options={**current.options, "offload": record})
 
 
@@ -767,15 +769,29 @@ def _move_w(actions, pair) -> tuple[Action, ...]:
     return (*kept[:k], w, *kept[k:])
 
 
+def _follower(schedule: Schedule, pair: tuple[int, int], k: int) -> list | None:
+    """What came right after the W of ``pair`` (at ``k`` in its rank's list of ``schedule``): the
+    ``[kind, stage, microbatch]`` of that action's first part, or None where the W came last."""
+    actions = schedule.ranks[schedule.placement[pair[0]]]
+    if k + 1 >= len(actions):
+        return None
+    first = parts(actions[k + 1])[0]
+    return [first.kind, first.stage, first.microbatch]
+
+
 def unmoved(schedule: Schedule) -> Schedule:
     """An offloaded schedule without its copies and with its moved Ws (:func:`_moved`) back in their
-    places: the schedule the transform was given."""
+    places: the schedule the transform was given, with whatever later transforms added (K-FAC's
+    pieces): each W goes back before the action that followed it, the latest first."""
     offload = schedule.options.get("offload") or {}
     ranks = [[a for a in actions if a.kind not in COPIES] for actions in schedule.ranks]
-    for stage, microbatch, _ in offload.get("moved", ()):
+    for stage, microbatch, *_ in offload.get("moved", ()):
         ranks[schedule.placement[stage]].remove(Action(W, stage, microbatch))
-    for stage, microbatch, k in sorted(offload.get("moved", ()), key=lambda m: m[2]):
-        ranks[schedule.placement[stage]].insert(k, Action(W, stage, microbatch))
+    for stage, microbatch, _, follower in sorted(offload.get("moved", ()), key=lambda m: m[2], reverse=True):
+        actions = ranks[schedule.placement[stage]]
+        at = len(actions) if follower is None else next(
+            k for k, a in enumerate(actions) if any([p.kind, p.stage, p.microbatch] == follower for p in parts(a)))
+        actions.insert(at, Action(W, stage, microbatch))
     return replace(schedule, ranks=tuple(map(tuple, ranks)),
                    options={key: v for key, v in schedule.options.items() if key != "offload"})
 
