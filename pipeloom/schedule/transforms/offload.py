@@ -76,6 +76,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import replace
+from functools import cached_property
 from typing import NamedTuple
 
 from ...errors import PipeloomError, ScheduleError
@@ -239,7 +240,8 @@ class _Pairs:
             self.where.update((pair, (rank, f, b)) for pair, f, b in spans(actions))
         #: pair -> (end of the action that opens it, start of the one that closes it)
         self.gaps = {pair: (self.ends[rank][f], self.starts[rank][b]) for pair, (rank, f, b) in self.where.items()}
-        self._span_slack: float | None = None
+        #: the step's time without copies (the last end)
+        self.span = max((max(ends, default=0.0) for ends in self.ends), default=0.0)
 
     def copy(self, pair) -> float:
         """The time of each of the pair's copies."""
@@ -251,9 +253,13 @@ class _Pairs:
 
     def stream(self) -> _Link:
         """An empty pair of copy streams, times equal within float noise of the schedule's span."""
-        if self._span_slack is None:  # once: the sweeps ask for hundreds of streams
-            self._span_slack = _slack(max((max(ends, default=0.0) for ends in self.ends), default=0.0))
-        return _Link(_Stream(self._span_slack), _Stream(self._span_slack))
+        slack = _slack(self.span)
+        return _Link(_Stream(slack), _Stream(slack))
+
+    @cached_property
+    def peak(self) -> float:
+        """The largest rank's activation peak without copies."""
+        return max(_levels(self.schedule, self.costs, self.starts, self.ends))
 
     def gap(self, pair) -> tuple[float, float]:
         """End of the action that opens the pair (F; B) and start of the one that closes it (its backward; W)."""
@@ -323,12 +329,7 @@ class _Pairs:
 
     def _events(self, rank: int) -> list[tuple[float, float]]:
         """(time, change) of the rank's activation memory without offload."""
-        events = []
-        for k, action in enumerate(self.schedule.ranks[rank]):
-            delta = self.costs.memory_delta(action)
-            if delta:
-                events.append((self.starts[rank][k] if delta > 0 else self.ends[rank][k], delta))
-        return events
+        return _memory_events(self.schedule.ranks[rank], self.costs.memory_delta, self.starts[rank], self.ends[rank])
 
 
 class _Sweep:
@@ -559,6 +560,12 @@ def _timed(schedule: Schedule, costs: StageCosts) -> tuple[list[float], float]:
     return _levels(schedule, costs, starts, ends), max((max(e, default=0.0) for e in ends), default=0.0)
 
 
+def _memory_events(actions, delta, starts, ends) -> list[tuple[float, float]]:
+    """(time, change) of one rank's activation memory on a timeline: a rise at its action's
+    start, a fall at its end (``delta``: an action's change)."""
+    return [(starts[k] if d > 0 else ends[k], d) for k, a in enumerate(actions) if (d := delta(a))]
+
+
 def _levels(schedule: Schedule, costs: StageCosts, starts, ends) -> list[float]:
     """Each rank's activation peak on the timeline ``starts``, ``ends``."""
     peaks, deltas = [], {}
@@ -570,10 +577,8 @@ def _levels(schedule: Schedule, costs: StageCosts, starts, ends) -> list[float]:
             found = deltas[key] = costs.memory_delta(a)
         return found
     for rank, actions in enumerate(schedule.ranks):
-        events = sorted((starts[rank][k] if d > 0 else ends[rank][k], d)
-                        for k, a in enumerate(actions) if (d := delta(a)))
         level = peak = 0.0
-        for _, d in events:
+        for _, d in sorted(_memory_events(actions, delta, starts[rank], ends[rank])):
             level += d
             peak = max(peak, level)
         peaks.append(peak)
@@ -646,8 +651,8 @@ def _paced(best: Schedule, schedule: Schedule, pairs: _Pairs, costs: StageCosts,
     of :data:`PACES` counts where the step grows by at most :data:`PACE_COST` and the largest peak
     falls. Full keeps the tightest pace that counts; selective the loosest that reaches
     (1 - ``ratio``) of the largest peak without offload, else the lowest peak."""
-    span = max((max(e, default=0.0) for e in pairs.ends), default=0.0)  # best delays no compute
-    target = None if ratio is None else (1 - ratio) * max(_levels(pairs.schedule, costs, pairs.starts, pairs.ends))
+    span = pairs.span  # best delays no compute
+    target = None if ratio is None else (1 - ratio) * pairs.peak
     found = []
     for pace in PACES if ratio is None else PACES[::-1]:
         chosen = set(behind)
@@ -681,8 +686,8 @@ def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ra
     largest peak. The moves are recorded as ``options["offload"]["moved"]`` (``[stage,
     microbatch, index, follower]``: the W's index in its rank's list without copies, and
     :func:`_follower`, for :func:`unmoved`)."""
-    span = max((max(e, default=0.0) for e in pairs.ends), default=0.0)
-    target = 0.0 if ratio is None else (1 - ratio) * max(_levels(pairs.schedule, costs, pairs.starts, pairs.ends))
+    span = pairs.span
+    target = 0.0 if ratio is None else (1 - ratio) * pairs.peak
     current, moved, tried, refused = offloaded, {}, dict.fromkeys(short, 0), set()
     timeline = asap(current, costs.duration, costs.transfer)
     peaks = _levels(current, costs, *timeline)
@@ -721,11 +726,9 @@ def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ra
 
 def _peak_times(actions, costs: StageCosts, starts, ends) -> list[float]:
     """The instants one rank's activation memory reaches its peak on a timeline."""
-    events = sorted((starts[k] if d > 0 else ends[k], d) for k, a in enumerate(actions)
-                    if (d := costs.memory_delta(a)))
     level = peak = 0.0
     at: list[float] = []
-    for t, d in events:
+    for t, d in sorted(_memory_events(actions, costs.memory_delta, starts, ends)):
         level += d
         if level > peak + _slack(peak):
             peak, at = level, [t]
