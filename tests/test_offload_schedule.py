@@ -387,6 +387,11 @@ def test_selective_short_of_its_ratio_says_so_before_launch():
     assert shortfall({"offload": report("selective", 0.5, 0.29)}) == (
         "pipeloom train: offload selective 0.5: the copies cut the worst rank's activation peak by 29%, not 50%: "
         "more copies would delay compute (the copy streams are full where the peak is)")
+    assert shortfall({"offload": report("selective", 0.5, 0.44, 1.016, moved=8)}) == (
+        "pipeloom train: offload selective 0.5: the copies cut the worst rank's activation peak by 44%, running 8 Ws "
+        "right after their Bs: the step takes 1.016x its time without copies, not 50%: more copies would delay "
+        "compute (the copy streams are full where the peak is; no further W moved right after its B lowered it "
+        "within 5% more time, of at most 6 tried per rank)")
     assert shortfall({"offload": report("selective", 0.5, 0.5)}) is None
     assert shortfall({"offload": report("full", None, 0.1)}) is None
     assert shortfall({}) is None

@@ -166,8 +166,13 @@ def _cut_line(offload: dict) -> str:
     if offload["time"] > 1 + 1e-9:
         cut += f", {why + ':' if why else ''} the step takes {offload['time']:.3f}x its time without copies"
     if _short(offload):
-        return (f"selective {offload['ratio']:g}: {cut}, not {offload['ratio']:.0%}: more copies would delay "
-                "compute (the copy streams are full where the peak is)")
+        limit = "the copy streams are full where the peak is"
+        if moved:
+            from ..schedule.transforms.offload import STEP_COST, W_TRIES
+
+            limit += (f"; no further W moved right after its B lowered it within {STEP_COST:.0%} more time, "
+                      f"of at most {W_TRIES} tried per rank")
+        return f"selective {offload['ratio']:g}: {cut}, not {offload['ratio']:.0%}: more copies would delay compute ({limit})"
     return cut + (" without delaying compute" if offload["policy"] == "full" and offload["time"] <= 1 + 1e-9 else "")
 
 
