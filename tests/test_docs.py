@@ -90,3 +90,34 @@ def test_shown_output_is_what_the_command_prints(tmp_path, page, runs):
             assert _same(line, command) in printed[at:], \
                 f"{page.relative_to(ROOT)}: {command}\nshown:   {line}\nprinted:\n" + "\n".join(printed)
             at = printed.index(_same(line, command), at) + 1
+
+
+def _page():
+    """bench/page.py, which rebuilds docs/benchmarks.md's tables from bench/results/."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_page", ROOT / "bench" / "page.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_tables_are_their_json():
+    page = _page()
+    text = page.PAGE.read_text()
+    _, changed = page.rebuilt(text)
+    assert not changed, f"docs/benchmarks.md: run python bench/page.py (stale: {changed})"
+    assert sorted(m["name"] for m in page.BLOCK.finditer(text)) == sorted(page.TABLES)
+
+
+def test_a_changed_result_makes_its_table_stale(tmp_path):
+    import json
+
+    page = _page()
+    doc = json.loads((page.RESULTS / "vs_torch_pipelining.json").read_text())
+    doc["schedules"]["1f1b"]["ratio"] = 0.5
+    (tmp_path / "vs_torch_pipelining.json").write_text(json.dumps(doc))
+    text = "<!-- results: vs_torch_pipelining -->\n" + page.rendered("vs_torch_pipelining") + "<!-- /results -->\n"
+    new, changed = page.rebuilt(text, tmp_path)
+    assert changed == ["vs_torch_pipelining"] and "| 0.500 |" in new and "| 0.500 |" not in text
+    assert "Not measured yet: `python bench/compile.py --device cuda`" in page.rendered("compile_cuda", tmp_path)
