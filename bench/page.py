@@ -106,6 +106,24 @@ def plan_search(doc: dict) -> list[str]:
                    "best plan"], rows)
 
 
+def offload_sim(doc: dict) -> list[str]:
+    cells: dict[tuple, dict] = {}
+    for r in doc["rows"]:
+        cells.setdefault((r["seq"], r["recompute"], r["k"]), {}).setdefault(r["schedule"], {})[r["policy"]] = r
+    schedules = list(next(iter(cells.values())))
+
+    def cell(by_policy: dict) -> str:
+        full, half = by_policy["full"], by_policy["selective 0.5"]
+        times = {f"{full['time_vs_none']:.3f}x", f"{half['time_vs_none']:.3f}x"}
+        time = times.pop() if len(times) == 1 else f"{full['time_vs_none']:.3f}x / {half['time_vs_none']:.3f}x"
+        return f"{full['peak_cut']:.2f}x / {half['peak_cut']:.2f}x, {time}"
+
+    return _table(["seq, recompute", "k", *(f"{s} full / selective 0.5: peak cut, time" if i == 0 else s
+                                           for i, s in enumerate(schedules))],
+                  [[f"{seq}, {recompute}", f"{k:.2f}", *(cell(row[s]) for s in schedules)]
+                   for (seq, recompute, k), row in cells.items()])
+
+
 #: The JSON a table's NAME reads with its renderer, and the command that writes it.
 TABLES = {
     "sim_vs_measured": (sim_vs_measured, "python bench/sim_vs_measured.py"),
@@ -116,6 +134,7 @@ TABLES = {
     "compile_cuda": (compiled_stages, "python bench/compile.py --device cuda"),
     "vocab_head": (vocab_head, "python bench/vocab_head.py"),
     "vocab_head_cuda": (vocab_head, "python bench/vocab_head.py --device cuda"),
+    "offload_sim": (offload_sim, "python bench/offload_sim.py"),
     "plan_search": (plan_search, "python bench/plan_search.py"),
 }
 
