@@ -678,7 +678,8 @@ def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ra
     streams may have no room to take it away. Greedy, while the largest peak is above the target
     (selective: (1 - ``ratio``) of the largest peak without copies; full: none): the rank with
     the largest peak moves a W held at it (:func:`_held_w`; its copies dropped if it had any,
-    :func:`_move_w`); the whole schedule is simulated and the move kept where that rank's peak
+    :func:`_move_w`); the whole schedule is simulated (its program derived from the one before the
+    move: :func:`~.offload_program.with_moved`) and the move kept where that rank's peak
     falls or is reached fewer times, no other rank's rises, and the step stays within
     :data:`STEP_COST` of the step without copies and no shorter (the planner bounds an offloaded
     step by the bare schedule's: offload never shortens a step). It stops where that rank has tried
@@ -686,6 +687,7 @@ def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ra
     largest peak. The moves are recorded as ``options["offload"]["moved"]`` (``[stage,
     microbatch, index, follower]``: the W's index in its rank's list without copies, and
     :func:`_follower`, for :func:`unmoved`)."""
+    from .offload_program import with_moved  # it reads this module's kinds
     span = pairs.span
     target = 0.0 if ratio is None else (1 - ratio) * pairs.peak
     current, moved, tried, refused = offloaded, {}, dict.fromkeys(short, 0), set()
@@ -703,6 +705,7 @@ def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ra
         tried[rank] += 1
         trial = replace(current, ranks=tuple(_move_w(actions, pair) if r == rank else actions
                                              for r, actions in enumerate(current.ranks)))
+        with_moved(trial, current, pair)
         times = asap(trial, costs.duration, costs.transfer)
         levels = _levels(trial, costs, *times)
         fewer = (levels[rank] < peaks[rank] - _slack(peaks[rank]) or levels[rank] <= peaks[rank] + _slack(peaks[rank])

@@ -5,15 +5,18 @@ as-soon-as-possible engine (:func:`~..deps.asap`); compiling the dependency
 program of every attempt's schedule took most of a plan's time. The copies
 never change the inputs of the bare schedule's actions, so each attempt's
 program is the bare one's with the copies added (:func:`with_copies`), the
-same floats as compiling it gives (a test compares them).
+same floats as compiling it gives (a test compares them). Likewise each W move
+it tries (:func:`~.offload._moved`) changes a few inputs of one rank's
+actions: its program is the one before the move, renumbered, with those
+changed (:func:`with_moved`).
 """
 
 from __future__ import annotations
 
 from .. import deps as _deps
-from ..ir import F, Schedule
+from ..ir import F, W, Action, Schedule
 from ..kinds import COMPOUND, KINDS
-from .offload import _CLOSES, _OPENS, COPIES, _offloaded, pair_of, paced
+from .offload import _CLOSES, _OPENS, COPIES, _offloaded, copies, pair_of, paced
 
 
 def with_copies(schedule: Schedule, base: Schedule) -> None:
@@ -26,11 +29,24 @@ def with_copies(schedule: Schedule, base: Schedule) -> None:
     copy as its rank's list reaches it. What compiling ``schedule`` gives, in a fraction of its
     time (the placement times each of its attempts); anything else, and the program is compiled
     as usual."""
+    _keep(schedule, lambda: _derive(schedule, base))
+
+
+def with_moved(schedule: Schedule, current: Schedule, pair: tuple[int, int]) -> None:
+    """Give ``schedule`` (``current`` with the W of ``pair`` moved right after its B, the copies of
+    what that B keeps for it dropped: :func:`~.offload._move_w`) the timing program derived from
+    ``current``'s (:func:`_derive_moved`), as :func:`with_copies` does: the placement times each move it tries."""
+    _keep(schedule, lambda: _derive_moved(schedule, current, pair))
+
+
+def _keep(schedule: Schedule, derive) -> None:
+    """``derive()`` kept as ``schedule``'s timing program unless it has one under the registered kinds
+    and rules already or ``derive()`` is None (then it is compiled on its first use)."""
     registry = (tuple(KINDS.values()), tuple(_deps.INPUT_RULES))
     entry = _deps._programs.get(id(schedule))
     if entry is not None and entry[0] == registry:
         return
-    program = _derive(schedule, base)
+    program = derive()
     if program is not None:
         key = id(schedule)
         _deps._programs[key] = (registry, _deps.weakref.ref(schedule, lambda _: _deps._programs.pop(key, None)),
@@ -146,4 +162,66 @@ def _derive(schedule: Schedule, base: Schedule):
     program.sent = old.sent  # the copies' results never cross ranks
     program.steps = order, inputs_of, keys_of, sides
     program.bounds = list(zip(offsets, offsets[1:]))
+    return program
+
+
+def _derive_moved(schedule: Schedule, current: Schedule, pair: tuple[int, int]):
+    """The program of ``schedule`` from ``current``'s (see :func:`with_moved`), or None where it cannot
+    be derived: each slot renumbered to its action's place in ``schedule``; on the W's rank, each
+    action's clock (and a copy's stream) read again from its list, the W no longer waiting for its
+    dropped copy back; the W run right after the action before it (its B, which its other inputs
+    precede)."""
+    old = _deps._program(current)
+    rank = schedule.placement[pair[0]]
+    was, actions = current.ranks[rank], schedule.ranks[rank]
+    w = Action(W, *pair)
+    gone = set(was).difference(actions)
+    if gone and gone != set(copies((*pair, 1))) or len(actions) + len(gone) != len(was) or any(
+            a is not b for r, (a, b) in enumerate(zip(current.ranks, schedule.ranks)) if r != rank):
+        return None
+    first, last = old.bounds[rank]
+    n = old.n - len(gone)
+    zero = 2 * n
+    place = {a: first + k for k, a in enumerate(actions)}  # each action of the rank -> its new slot
+    slots = [*range(first), *(place.get(a, -1) for a in was), *range(last - len(gone), n)]
+    new_of = [*slots, *(s + n if s >= 0 else -1 for s in slots), zero]
+    get = new_of.__getitem__
+    heads = {}  # new slot -> its clock (and stream) inputs, on the W's rank
+    clock, stream = zero, {}
+    for slot, a in enumerate(actions, first):
+        side = KINDS[a.kind].stream
+        if side:
+            heads[slot] = clock, stream.get(side, zero)
+            stream[side] = slot
+        else:
+            heads[slot] = (clock,)
+            clock = slot
+    slot_of, inputs_of, keys_of, sides = old.steps
+    order = [new_of[slot] for slot in slot_of]
+    inputs_of = [tuple(map(get, inputs)) for inputs in inputs_of]
+    sides = [waited and (waited[0], tuple(map(get, waited[1]))) for waited in sides]
+    for k, slot in enumerate(order):
+        head = heads.get(slot)
+        if head is not None:  # the rank's clock (and stream) read again
+            inputs_of[k] = (*head, *inputs_of[k][len(head):])
+    steps = order, inputs_of, list(keys_of), sides
+    for _ in gone:  # the dropped copies' steps
+        k = order.index(-1)
+        for step in steps:
+            del step[k]
+    w_slot, k = place[w], order.index(place[w])
+    before = heads[w_slot][0]  # the action before the moved W (its B, which its other inputs precede)
+    if sides[k] and not gone or not all(first <= q <= before for q in inputs_of[k]):
+        return None  # it waits on a side stream, or for an input that may come later in the order
+    at = order.index(before) + 1
+    for step in steps:
+        step.insert(at, step.pop(k))
+    sides[at] = None
+    program = object.__new__(_deps._Program)
+    program.n = n
+    program.timed = old.timed
+    program.sent = old.sent
+    program.steps = steps
+    program.bounds = [(a - len(gone) * (r > rank), b - len(gone) * (r >= rank))
+                      for r, (a, b) in enumerate(old.bounds)]
     return program
