@@ -436,6 +436,8 @@ class _Stream:
             if end <= t + slack:
                 break
             t = start - length
+            if t < first - slack:
+                return None  # it only moves earlier
         return t if t >= first - slack else None
 
     def take(self, start: float, length: float) -> None:
