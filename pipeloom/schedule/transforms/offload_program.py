@@ -200,10 +200,10 @@ def _derive_moved(schedule: Schedule, current: Schedule, pair: tuple[int, int]):
     order = [new_of[slot] for slot in slot_of]
     inputs_of = [tuple(map(get, inputs)) for inputs in inputs_of]
     sides = [waited and (waited[0], tuple(map(get, waited[1]))) for waited in sides]
-    for k, slot in enumerate(order):
-        head = heads.get(slot)
-        if head is not None:  # the rank's clock (and stream) read again
-            inputs_of[k] = (*head, *inputs_of[k][len(head):])
+    step_of = dict(zip(order, range(len(order))))  # new slot -> its step
+    for slot, head in heads.items():  # the rank's clock (and stream) read again
+        k = step_of[slot]
+        inputs_of[k] = (*head, *inputs_of[k][len(head):])
     steps = order, inputs_of, list(keys_of), sides
     for _ in gone:  # the dropped copies' steps
         k = order.index(-1)
