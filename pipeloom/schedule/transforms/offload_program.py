@@ -129,18 +129,18 @@ def _derive(schedule: Schedule, base: Schedule):
         waiting.append(((F,), pair, copied[(*waited, 0)]))
     for kinds, (stage, microbatch), (q, r) in waiting:
         index, first = ranks[r]
-        k = next((k for kind in kinds if (k := index.get((kind, stage, microbatch, ()))) is not None), None)
+        k = next((index[kind, stage, microbatch, ()] for kind in kinds if (kind, stage, microbatch, ()) in index), None)
         if k is None or slots[first + k] < q:
             return None  # its copy comes later in the list or runs on another rank: compiling says so
         sides[step_of[first + k]] = r, (zero, q)
-    base_steps = [slots[s] for s in old.steps[0]], [tuple(map(get, inputs)) for inputs in old.steps[1]], \
-        old.steps[2], sides
+    base_steps = ([slots[s] for s in old.steps[0]], [tuple(map(get, inputs)) for inputs in old.steps[1]],
+                  old.steps[2], sides)
     steps, start = ([], [], [], []), 0
-    for at, slot, inputs, key in sorted(placed):
-        if at > start:
+    for end, slot, inputs, key in sorted(placed):
+        if end > start:  # the base steps up to the one the copy goes before
             for step, was in zip(steps, base_steps):
-                step += was[start:at]
-            start = at
+                step += was[start:end]
+            start = end
         steps[0].append(slot)
         steps[1].append(inputs)
         steps[2].append(key)
