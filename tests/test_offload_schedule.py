@@ -483,6 +483,38 @@ def test_the_placement_times_copies_as_the_compiled_program_does(name, policy, c
         assert waits[0] == waits[1]
 
 
+@pytest.mark.parametrize("name,chunks", [("zb-v", 2), ("zb-h1", 1)])
+def test_each_move_is_timed_as_the_compiled_program_does(name, chunks, monkeypatch):
+    """Each W the placement tries to move is timed with a program derived from the schedule's
+    before the move (not compiled again): the same starts, ends and copy waits as compiling it, on
+    any costs (the standard setting with blockwise attention: Ws move with their copies and without)."""
+    from pipeloom.schedule import deps
+    from pipeloom.schedule.transforms import offload_program
+
+    rng, derive, tried = random.Random(7), offload_program._derive_moved, []
+    costs = costs_from_model("6.2b", 8, 4096, 1, "a100", chunks=chunks, attention="ring", recompute="cheap")
+    per_stage = costs.per_stage(8 * chunks, chunks)
+    times: dict = {}
+
+    def drawn(tag):
+        return lambda a: times.setdefault((tag, a.kind, a.stage, a.payload), rng.random())
+
+    def compared(schedule, current, pair):
+        derived, compiled = derive(schedule, current, pair), deps._Program(schedule)
+        assert derived is not None
+        for duration, transfer in ((per_stage.duration, per_stage.transfer), (drawn("d"), drawn("t"))):
+            waits = [[0.0] * schedule.pp for _ in range(2)]
+            assert derived.run(duration, transfer, waits[0]) == compiled.run(duration, transfer, waits[1])
+            assert waits[0] == waits[1]
+        rank = schedule.placement[pair[0]]
+        tried.append(len(current.ranks[rank]) - len(schedule.ranks[rank]))  # the copies dropped
+        return derived
+
+    monkeypatch.setattr(offload_program, "_derive_moved", compared)
+    schedule = build(name, 8, 32, chunks, transforms=[Offload("full")], costs=costs)
+    assert schedule.options["offload"]["moved"] and set(tried) == {0, 2}  # Ws moved with their copies and without
+
+
 def test_moved_ws_go_back_in_place_past_the_pieces_k_fac_adds_later():
     """K-FAC's pieces go in after the copies and moved Ws: ``unmoved`` puts each W back before the
     action that followed it, not at its old index (which the pieces shifted), so the schedule is valid."""

@@ -49,7 +49,7 @@ Policies (:class:`Offload`), per rank:
   flight that fits and stays off the device the furthest ahead
   (:meth:`_Sweep.cover`).
 - ``full``: the lowest peak that sweep reaches, then every other pair that
-  still fits (:meth:`_Sweep.lowest`); also for selective where the streams
+  still fits (:attr:`_Sweep.lowest`); also for selective where the streams
   cannot reach (1 - r). Where it stops short, the eager placement (each
   OFFLOAD right after its F, the stream left to order the copies,
   :func:`_eager`) is tried too, and the rank keeps the lower simulated peak;
@@ -193,8 +193,8 @@ class Offload:
             raise ScheduleError("the schedule is offloaded already")
         if schedule.options.get("lowered"):
             raise ScheduleError("offload a schedule before lowering its communication")
-        per_stage = (costs or Costs()).per_stage(schedule.stages, schedule.chunks)
-        pairs = _Pairs(schedule, per_stage)
+        pairs = _pairs_of(schedule, costs)
+        per_stage = pairs.costs
         options = {**schedule.options, "offload": {"policy": self.policy, "ratio": self.ratio}}
         schedule = replace(schedule, options=options)
         ratio = None if self.policy == "full" else self.ratio
@@ -204,6 +204,19 @@ class Offload:
         if not short:
             return _assemble(schedule, pairs, timed)
         return _moved(_fallen_back(schedule, pairs, per_stage, timed, short, ratio), pairs, per_stage, short, ratio)
+
+
+#: The schedule last offloaded, its costs and its pairs (:func:`_pairs_of`).
+_LAST: list = [None, None, None]
+
+
+def _pairs_of(schedule: Schedule, costs: Costs | None) -> _Pairs:
+    """``schedule``'s pairs under ``costs``, the last ones kept for the next call with the same two
+    objects: the planner offloads one schedule under one costs with each policy, and what does not
+    depend on the policy (each rank's sweep and its lowest peak, the eager copies) is worked out once."""
+    if _LAST[0] is not schedule or _LAST[1] is not costs:
+        _LAST[:] = schedule, costs, _Pairs(schedule, (costs or Costs()).per_stage(schedule.stages, schedule.chunks))
+    return _LAST[2]
 
 
 def _fallen_back(schedule: Schedule, pairs: _Pairs, costs: StageCosts, timed: list, short: set,
@@ -242,6 +255,10 @@ class _Pairs:
         self.gaps = {pair: (self.ends[rank][f], self.starts[rank][b]) for pair, (rank, f, b) in self.where.items()}
         #: the step's time without copies (the last end)
         self.span = max((max(ends, default=0.0) for ends in self.ends), default=0.0)
+        #: rank -> its :class:`_Sweep`, once asked (:meth:`choose`)
+        self.sweeps: dict[int, _Sweep] = {}
+        #: the eager copies' entries, once placed (:func:`_eager`)
+        self.eager: list[list[tuple]] | None = None
 
     def copy(self, pair) -> float:
         """The time of each of the pair's copies."""
@@ -296,7 +313,7 @@ class _Pairs:
         """The pairs to copy and their copies' places, pair -> (OFFLOAD's start, RELOAD's start, the
         compute action RELOAD follows) on the rank's copy streams, each copy in a free interval of its
         stream so that no backward waits for its RELOAD. ``ratio`` None (full): on each rank the
-        lowest peak the streams reach, then every other pair that still fits (:meth:`_Sweep.lowest`).
+        lowest peak the streams reach, then every other pair that still fits (:attr:`_Sweep.lowest`).
         Else the pairs that bring each rank's peak to (1 - ratio) of its value (:meth:`_Sweep.cover`),
         or, where the streams cannot, full's. And the ranks that took full's."""
         chosen, short = {}, set()
@@ -304,10 +321,12 @@ class _Pairs:
         for pair in self.eligible():
             by_rank.setdefault(self.where[pair][0], []).append(pair)
         for rank, candidates in sorted(by_rank.items()):
-            sweep = _Sweep(self, rank, candidates)
+            sweep = self.sweeps.get(rank)
+            if sweep is None:
+                sweep = self.sweeps[rank] = _Sweep(self, rank, candidates)
             picked = sweep.cover((1 - ratio) * sweep.peak) if ratio is not None else None
             if picked is None:
-                picked = sweep.lowest()
+                picked = sweep.lowest
                 short.add(rank)
             chosen.update(picked)
         return chosen, short
@@ -376,6 +395,7 @@ class _Sweep:
                 ends[end] += pairs.size(pair)
         return chosen
 
+    @cached_property
     def lowest(self) -> dict:
         """The pairs of the lowest peak :meth:`cover` reaches (to a hundredth of the peak), then
         every other pair whose copies still fit, by their F's end (their copies only delay the
@@ -436,6 +456,8 @@ class _Stream:
             if end <= t + slack:
                 break
             t = start - length
+            if t < first - slack:
+                return None  # it only moves earlier
         return t if t >= first - slack else None
 
     def take(self, start: float, length: float) -> None:
@@ -592,7 +614,10 @@ def _eager(schedule: Schedule, pairs: _Pairs, costs: StageCosts) -> tuple[list[l
     while the stream makes backwards wait, each waiting RELOAD moves earlier by its wait (up to
     :data:`_MOVES` times), then its pair is left out. What B keeps for W is left to the timetable:
     eager copies of it crowd the stream the warm-up's Fs need (v-half at seq 32768 without
-    recomputation: full's cut fell from 2.5x to 2.0x)."""
+    recomputation: full's cut fell from 2.5x to 2.0x). The entries are kept on ``pairs``: another
+    policy's fallback places them alike."""
+    if pairs.eager is not None:
+        return pairs.eager, _assemble(schedule, pairs, pairs.eager)
     issue = {pair: pairs.reload_at(pair) for pair in pairs.eligible() if pair[2] == 0}
     moves = dict.fromkeys(issue, 0)
     while True:
@@ -600,6 +625,7 @@ def _eager(schedule: Schedule, pairs: _Pairs, costs: StageCosts) -> tuple[list[l
         assembled = _assemble(schedule, pairs, entries)
         late = _late_reloads(assembled, costs)
         if not late:
+            pairs.eager = entries
             return entries, assembled
         for pair, delay in late.items():
             rank, f, _ = pairs.where[pair]
@@ -678,7 +704,8 @@ def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ra
     streams may have no room to take it away. Greedy, while the largest peak is above the target
     (selective: (1 - ``ratio``) of the largest peak without copies; full: none): the rank with
     the largest peak moves a W held at it (:func:`_held_w`; its copies dropped if it had any,
-    :func:`_move_w`); the whole schedule is simulated and the move kept where that rank's peak
+    :func:`_move_w`); the whole schedule is simulated (its program derived from the one before the
+    move: :func:`~.offload_program.with_moved`) and the move kept where that rank's peak
     falls or is reached fewer times, no other rank's rises, and the step stays within
     :data:`STEP_COST` of the step without copies and no shorter (the planner bounds an offloaded
     step by the bare schedule's: offload never shortens a step). It stops where that rank has tried
@@ -686,6 +713,7 @@ def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ra
     largest peak. The moves are recorded as ``options["offload"]["moved"]`` (``[stage,
     microbatch, index, follower]``: the W's index in its rank's list without copies, and
     :func:`_follower`, for :func:`unmoved`)."""
+    from .offload_program import with_moved  # it reads this module's kinds
     span = pairs.span
     target = 0.0 if ratio is None else (1 - ratio) * pairs.peak
     current, moved, tried, refused = offloaded, {}, dict.fromkeys(short, 0), set()
@@ -703,6 +731,7 @@ def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ra
         tried[rank] += 1
         trial = replace(current, ranks=tuple(_move_w(actions, pair) if r == rank else actions
                                              for r, actions in enumerate(current.ranks)))
+        with_moved(trial, current, pair)
         times = asap(trial, costs.duration, costs.transfer)
         levels = _levels(trial, costs, *times)
         fewer = (levels[rank] < peaks[rank] - _slack(peaks[rank]) or levels[rank] <= peaks[rank] + _slack(peaks[rank])
