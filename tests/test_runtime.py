@@ -288,23 +288,29 @@ def test_readme_torchrun_example_runs(tmp_path):
     assert (tmp_path / "t.json").stat().st_size > 0
 
 
-def _dead_peer_worker(rank):
+def _dead_peer_worker(rank, done):
     import time
+    from pathlib import Path
 
     import pipeloom
     from pipeloom.nn import GPT, GPTConfig
 
     config = GPTConfig.preset("tiny")
     pipe = pipeloom.Pipeline(GPT(config), schedule="1f1b", pp=2, microbatches=4, timeout=3)
-    if rank == 1:
-        time.sleep(8)  # stalls: never sends its gradients
+    if rank == 1:  # stalls: never sends its gradients, until rank 0 has stopped (30 s at most)
+        deadline = time.monotonic() + 30
+        while not Path(done).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
         return None
-    return step_failure(pipe, config)
+    try:
+        return step_failure(pipe, config)
+    finally:
+        Path(done).touch()
 
 
 @pytest.mark.timeout(120)
-def test_stalled_peer_is_named_within_the_timeout():
-    (message, waited), _ = spawn(2, _dead_peer_worker, timeout=60)
+def test_stalled_peer_is_named_within_the_timeout(tmp_path):
+    (message, waited), _ = spawn(2, _dead_peer_worker, str(tmp_path / "rank 0 stopped"), timeout=60)
     assert "rank 0: action 0B0 waited for the gradient of stage 1 microbatch 0 from rank 1" in message
     assert waited < 3 + 5
 
