@@ -8,7 +8,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from parity import (  # noqa: E402
-    SYNCHRONOUS, autocast_reference, check, make_batch, max_rel_error, parity_worker, reference, step_failure,
+    SYNCHRONOUS, autocast_reference, check, make_batch, max_rel_error, parity_worker, reference, stall_until,
+    step_failure,
 )
 from pipeloom.runtime.local import spawn  # noqa: E402
 
@@ -289,7 +290,6 @@ def test_readme_torchrun_example_runs(tmp_path):
 
 
 def _dead_peer_worker(rank, done):
-    import time
     from pathlib import Path
 
     import pipeloom
@@ -297,10 +297,8 @@ def _dead_peer_worker(rank, done):
 
     config = GPTConfig.preset("tiny")
     pipe = pipeloom.Pipeline(GPT(config), schedule="1f1b", pp=2, microbatches=4, timeout=3)
-    if rank == 1:  # stalls: never sends its gradients, until rank 0 has stopped (30 s at most)
-        deadline = time.monotonic() + 30
-        while not Path(done).exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
+    if rank == 1:
+        stall_until(done)  # stalls: never sends its gradients
         return None
     try:
         return step_failure(pipe, config)
