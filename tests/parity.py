@@ -65,6 +65,17 @@ def step_failure(pipe, config):
     return "no error", 0.0
 
 
+def stall_until(path, limit=30.0):
+    """Do nothing until ``path`` exists (``limit`` seconds at most): a rank that stalls until its peer
+    has stopped (and left ``path``), not for a fixed time."""
+    import time
+    from pathlib import Path
+
+    deadline = time.monotonic() + limit
+    while not Path(path).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def max_rel_error(grads, ref):
     assert set(grads) == set(ref), sorted(set(grads) ^ set(ref))
     return max(((grads[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-12)).item() for n in ref)

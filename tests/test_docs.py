@@ -1,5 +1,6 @@
 """Every Python snippet of the README and docs/ runs: a plain one as a script, one that
-initialises torch.distributed under ``torchrun --nproc-per-node 2`` (gloo, on this CPU)."""
+initialises torch.distributed as under ``torchrun --nproc-per-node 2`` (gloo, on this CPU; its
+ranks forked as :func:`launching.script_forked` does: the subject is the snippet, not torchrun)."""
 
 import os
 import re
@@ -22,15 +23,17 @@ def test_the_docs_have_snippets():
 @pytest.mark.parametrize("page,n,code", SNIPPETS, ids=[f"{p.relative_to(ROOT)}#{n}" for p, n, _ in SNIPPETS])
 @pytest.mark.timeout(150)
 def test_snippet_runs(tmp_path, page, n, code):
-    if "init_process_group" in code:
-        pytest.importorskip("torch")
     script = tmp_path / "snippet.py"
     script.write_text(code)
-    launch = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
-              if "init_process_group" in code else [sys.executable])
-    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])
-    done = subprocess.run([*launch, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path})
+    if "init_process_group" in code:
+        pytest.importorskip("torch")
+        from launching import script_forked
+
+        done = script_forked(script, 2, cwd=tmp_path, timeout=120)
+    else:
+        path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])
+        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path})
     assert done.returncode == 0, f"{page.relative_to(ROOT)}, snippet {n}:\n{done.stderr[-3000:]}"
 
 

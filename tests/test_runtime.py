@@ -8,7 +8,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from parity import (  # noqa: E402
-    SYNCHRONOUS, autocast_reference, check, make_batch, max_rel_error, parity_worker, reference, step_failure,
+    SYNCHRONOUS, autocast_reference, check, make_batch, max_rel_error, parity_worker, reference, stall_until,
+    step_failure,
 )
 from pipeloom.runtime.local import spawn  # noqa: E402
 
@@ -288,8 +289,8 @@ def test_readme_torchrun_example_runs(tmp_path):
     assert (tmp_path / "t.json").stat().st_size > 0
 
 
-def _dead_peer_worker(rank):
-    import time
+def _dead_peer_worker(rank, done):
+    from pathlib import Path
 
     import pipeloom
     from pipeloom.nn import GPT, GPTConfig
@@ -297,14 +298,17 @@ def _dead_peer_worker(rank):
     config = GPTConfig.preset("tiny")
     pipe = pipeloom.Pipeline(GPT(config), schedule="1f1b", pp=2, microbatches=4, timeout=3)
     if rank == 1:
-        time.sleep(8)  # stalls: never sends its gradients
+        stall_until(done)  # stalls: never sends its gradients
         return None
-    return step_failure(pipe, config)
+    try:
+        return step_failure(pipe, config)
+    finally:
+        Path(done).touch()
 
 
 @pytest.mark.timeout(120)
-def test_stalled_peer_is_named_within_the_timeout():
-    (message, waited), _ = spawn(2, _dead_peer_worker, timeout=60)
+def test_stalled_peer_is_named_within_the_timeout(tmp_path):
+    (message, waited), _ = spawn(2, _dead_peer_worker, str(tmp_path / "rank 0 stopped"), timeout=60)
     assert "rank 0: action 0B0 waited for the gradient of stage 1 microbatch 0 from rank 1" in message
     assert waited < 3 + 5
 

@@ -243,24 +243,27 @@ def test_combinations_not_run_yet_are_refused_by_name():
     assert "'dampning'" in messages[2]
 
 
-def _stalled_replica_worker(rank):
-    import time
+def _stalled_replica_worker(rank, done):
+    from pathlib import Path
 
     import pipeloom
     from pipeloom.nn import GPT, GPTConfig
 
-    from parity import step_failure
+    from parity import stall_until, step_failure
 
     config = GPTConfig.preset("tiny")
     pipe = pipeloom.Pipeline(GPT(config), schedule="1f1b", pp=1, dp=2, microbatches=4, timeout=3, optimizer="kfac")
     if rank == 1:
-        time.sleep(8)  # stalls: never joins the sum of the curvature
+        stall_until(done)  # stalls: never joins the sum of the curvature
         return None
-    return step_failure(pipe, config)
+    try:
+        return step_failure(pipe, config)
+    finally:
+        Path(done).touch()
 
 
 @pytest.mark.timeout(120)
-def test_a_stalled_replica_is_named_at_the_curvature_sum():
-    (message, waited), _ = spawn(2, _stalled_replica_worker, timeout=60)
+def test_a_stalled_replica_is_named_at_the_curvature_sum(tmp_path):
+    (message, waited), _ = spawn(2, _stalled_replica_worker, str(tmp_path / "rank 0 stopped"), timeout=60)
     assert "K-FAC's sum of the curvature over the data-parallel replicas" in message and "rank 1" in message
     assert waited < 3 + 5

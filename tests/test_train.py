@@ -41,7 +41,8 @@ def metrics(path):
 
 @pytest.mark.timeout(TIMEOUT)
 def test_default_job_trains_and_writes_metrics(tmp_path):
-    done = train("--steps", "40", "--metrics", "m.jsonl", cwd=tmp_path, launcher=True)
+    """The README's job (its self-launched workers are the subject of the signal, kill and disk tests below)."""
+    done = train("--steps", "40", "--metrics", "m.jsonl", cwd=tmp_path)
     rows = metrics(tmp_path / "m.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 41))
     for r in rows:
