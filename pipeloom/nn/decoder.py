@@ -180,6 +180,13 @@ class HFTensor(NamedTuple):
 NORMS = (nn.LayerNorm, nn.RMSNorm)
 
 
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """An ``nn.Embedding`` without torch's random init: the decoder's weights are described on the meta
+    device and initialised when they get storage (:meth:`Decoder._initialise`), and ``normal_`` on a meta
+    tensor imports ``torch._dynamo`` (about 1 s a process)."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
 def set_sequence_parallel(modules, sp: SequenceParallel | None) -> None:
     """Run ``modules`` (a model or its stages) sequence-parallel with ``sp``, or not (None)."""
     for module in modules:
@@ -222,7 +229,7 @@ class Decoder(nn.Module):
         #: it, read when the weight gets storage
         self.sources: dict[str, Callable[..., torch.Tensor]] = {}
         with torch.device("meta"):
-            self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+            self.wte = embedding(config.vocab_size, config.n_embd)
             inputs = self.inputs(config)
             for name, module in inputs.items():
                 setattr(self, name, module)

@@ -21,7 +21,7 @@ from torch import nn
 from ..errors import PipeloomError
 from ..presets import SIZES
 from .decoder import (CausalSelfAttention, Decoder, DecoderConfig, DecoderStage, HFTensor, PreNormBlock,
-                      SequenceParallel, positions_of, sequence_length, set_sequence_parallel)
+                      SequenceParallel, embedding, positions_of, sequence_length, set_sequence_parallel)
 from .linear import Linear
 from .recompute import mark
 
@@ -141,7 +141,7 @@ class GPT(Decoder):
     @staticmethod
     def inputs(config: GPTConfig) -> dict[str, nn.Module]:
         """The learned position embeddings ``wpe`` and the embeddings' dropout ``drop``."""
-        return {"wpe": nn.Embedding(config.block_size, config.n_embd), "drop": nn.Dropout(config.dropout)}
+        return {"wpe": embedding(config.block_size, config.n_embd), "drop": nn.Dropout(config.dropout)}
 
     @staticmethod
     def add_positions(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
