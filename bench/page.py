@@ -99,8 +99,10 @@ def plan_search(doc: dict) -> list[str]:
             continue
         b = r["best"]
         sp = f" sp {b['sp']}" if b["sp"] > 1 else ""
-        best = f"pp {b['pp']} dp {b['dp']}{sp} {b['schedule']}, {b['microbatches']} x {b['microbatch_size']}, "
-        best += f"{b['recompute']} recompute, {b['offload']} offload, {b['step_ms']:.0f} ms"
+        settings = [f"{key} {b[key]}" for key in ("recompute", "offload") if b[key] != "none"]
+        settings += [b["vocab_parallel"]] if b["vocab_parallel"] != "none" else []
+        best = ", ".join([f"pp {b['pp']} dp {b['dp']}{sp} {b['schedule']}", f"{b['microbatches']} x {b['microbatch_size']}",
+                          *settings, f"{b['step_ms']:.0f} ms"])
         rows.append([what, request, f"{r['candidates']:,}", r["simulated"], f"{r['seconds']:.1f}", best])
     return _table(["request (`pipeloom plan ...`)", "model, seq, global batch", "layouts", "simulated", "seconds",
                    "best plan"], rows)
