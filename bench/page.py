@@ -49,15 +49,15 @@ def sim_vs_measured(doc: dict) -> list[str]:
 
 
 def vs_torch_pipelining(doc: dict) -> list[str]:
-    def floor(r: dict, key: str, fmt: str) -> str:
-        return format(r[key], fmt) if key in r else "–"
+    def floor(r: dict, key: str, scale: float = 1.0) -> str:
+        """A floor figure, or a dash for a run from before the bench measured floors."""
+        return f"{scale * r[key]:.{1 if scale > 1 else 3}f}" if key in r else "–"
 
     return _table(["pipeloom", "torch", "torch (ms)", "pipeloom (ms)", "ratio", "ratio of fastest steps",
                    "floor (ms)", "torch / floor", "pipeloom / floor"],
                   [[name, r["torch_schedule"], f"{1e3 * r['torch_s']:.1f}", f"{1e3 * r['pipeloom_s']:.1f}",
                     f"{r['ratio']:.3f}", f"{r['ratio_of_minimums']:.3f}",
-                    "–" if "floor_s" not in r else f"{1e3 * r['floor_s']:.1f}",
-                    floor(r, "torch_over_floor", ".3f"), floor(r, "pipeloom_over_floor", ".3f")]
+                    floor(r, "floor_s", 1e3), floor(r, "torch_over_floor"), floor(r, "pipeloom_over_floor")]
                    for name, r in doc["schedules"].items()])
 
 
