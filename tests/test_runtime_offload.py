@@ -95,6 +95,29 @@ def test_a_view_comes_back_as_a_view_of_its_reloaded_base(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_pairs_storages_of_one_dtype_go_and_come_back_in_one_buffer(device):
+    """Five storages of two dtypes: one host buffer and one device tensor per dtype, each saved tensor
+    a view of its dtype's reloaded tensor, equal to what was saved; and freed together."""
+    offloader = _offloader(device)
+    pack = offloader.hooks(Action(F, *PAIR)).pack_hook
+    saved = [torch.randn(40, 30, device=device).to(dtype) for dtype in (torch.float32, torch.bfloat16) * 2]
+    saved.append(torch.randn(80, 80, device=device)[5:75:2, 3:])  # a strided view inside its storage
+    packed = [pack(t) for t in saved]
+    offloader.offload(Action(OFFLOAD, *PAIR))
+    capture, kept = offloader.captures[PAIR], offloader.stats.device  # the test's own references to the originals
+    assert [len(b.ranges) for b in capture.blocks] == [3, 2] and offloader.stats.host_allocations == 2
+    offloader.reload(Action(RELOAD, *PAIR))
+    back = [_unpack(p) for p in packed]
+    for got, want in zip(back, saved):
+        assert got.dtype == want.dtype and got.stride() == want.stride() and torch.equal(got, want)
+    assert len({t.untyped_storage().data_ptr() for t in back}) == 2
+    reloaded = sum(b.numel * b.ranges[0].tensor.element_size() for b in capture.blocks)
+    assert offloader.stats.device - kept == reloaded == offloader.stats.offloaded
+    del back, packed, capture, got, pack  # the pack hook holds the capture, as F's hooks do until F ends
+    assert offloader.stats.device == kept
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_bytes_leave_the_device_with_offload_and_come_back_with_reload(device):
     offloader = _offloader(device)
     stats = offloader.stats

@@ -9,14 +9,19 @@ back as a view of that range (offset, size, stride): memory is copied once,
 and views stay views.
 
 OFFLOAD (:mod:`pipeloom.schedule.transforms.offload` places it after F)
-copies the pair's ranges into host buffers from a :class:`HostPool` reused
-across steps and drops the device copies. The stage's input, a leaf the slot
+copies the pair's ranges of each dtype into one host buffer (each range into
+its slice) from a :class:`HostPool` reused across steps and drops the device
+copies. The stage's input, a leaf the slot
 keeps for its gradient, goes too: its ``data`` becomes a one-element
 placeholder of its shape until RELOAD puts the reloaded view back (with
 recomputation it is all a stage saves). The stage's output stays (the slot
-holds it as the root of the backward). RELOAD copies the ranges back into
-new device tensors, and the unpack hook (in B or BW) hands out each saved
-tensor again, a view rebuilt with ``as_strided``.
+holds it as the root of the backward). RELOAD copies each host buffer back
+in one copy into one new device tensor, of which each range is a slice, and
+the unpack hook (in B or BW) hands out each saved tensor again, a view rebuilt
+with ``as_strided``. A pair's reloaded bytes are freed together, once its
+backward has let go of them all. What a pair's copies cost the host grows with
+its ranges (a GPT layer saves about nine storages), so a reload is one copy per
+dtype.
 
 On CUDA the host buffers are pinned and the copies run on two side streams,
 offloads on one and reloads on the other (the host link carries both
@@ -129,14 +134,35 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 class _Range:
     """Elements ``start:end`` of a storage that a pair's saved tensors of one dtype use: ``tensor``
-    on the device (None while offloaded), ``host`` while offloaded, ``ready`` the CUDA event of
-    its reload."""
+    on the device (None while offloaded; once reloaded, a slice of its block's device tensor),
+    ``ready`` the CUDA event of its reload."""
 
-    __slots__ = ("start", "end", "tensor", "host", "ready")
+    __slots__ = ("start", "end", "tensor", "ready")
 
     def __init__(self, start: int, end: int, tensor: torch.Tensor):
         self.start, self.end, self.tensor = start, end, tensor
-        self.host = self.ready = None
+        self.ready = None
+
+
+class _Block:
+    """A pair's ranges of one dtype, copied together: ``host`` the one buffer they lie in while
+    offloaded, each from its element ``offsets``, ``numel`` elements in all."""
+
+    __slots__ = ("ranges", "offsets", "numel", "host")
+
+    def __init__(self, ranges: list[_Range]):
+        self.ranges, self.offsets, self.numel, self.host = ranges, [], 0, None
+        for where in ranges:
+            self.offsets.append(self.numel)
+            self.numel += where.end - where.start
+
+
+def _blocks(ranges: list[_Range]) -> list[_Block]:
+    """``ranges`` (on the device) as one block per dtype."""
+    by_dtype: dict[torch.dtype, list[_Range]] = {}
+    for where in ranges:
+        by_dtype.setdefault(where.tensor.dtype, []).append(where)
+    return [_Block(group) for group in by_dtype.values()]
 
 
 class _Rebuilt:
@@ -182,7 +208,8 @@ class _Saved:
 
     def view(self) -> torch.Tensor:
         """Its view of the reloaded range, without waiting for the reload's copy."""
-        return self.range.tensor.as_strided(self.size, self.stride, self.offset)
+        tensor = self.range.tensor
+        return tensor.as_strided(self.size, self.stride, tensor.storage_offset() + self.offset)
 
 
 def _extent(tensor: torch.Tensor) -> tuple[int, int]:
@@ -193,11 +220,12 @@ def _extent(tensor: torch.Tensor) -> tuple[int, int]:
 
 class _Capture:
     """What one pair's F saved, by (storage address, dtype); its ranges once offloaded: one
-    per storage and dtype, spanning every saved tensor in it."""
+    per storage and dtype, spanning every saved tensor in it; and their blocks."""
 
     def __init__(self):
         self.saved: dict[tuple[int, torch.dtype], list[_Saved]] = {}
         self.ranges: list[_Range] = []
+        self.blocks: list[_Block] = []
         self.leaf: _Saved | None = None
 
     def save(self, tensor: torch.Tensor) -> _Saved:
@@ -205,9 +233,9 @@ class _Capture:
         self.saved.setdefault((tensor.untyped_storage().data_ptr(), tensor.dtype), []).append(saved)
         return saved
 
-    def gather(self, kept: set[int], leaf: torch.Tensor | None) -> list[_Range]:
-        """The ranges of the saved tensors but those in the storages ``kept``; each saved tensor
-        in one lets go of its device tensor. ``leaf`` (the stage input), when its storage is
+    def gather(self, kept: set[int], leaf: torch.Tensor | None) -> list[_Block]:
+        """The blocks of the ranges of the saved tensors but those in the storages ``kept``; each
+        saved tensor in one lets go of its device tensor. ``leaf`` (the stage input), when its storage is
         among them, is placed in its range too (:attr:`leaf`) and lets go of its data."""
         self.leaf = None
         for (key, _), group in self.saved.items():
@@ -224,7 +252,8 @@ class _Capture:
                 self.leaf.place(where)
                 leaf.data = torch.zeros((), dtype=leaf.dtype, device=leaf.device).expand(leaf.shape)
             self.ranges.append(where)
-        return self.ranges
+        self.blocks = _blocks(self.ranges)
+        return self.blocks
 
 
 class Offloader:
@@ -309,9 +338,9 @@ class Offloader:
     def _new_step(self) -> None:
         """Hand back the buffers of captures a failed step left, and start the step's peaks."""
         for capture in (*self.captures.values(), *self.queued.values()):
-            for where in capture.ranges:
-                if where.host is not None:
-                    self.pool.give(where.host)
+            for block in capture.blocks:
+                if block.host is not None:
+                    self.pool.give(block.host)
         self.captures.clear()
         self.queued.clear()
         self.copied.clear()
@@ -336,56 +365,61 @@ class Offloader:
         self.context.step.slots[pair].weights.pack(lambda t: capture.save(t) if self._moves(t) else t, _unpack)
         self._out(capture.gather(set(), None))
 
-    def _out(self, moving: list[_Range]) -> None:
-        """Copy ``moving`` to host buffers on the offload stream, after the compute so far; drop the device copies."""
+    def _out(self, moving: list[_Block]) -> None:
+        """Copy ``moving`` to host buffers on the offload stream, after the compute so far, each block's
+        ranges into slices of one buffer; drop the device copies."""
         if self.cuda and moving:
             ready = torch.cuda.Event()
             ready.record()  # after the compute before it, on the compute stream
             self.out.wait_event(ready)
         with self._on(self.out):
-            for where in moving:
-                where.host = self.pool.take(where.tensor.dtype, where.tensor.numel())
-                where.host.copy_(where.tensor, non_blocking=self.cuda)
-                if self.cuda:
-                    where.tensor.record_stream(self.out)
-                self.stats.offloaded += _nbytes(where.host)
-                where.tensor = None
+            for block in moving:
+                block.host = host = self.pool.take(block.ranges[0].tensor.dtype, block.numel)
+                for where, at in zip(block.ranges, block.offsets):
+                    host[at:at + where.end - where.start].copy_(where.tensor, non_blocking=self.cuda)
+                    if self.cuda:
+                        where.tensor.record_stream(self.out)
+                    where.tensor = None
+                self.stats.offloaded += _nbytes(host)
 
     def reload(self, action) -> None:
         """Copy the pair's offloaded ranges back to new device tensors; their buffers go back to the pool."""
         capture = self.captures.pop((action.stage, action.microbatch))
-        self._back(capture.ranges)
+        self._back(capture.blocks)
         if capture.leaf is not None:  # the stage input's data again, a view of its reloaded range: nothing
             # reads it before the backward, whose unpack waits for the copy (so this action does not)
             self.context.step.slots[action.stage, action.microbatch].input.data = capture.leaf.view()
 
     def reload_w(self, action) -> None:
         """Copy what the pair's B queued for W back to new device tensors; W's unpacking waits for the copy."""
-        self._back(self.queued.pop((action.stage, action.microbatch)).ranges)
+        self._back(self.queued.pop((action.stage, action.microbatch)).blocks)
 
-    def _back(self, back: list[_Range]) -> None:
-        """Copy ``back`` to new device tensors on the reload stream, after the compute so far; their
-        host buffers go back to the pool."""
+    def _back(self, back: list[_Block]) -> None:
+        """Copy ``back`` to the device on the reload stream, after the compute so far: each block in one
+        copy to one new device tensor, its ranges slices of it; the host buffers go back to the pool."""
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
         if self.cuda and back:  # no earlier than the compute before it in the list ends, as the simulator times it
             issued = torch.cuda.Event()
             issued.record(compute)
             self.back.wait_event(issued)
         with self._on(self.back):
-            for where in back:
-                where.tensor = torch.empty_like(where.host, device=self.device)
-                where.tensor.copy_(where.host, non_blocking=self.cuda)
-                self.hold(where.tensor.untyped_storage())
+            for block in back:
+                device = torch.empty_like(block.host, device=self.device)
+                device.copy_(block.host, non_blocking=self.cuda)
+                self.hold(device.untyped_storage())
                 if self.cuda:
-                    where.tensor.record_stream(compute)  # read and freed there
+                    device.record_stream(compute)  # read and freed there
+                for where, at in zip(block.ranges, block.offsets):
+                    where.tensor = device[at:at + where.end - where.start]
         done = None
         if self.cuda and back:
             done = torch.cuda.Event()
             done.record(self.back)
-        for where in back:
-            where.ready = done
-            self.pool.give(where.host, done)
-            where.host = None
+        for block in back:
+            for where in block.ranges:
+                where.ready = done
+            self.pool.give(block.host, done)
+            block.host = None
 
     def _on(self, stream):
         return torch.cuda.stream(stream) if self.cuda else nullcontext()
