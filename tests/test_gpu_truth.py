@@ -15,10 +15,15 @@ from pathlib import Path
 
 import pytest
 
+from kfac_late import curvature_late
+from pipeloom.builder import Priced, build_run
 from pipeloom.cli import _parser
 from pipeloom.cli.flags import spec_of
 from pipeloom.plan import Cluster, Costing, PlanRequest
 from pipeloom.plan.command import candidate_of
+from pipeloom.sim import simulate
+from pipeloom.sim.formulas import KFAC_STATE_COPIES, kfac_factor_bytes
+from pipeloom.sim.memory import peak_memory_bytes
 from pipeloom.sim.profile import Profile
 from pipeloom.sim.specs import get_model
 
@@ -68,12 +73,43 @@ def _simulated_gib(tmp_path, truth: dict, row: dict, profiled: bool) -> float:
     return json.loads(done.stdout)["peak_memory_bytes"][0] / 2**30
 
 
+#: Commits whose K-FAC rows ran train without the profile, its pieces placed by the formulas (the H100
+#: file's note: the first call's rows); the others' train took the profile.
+PLACED_BY_FORMULAS = {"1649795"}
+
+
+def _kfac_as_run_gib(tmp_path, truth: dict, row: dict) -> float:
+    """The peak ``simulate`` predicts for a K-FAC row's run as it ran: every row so far ran the curvature
+    that fits no bubble at the end of the refresh cycle, each capture held till then (``curvature_late``),
+    placed by the costs train had; a run of one cycle (``--steps`` at most k) measured the first refresh,
+    whose captures wait without factors or inverses of an earlier one (pp 1: one rank holds every layer)."""
+    flags = shlex.split(row["flags"])
+    at = flags.index("--steps")
+    steps = int(flags.pop(at + 1))
+    del flags[at]
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(truth["profile"]))
+    profiled = row.get("commit", truth.get("commit")) not in PLACED_BY_FORMULAS
+    spec = spec_of(_parser().parse_args(["simulate", "--model", row["model"], "--vocab", str(truth["vocab"]), "--seq",
+                                         str(truth["seq"]), "--device", "cuda",
+                                         *(("--profile", str(profile)) if profiled else ()), *flags]))
+    priced = Priced(spec)
+    schedule = build_run(spec, priced.costs)
+    assert schedule.pp == 1
+    state = ({"bytes_per_param": priced.profile.bytes_per_param,
+              "cast_bytes_per_param": priced.profile.cast_bytes_per_param} if profiled else {})
+    peak = peak_memory_bytes(priced.model, simulate(curvature_late(schedule), priced.costs), spec.seq,
+                             microbatch_size=spec.microbatch_size, **state)[0]
+    if steps <= schedule.options["kfac"]["every"]:
+        peak -= (KFAC_STATE_COPIES - 1) * priced.model.layers * sum(a + g for a, g in kfac_factor_bytes(priced.model))
+    return peak / 2**30
+
+
 @pytest.mark.parametrize("gpu,row", KFAC, ids=[f"{gpu} {row['model']} {row['flags']}" for gpu, row in KFAC])
 def test_simulated_kfac_peak_within_10_percent(tmp_path, gpu, row):
-    """K-FAC's factors, inverses and the inverses a refresh computes before publishing them."""
-    truth, measured = TRUTHS[gpu], row["measured_peak_gib"]
-    for profiled in (True, False):
-        assert abs(_simulated_gib(tmp_path, truth, row, profiled) / measured - 1) <= 0.10
+    """K-FAC's factors, inverses, the refresh's sums or new inverses, and the captures waiting for their
+    curvature, for the schedule the row's run had (:func:`_kfac_as_run_gib`)."""
+    assert abs(_kfac_as_run_gib(tmp_path, TRUTHS[gpu], row) / row["measured_peak_gib"] - 1) <= 0.10
 
 
 @pytest.mark.parametrize("gpu,row", [ROWS[0]], ids=IDS[:1])

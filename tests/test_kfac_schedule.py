@@ -5,13 +5,20 @@ from dataclasses import replace
 
 import pytest
 
+from kfac_late import curvature_late
 from pipeloom.cli import main
 from pipeloom.errors import PipeloomError, ScheduleError
 from pipeloom.schedule import FAMILIES, Action, Costs, Kfac, Schedule, build, validate
+from pipeloom.schedule.deps import Dependencies
+from pipeloom.schedule.ir import parts
+from pipeloom.schedule.kinds import COMPOUND
 from pipeloom.schedule.transforms.kfac import (KFAC_A, KFAC_G, KFAC_INV, KFAC_PRE, KFAC_SYNC_A, KFAC_SYNC_G,
                                                PIECES)
 from pipeloom.sim import ModelSpec, costs_from_model, kfac_costs, kfac_report, simulate, stage_layers, without_pieces
+from pipeloom.sim.formulas import KFAC_STATE_COPIES, kfac_capture_bytes, kfac_factor_bytes
+from pipeloom.sim.memory import peak_memory_bytes
 from pipeloom.sim.model import KFAC_UNITS_PER_LAYER, get_device
+from pipeloom.sim.specs import get_model
 
 def _costs(pp, chunks=1, **kfac):
     """Uneven stage costs (the last stage heavier), and K-FAC pieces."""
@@ -85,6 +92,78 @@ def test_one_rank_has_no_bubble_and_runs_every_piece_on_the_critical_path():
     assert simulate(schedule, costs).makespan == pytest.approx(4 * 3 + 2 * (4 * 0.3 + 0.5) + 0.3)
 
 
+def _follows_its_producer(schedule, rank: int, piece) -> bool:
+    """Whether ``piece`` comes right after the capture step's action that made its capture (or after
+    other curvature pieces right after it: a DualPipeV pair makes two microbatches' captures)."""
+    actions = list(schedule.ranks[rank])
+    k = actions.index(piece)
+    while actions[k - 1].kind in (KFAC_A, KFAC_G):
+        k -= 1
+    before = actions[k - 1]
+    made = Dependencies(schedule).backward(piece.stage, piece.microbatch) if piece.kind == KFAC_G else \
+        Action("F", piece.stage, piece.microbatch)
+    return made in (parts(before) if before.kind in COMPOUND else (before,))
+
+
+@pytest.mark.parametrize("name,pp,every", [("1f1b", 1, None), ("zb-h1", 1, 3), ("1f1b", 2, 1), ("zb-v", 2, 1),
+                                           ("dualpipev", 2, 1), ("2bw", 2, 1)])
+def test_curvature_that_fits_no_bubble_runs_right_after_its_producer(name, pp, every):
+    """Its capture is freed at once; the syncs and inversions that fit nowhere still end the cycle."""
+    costs = _costs(pp, FAMILIES[name].default_chunks, kfac_a=0.9, kfac_g=1.0)  # too long for most bubbles
+    schedule = build(name, pp, 4, costs=costs, transforms=[Kfac(units=2, every=every)])
+    kfac = schedule.options["kfac"]
+    assert all(kfac["inline"]) and (every is None or kfac["every"] == every)
+    base = build(name, pp, 4, costs=costs)
+    for rank, inline in enumerate(kfac["inline"]):
+        pieces = [Action(kind, s, j, (u,)) for kind, s, j, u in inline]
+        assert all(a.microbatch < base.microbatches for a in pieces)
+        assert all(_follows_its_producer(schedule, rank, a) for a in pieces)
+        actions = schedule.ranks[rank]
+        late = kfac["overflow"][rank] - len(inline)
+        last = next(k for k, a in enumerate(actions) if a.kind == KFAC_PRE and a.microbatch == schedule.steps - 1)
+        assert all(a.kind in (KFAC_SYNC_A, KFAC_SYNC_G, KFAC_INV) for a in actions[last - late:last])
+
+
+def test_curvature_after_its_producer_costs_the_cycle_what_it_did_at_its_end():
+    """pp 1: the same work on the critical path wherever it runs, so the same k and step."""
+    costs = Costs(f=1, b=1, w=1, extra={"kfac_a": 0.1, "kfac_g": 0.2, "kfac_inv": 0.5, "kfac_pre": 0.3})
+    schedule = build("1f1b", 1, 4, costs=costs, transforms=[Kfac(units=2)])
+    late = curvature_late(schedule)
+    assert validate(late).steps == schedule.steps
+    assert simulate(schedule, costs).makespan == pytest.approx(simulate(late, costs).makespan)
+
+
+@pytest.mark.parametrize("model", ["tiny", "llama-tiny"])
+def test_the_peak_counts_the_captures_until_their_curvature(model):
+    """pp 1, 1f1b 4 x 2: with the curvature at the end of the cycle every capture of the capture step
+    waits beside the next steps' activations (with the factors and the inverses in use; the refresh's
+    third copy only from the first curvature piece on); right after their producers, one microbatch's
+    inputs at most (the forward's end), beside all three copies."""
+    spec, seq, size = get_model(model), 256, 2
+    costs = costs_from_model(spec, 1, seq, size, "h100", kfac=True)
+    schedule = build("1f1b", 1, 4, costs=costs, transforms=[Kfac(KFAC_UNITS_PER_LAYER * spec.layers)])
+
+    def peak(s):
+        return peak_memory_bytes(spec, simulate(s, costs), seq, microbatch_size=size)[0]
+    bare = peak(build("1f1b", 1, 4, costs=costs))
+    captured = kfac_capture_bytes(spec, seq, size)
+    inputs, grads = (spec.layers * sum(c[n] for c in captured) for n in (0, 1))
+    copy = spec.layers * sum(a + g for a, g in kfac_factor_bytes(spec))
+    assert peak(curvature_late(schedule)) == pytest.approx(bare + 2 * copy + 4 * (inputs + grads), rel=1e-9)
+    assert peak(schedule) == pytest.approx(bare + KFAC_STATE_COPIES * copy + inputs, rel=1e-9)
+
+
+def test_captures_are_the_bytes_the_hooks_keep():
+    """Under bf16 autocast a norm's output is fp32, the attention's output, the MLP's activation and the
+    output gradients bf16 (checked on the CPU against KFAC's hooks); all fp32 without autocast."""
+    spec = get_model("llama-tiny")
+    h, kv, f, rows = spec.hidden, spec.kv_width, spec.mlp_width, 2 * 256
+    assert kfac_capture_bytes(spec, 256, 2) == [(4 * rows * h, 2 * rows * (h + 2 * kv)), (2 * rows * h, 2 * rows * h),
+                                                (4 * rows * h, 2 * rows * 2 * f), (2 * rows * f, 2 * rows * h)]
+    assert kfac_capture_bytes(spec, 256, 2, autocast=False)[3] == (4 * rows * f, 4 * rows * h)
+    assert kfac_capture_bytes(spec, 256, 2, sp=2)[0] == (2 * rows * h, rows * (h + 2 * kv))
+
+
 @pytest.mark.parametrize("inverse", [0.5, 5.0, 50.0])
 def test_without_bubbles_the_default_interval_keeps_the_step_within_ten_percent(inverse):
     """pp 1: every piece runs at the end of the cycle; by default the cycle is the fewest steps that
@@ -100,6 +179,7 @@ def test_without_bubbles_the_default_interval_keeps_the_step_within_ten_percent(
     report = kfac_report(base, result)
     k = report["every"]
     assert report["spread"] and not report["forced"]
+    assert report["ranks"][0]["overflow_time"] == pytest.approx(report["ranks"][0]["kfac_time"])  # none in bubbles
     line = TECHNIQUES["kfac"].report_lines({"kfac": report})[0]
     if k == MAX_SPREAD:  # 2 x 50 of inversions: over 100 steps still 8.5% of a step, 11% with the preconditioning
         assert report["step_time_after"] > 1.10 * base.makespan and "spread over the most steps, 100" in line

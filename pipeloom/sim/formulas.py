@@ -186,9 +186,13 @@ INVERSION_EFFICIENCY = 0.16
 #: K-FAC pieces per transformer layer: one per linear layer (:mod:`pipeloom.schedule.transforms.kfac`'s units).
 KFAC_UNITS_PER_LAYER = 4
 #: Copies of a layer's K-FAC factors' sizes its rank holds at the peak (:mod:`pipeloom.optim.kfac`): the
-#: factors, the inverses in use and, while a refresh runs, the new inverses before they are published (or
-#: the curvature sums before they are folded into the factors). Measured on an H100 (gpt-350m, 1f1b 4 x 4,
-#: bench/results/gpu): K-FAC's peak was 3.1 copies above AdamW's.
+#: factors and the inverses in use all along (from the first refresh on) and, while a refresh runs, either
+#: the curvature sums (from a factor's first curvature piece to its sync) or the new inverses (from the
+#: inversion, after both syncs, to the publish at the cycle's end), never both for one layer; the rest (a
+#: sync's packed copy, an inversion's damped factor) is one layer's at a time. So 3 at the peak, the third
+#: from a factor's first curvature piece on (:func:`~.memory.peak_memory_bytes` counts it from there).
+#: Measured on an H100 (gpt-350m, 1f1b 4 x 4, bench/results/gpu): 3.1 copies above AdamW's peak with the
+#: curvature soon after its producers, 2 copies with it (and every capture) held to the cycle's end.
 KFAC_STATE_COPIES = 3
 
 
@@ -244,10 +248,24 @@ def kfac_shapes(model: ModelSpec) -> list[tuple[int, int]]:
     return [(h + one, h + 2 * model.kv_width), (h + one, h), (h + one, up), (f + one, h)]
 
 
-def kfac_state_bytes(model: ModelSpec | str) -> float:
-    """Bytes of K-FAC state one layer keeps on its rank: :data:`KFAC_STATE_COPIES` fp32 copies of its
-    factors' sizes (d_A² + d_G² of each linear layer)."""
-    return KFAC_STATE_COPIES * 4 * sum(a * a + g * g for a, g in kfac_shapes(get_model(model)))
+def kfac_capture_bytes(model: ModelSpec | str, seq: int, microbatch_size: int, sp: int = 1,
+                       autocast: bool = True) -> list[tuple[int, int]]:
+    """Bytes (A, G) of one microbatch's captures of each of one layer's :data:`KFAC_UNITS_PER_LAYER`
+    linear layers (:func:`kfac_shapes`' order) on one of ``sp`` ranks: the rows (the microbatch's tokens)
+    times the layer's input width (A) or output width (G) times the bytes the runtime's hooks keep. Under
+    bf16 ``autocast`` a norm's output (q/k/v's and the MLP's first input) is fp32, the attention's output
+    and the MLP's activation bf16, every output gradient bf16; without it all fp32."""
+    model = get_model(model)
+    _positive(seq=seq, microbatch_size=microbatch_size, sp=sp)
+    rows, h, low = microbatch_size * (seq // sp), model.hidden, 2 if autocast else 4
+    inputs = [(h, 4), (h, low), (h, 4), (model.mlp_width, low)]
+    return [(rows * width * size, rows * d_g * low) for (width, size), (_, d_g) in zip(inputs, kfac_shapes(model))]
+
+
+def kfac_factor_bytes(model: ModelSpec | str) -> list[tuple[int, int]]:
+    """Bytes (A, G) of one fp32 copy of each of one layer's :data:`KFAC_UNITS_PER_LAYER` linear layers'
+    factors (4·d_A², 4·d_G²)."""
+    return [(4 * a * a, 4 * g * g) for a, g in kfac_shapes(get_model(model))]
 
 
 def _layer_bytes(model: ModelSpec, cheap: bool) -> tuple[int, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..schedule.costs import StageCosts
+from ..schedule.ir import Action
 from ..schedule.kinds import KINDS
 from ..schedule.transforms.kfac import KFAC_PRE, PIECES
 from .simulate import Result, simulate
@@ -18,7 +19,8 @@ def kfac_report(base: Result, result: Result) -> dict:
     before and after (the cycle's makespan over its steps) and their ``makespan_change``
     (after / before - 1); per rank: ``utilisation`` before and after (compute-stream busy time
     over the step or cycle), ``kfac_time`` (the refresh's pieces), ``overflow_time`` (those
-    that fitted no bubble and run at the end of the cycle) and ``bubble_filled``, the share of
+    that fitted no bubble: the curvature right after its producers, the rest at the end of the
+    cycle) and ``bubble_filled``, the share of
     the bubbles the pieces fill: their time in bubbles over the rank's idle time in the cycle
     with the pieces taking no time (the preconditioning and the flushes kept).
     """
@@ -30,7 +32,7 @@ def kfac_report(base: Result, result: Result) -> dict:
         events = result.events[rank]
         pieces = [e for e in events if e.action.kind in PIECES]
         kfac = sum(e.end - e.start for e in pieces)
-        overflow = _overflow(events, settings["overflow"][rank], after_steps - 1)
+        overflow = _overflow(events, settings["overflow"][rank], settings["inline"][rank], after_steps - 1)
         in_bubbles = kfac - overflow
         bubble = bare.makespan - empty.busy
         ranks.append({
@@ -63,10 +65,13 @@ def without_pieces(result: Result) -> Result:
     return simulate(result.schedule, StageCosts(free))
 
 
-def _overflow(events, count: int, last: int) -> float:
-    """Time of the ``count`` pieces right before the rank's preconditioning of step ``last``
-    (where the transform puts what fitted no bubble)."""
-    if not count:
-        return 0.0
-    first = next(k for k, e in enumerate(events) if e.action.kind == KFAC_PRE and e.action.microbatch == last)
-    return sum(e.end - e.start for e in events[first - count:first])
+def _overflow(events, count: int, inline: list, last: int) -> float:
+    """Time of the ``count`` pieces that fitted no bubble: the ``inline`` ones (as
+    ``[kind, stage, microbatch, unit]``, right after their producers) and the rest right before
+    the rank's preconditioning of step ``last``."""
+    time, late = 0.0, count - len(inline)
+    if late:
+        first = next(k for k, e in enumerate(events) if e.action.kind == KFAC_PRE and e.action.microbatch == last)
+        time = sum(e.end - e.start for e in events[first - late:first])
+    inline = {Action(kind, s, j, (u,)) for kind, s, j, u in inline}
+    return time + sum(e.end - e.start for e in events if e.action in inline)

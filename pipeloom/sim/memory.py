@@ -11,9 +11,11 @@ from __future__ import annotations
 import math
 
 from ..modes import VocabMode
-from ..schedule.ir import parts
+from ..schedule.ir import BW, B, F, parts
 from ..schedule.kinds import COMPOUND, get, graded
-from .formulas import _attention, _attention_memory, kfac_state_bytes
+from ..schedule.transforms.kfac import KFAC_A, KFAC_G
+from .formulas import (KFAC_STATE_COPIES, KFAC_UNITS_PER_LAYER, _attention, _attention_memory, kfac_capture_bytes,
+                       kfac_factor_bytes)
 from .simulate import Result
 from .specs import ModelSpec, _positive, get_model
 from .stages import stage_layers, stage_parameters
@@ -71,7 +73,9 @@ def peak_memory_bytes(
     and ``attention`` must match the ones the costs used. ``cast_bytes_per_param``: the low-precision
     copy of a stage's weights that autocast keeps while one of its forwards runs (a profile's, 2 under
     bf16; the formulas' state already counts bf16 weights), added where a forward is running. A schedule
-    with K-FAC work (``options["kfac"]``) adds its state, :func:`~.formulas.kfac_state_bytes` a layer."""
+    with K-FAC work (``options["kfac"]``) adds its state, :data:`~.formulas.KFAC_STATE_COPIES` copies of each
+    layer's factors (:func:`~.formulas.kfac_factor_bytes`; the refresh's copy from each factor's first
+    curvature piece on), and its captures (:func:`_kfac_changes`)."""
     schedule, model = result.schedule, get_model(model)
     mode = VocabMode.of(vocab_parallel or schedule.options.get("vocab_parallel") or "none")
     split = stage_layers(model, schedule.stages, seq, layers_per_stage, mode)
@@ -81,24 +85,59 @@ def peak_memory_bytes(
     transient = _attention_memory(model, seq, microbatch_size, sp, _attention(attention, sp))[1]
     rerun = result.costs.m_rerun
     held, grad = state_bytes_per_param(bytes_per_param, schedule.weight_versions)
-    kfac = kfac_state_bytes(model) if schedule.options.get("kfac") else 0.0
+    kfac, layer = 0.0, None
+    if schedule.options.get("kfac"):  # all along, the factors and inverses in use; the rest as it comes
+        factors = kfac_factor_bytes(model)
+        kfac = (KFAC_STATE_COPIES - 1) * sum(a + g for a, g in factors)
+        layer = list(zip(kfac_capture_bytes(model, seq, microbatch_size, sp), factors))
     peaks = []
     for rank in range(schedule.pp):
         stages = schedule.stages_of(rank)
         state = (held + grad) * shard + held * sum(params[s] for s in stages)  # a shard's gradient from the start
         state += kfac * sum(split[s] for s in stages)
         peaks.append(state + _with_gradients(result, rank, {s: grad * params[s] for s in stages},
-                                             {s: cast_bytes_per_param * params[s] for s in stages})
+                                             {s: cast_bytes_per_param * params[s] for s in stages},
+                                             _kfac_changes(result, rank, layer) if layer else ())
                      + max(rerun[s] for s in stages) + (transient if any(split[s] for s in stages) else 0))
     return peaks
 
 
+def _kfac_changes(result: Result, rank: int, layer: list[tuple]) -> list[tuple[float, int, float]]:
+    """K-FAC's memory on ``rank`` beside its state held all along, as (time, order, change): stage s's
+    captured inputs of microbatch j of the capture step from the end of F(s, j), its output gradients
+    from the end of its backward (B or BW), each unit's until the end of its curvature piece; and the
+    refresh's copy of a unit's factor (its sums, then its new inverses) from the start of its first
+    curvature piece. ``layer``: per linear layer of a layer, ((A, G) captured bytes, (A, G) factor
+    bytes); units cycle over them. At one instant frees come first (order 0), then the activations'
+    changes (1), then what appears (2)."""
+    schedule = result.schedule
+    units, m = schedule.options["kfac"]["units"], schedule.microbatches
+    kept = {F: 0, B: 1, BW: 1, KFAC_A: 0, KFAC_G: 1}  # which of (A, G) an action captures or frees
+    changes, summed = [], set()
+    for action, start, end in zip(schedule.ranks[rank], result.starts[rank], result.ends[rank]):
+        for part in parts(action) if action.kind in COMPOUND else (action,):
+            factor = kept.get(part.kind)
+            if factor is None or part.microbatch >= m:
+                continue
+            if part.kind in (KFAC_A, KFAC_G):
+                captured, sums = layer[part.payload[0] % KFAC_UNITS_PER_LAYER]
+                changes.append((end, 0, -captured[factor]))
+                if (part.kind, part.stage, part.payload) not in summed:
+                    summed.add((part.kind, part.stage, part.payload))
+                    changes.append((start, 2, sums[factor]))
+            else:
+                changes.append((end, 2, sum(layer[u % KFAC_UNITS_PER_LAYER][0][factor]
+                                            for u in range(units[part.stage]))))
+    return changes
+
+
 def _with_gradients(result: Result, rank: int, grads: dict[int, float], casts: dict[int, float] | None = None,
-                    ) -> float:
+                    kfac=()) -> float:
     """The peak over the step of ``rank``'s activation memory plus the gradients (``grads``:
     bytes per stage) of the stages whose backward has begun (from the start of a stage's first
     action timed by the ``b`` or ``w`` cost, or a compound action holding one), plus, at the start
-    of an action timed by ``f`` (its activations are counted from then), its stage's ``casts``."""
+    of an action timed by ``f`` (its activations are counted from then), its stage's ``casts``, plus
+    K-FAC's captures and refresh state (``kfac``: :func:`_kfac_changes`)."""
     backward = graded()
     casts = {s: c for s, c in (casts or {}).items() if c}  # none: the list read only up to each first backward
     first, forward = {}, {}
@@ -111,10 +150,15 @@ def _with_gradients(result: Result, rank: int, grads: dict[int, float], casts: d
         if not casts and len(first) == len(grads):
             break
     appear = sorted((first.get(s, math.inf), g) for s, g in grads.items())
-    peak, held, k = 0.0, 0.0, 0
+    changes, previous = [], 0.0
     for t, level in result.memory_timeline(rank):
-        while k < len(appear) and appear[k][0] <= t:
-            held += appear[k][1]
-            k += 1
-        peak = max(peak, level + held + forward.get(t, 0.0))
+        changes.append((t, 1, level - previous))
+        previous = level
+    changes += [(t, 0, g) for t, g in appear if t < math.inf]  # counted from the activations' changes at t on
+    changes += kfac
+    peak = level = 0.0
+    for t, order, change in sorted(changes, key=lambda c: c[:2]):
+        level += change
+        if order:  # no peak as a gradient appears or a capture goes
+            peak = max(peak, level + forward.get(t, 0.0))
     return max(peak, sum(g for t, g in appear if t < math.inf))  # after the last backward, as before the next step

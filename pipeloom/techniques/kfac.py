@@ -14,7 +14,8 @@ class Kfac(Technique):
     flags = (Flag("optimizer", "adamw, or kfac: PipeFisher, K-FAC's curvature and inversion work in the schedule's "
                   "bubbles and AdamW on the preconditioned gradients (default adamw)", choices=("adamw", "kfac")),
              Flag("kfac_every", "with --optimizer kfac: refresh the curvature every K steps (default: as the bubbles "
-                  "allow; what does not fit runs at the end of the K steps)", type=int, metavar="K"),
+                  "allow; what does not fit runs on the critical path: the curvature after its producers, the rest "
+                  "at the end of the K steps)", type=int, metavar="K"),
              Flag("kfac_damping", "with --optimizer kfac: damping (default 1e-3)", type=float))
 
     def active(self, spec) -> bool:

@@ -28,18 +28,22 @@ gaps of the base timeline (simulated with the transform's costs), walking
 them in time order through copy after copy and putting in each gap, while
 one fits with ``margin`` to spare, the available piece that became
 available first (curvature before syncs before inversions when tied). k is
-the number of copies the pieces need (``every`` forces it); what does not
+the number of copies the pieces need (``every`` forces it). What does not
 fit within k copies (or ever, with no bubbles: pp = 1, or 2BW's steady
-state) runs at the end of the cycle's last step, on the critical path, and
-then k is (unless forced) enough steps for that to cost at most
-:data:`OVERHEAD` of a step on average. The
+state) runs on the critical path: a curvature piece right after the action
+that made its capture, in the capture step (A after F(s, j), G after the
+backward of (s, j)), so that its capture is freed at once, the syncs and
+inversions at the end of the cycle's last step; then k is (unless forced)
+enough steps for that work to cost at most :data:`OVERHEAD` of a step on
+average (the same work wherever it runs). The
 synchronous families flush between steps: stage 0's first forward of a step
 waits for every stage's preconditioning of the step before.
 
 The sync pieces are collectives over the data-parallel replicas of the
 stage, which run the same lists; nothing here crosses pipeline ranks.
 Captured layer inputs and output gradients stay in memory until their
-curvature piece; activation memory does not count them.
+curvature piece: :func:`~pipeloom.sim.memory.peak_memory_bytes` counts them
+(:func:`~pipeloom.sim.formulas.kfac_capture_bytes`).
 """
 
 from __future__ import annotations
@@ -124,13 +128,14 @@ class Kfac:
             k = max(k, _spread(schedule, per_stage, period, placed))
         options = {**schedule.options, "kfac": {
             "every": k, "forced": self.every is not None, "spread": spread, "units": list(units),
-            "margin": self.margin, "period": schedule.steps, "overflow": [len(p.left) for p in placed]}}
+            "margin": self.margin, "period": schedule.steps, "overflow": [len(p.left) for p in placed],
+            "inline": [[[*p.action[:3], *p.action.payload] for p in rank.inline] for rank in placed]}}
         return _unroll(replace(base, options=options), k, placed)
 
 
 def _spread(schedule: Schedule, costs: StageCosts, period: float, placed: list) -> int:
-    """The fewest steps over which the pieces that fit no bubble (they run at the end of the
-    cycle) keep the mean step within :data:`OVERHEAD` of ``schedule``'s without K-FAC, whose
+    """The fewest steps over which the pieces that fit no bubble (they run on the critical
+    path) keep the mean step within :data:`OVERHEAD` of ``schedule``'s without K-FAC, whose
     steps take ``period`` with the preconditioning; where the preconditioning alone takes more
     than that, the fewest over which those pieces add at most :data:`OVERHEAD` to it; at most
     :data:`MAX_SPREAD`."""
@@ -201,17 +206,18 @@ class _Rank:
             previous = ends[k]
         else:
             self.gaps.append((previous, period, self.tail))
-        self.pieces = self._pieces(base, starts, ends, units, costs)
+        #: index of each action of the first step in the list (a compound's parts: DualPipeV's pairs)
+        self.index = {part: k for k, a in enumerate(self.actions) if a.microbatch < base.microbatches
+                      for part in parts(a)}
+        self.backward = Dependencies(base).backward
+        self.pieces = self._pieces(base, ends, units, costs)
         #: (copy, index, order, action) of every placed piece; ``left``: the overflow
         self.placed: list[tuple] = []
         self.left: list[_Piece] = []
         self.copies = 1
 
-    def _pieces(self, base, starts, ends, units, costs) -> list[_Piece]:
-        # when each action of the first step ends (a compound's parts when it does: DualPipeV's pairs)
-        done = {part: ends[k] for k, a in enumerate(self.actions) if a.microbatch < base.microbatches
-                for part in parts(a)}
-        backward = Dependencies(base).backward
+    def _pieces(self, base, ends, units, costs) -> list[_Piece]:
+        done = {part: ends[k] for part, k in self.index.items()}  # when each action of the first step ends
         pieces = []
         for s in base.stages_of(self.rank):
             for u in range(units[s]):
@@ -220,7 +226,8 @@ class _Rank:
                 def make(kind, j, ready):
                     return _Piece(Action(kind, s, j, unit), costs.duration(Action(kind, s, j, unit)), ready)
                 curvature = {KFAC_A: [make(KFAC_A, j, done[Action(F, s, j)]) for j in range(base.microbatches)],
-                             KFAC_G: [make(KFAC_G, j, done[backward(s, j)]) for j in range(base.microbatches)]}
+                             KFAC_G: [make(KFAC_G, j, done[self.backward(s, j)])
+                                      for j in range(base.microbatches)]}
                 inverse = make(KFAC_INV, 0, None)
                 inverse.waiting = 2
                 for kind, sync_kind in ((KFAC_A, KFAC_SYNC_A), (KFAC_G, KFAC_SYNC_G)):
@@ -256,6 +263,21 @@ class _Rank:
             self.left.append(piece)
             queues.add(_release(piece, 0.0))
         return self
+
+    @property
+    def inline(self) -> list[_Piece]:
+        """The curvature pieces that fit no bubble: each right after its producer, in the capture step."""
+        return [p for p in self.left if p.action.kind in (KFAC_A, KFAC_G)]
+
+    @property
+    def late(self) -> list[_Piece]:
+        """The other pieces that fit no bubble: at the end of the cycle's last step."""
+        return [p for p in self.left if p.action.kind not in (KFAC_A, KFAC_G)]
+
+    def after_producer(self, action: Action) -> int:
+        """The index right after the action of the first step that made ``action``'s capture."""
+        s, j = action.stage, action.microbatch
+        return self.index[Action(F, s, j) if action.kind == KFAC_A else self.backward(s, j)] + 1
 
 
 def _release(piece: _Piece, now: float) -> list[_Piece]:
@@ -296,7 +318,8 @@ class _Queues:
 
 def _unroll(base: Schedule, k: int, placed: list[_Rank]) -> Schedule:
     """k copies of ``base`` one after another, each rank's placed pieces in their copies
-    (what did not fit at the end of the last copy, before its last preconditioning)."""
+    (of what did not fit, the curvature right after its producer in the first copy, the rest
+    at the end of the last copy, before its last preconditioning)."""
     per_copy = base.total_microbatches
     ranks = []
     for rank, actions in enumerate(base.ranks):
@@ -307,8 +330,10 @@ def _unroll(base: Schedule, k: int, placed: list[_Rank]) -> Schedule:
             moved = [a._replace(microbatch=a.microbatch + copy * base.steps) if a.kind == KFAC_PRE
                      else shifted(a, shift) for a in actions]
             extra = [(index, order, a) for c, index, order, a in mine.placed if c == copy]
+            if copy == 0:  # before any piece a gap puts at the same index
+                extra += [(mine.after_producer(p.action), (-1, n), p.action) for n, p in enumerate(mine.inline)]
             if copy == k - 1:
-                extra += [(mine.tail, (len(mine.gaps), n), p.action) for n, p in enumerate(mine.left)]
+                extra += [(mine.tail, (len(mine.gaps), n), p.action) for n, p in enumerate(mine.late)]
             lists += insert([moved], [extra])[0]
         ranks.append(tuple(lists))
     return replace(base, ranks=tuple(ranks), steps=base.steps * k)
