@@ -160,21 +160,23 @@ def _weight_grads(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[
     return work
 
 
-# Under torch.compile the layer is an operator of its own whose backward the compiled graph calls as one
-# opaque step: torch.compile traces a backward but keeps none of its side effects, and graph breaks
-# around an uncompiled layer cost more than the compiled block saves. The forward takes the input already
-# in the autocast dtype (cast in the graph) and the weights as they are: the backward receives the
-# parameters themselves, and accumulates their gradients (or queues that work in the active store) as
-# _LinearFunction's does; autograd gets only the input gradient.
+# Under torch.compile the layer's backward is an operator of its own, which the compiled backward graph
+# calls as one opaque step: torch.compile traces a backward but keeps none of its side effects, and graph
+# breaks around an uncompiled layer cost more than the compiled block saves. The forward stays in the
+# graph (an autograd.Function the compiler traces: its product and bias fuse with what surrounds them);
+# it takes the input already in the autocast dtype (cast in the graph) and the weights as they are, so
+# the backward receives the parameters themselves and accumulates their gradients (or queues that work
+# in the active store) as _LinearFunction's does; autograd gets only the input gradient.
 
-@torch.library.custom_op("pipeloom::linear", mutates_args=())
-def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+class _CompiledLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight, bias)
+        return nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
-
-@_linear_op.register_fake
-def _(x, weight, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _linear_backward_op(grad_out, *ctx.saved_tensors), None, None
 
 
 #: The layers whose parameters a compiled backward may receive: :class:`Linear` and those :func:`deferrable` runs.
@@ -198,9 +200,14 @@ def _parameter(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return found
 
 
-@torch.library.custom_op("pipeloom::linear_backward", mutates_args=())
-def _linear_backward_op(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                        bias: torch.Tensor | None) -> torch.Tensor:
+# The backward as a plain operator (a Python kernel, no autograd of its own: it runs inside a backward);
+# torch.library.custom_op's wrappers cost more host time per call than the kernel's own Python.
+_library = torch.library.Library("pipeloom", "DEF")
+_library.define("linear_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+
+
+def _linear_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
     """The input gradient; the weight gradients queued in the active store, or accumulated now."""
     weight, bias = _parameter(weight), _parameter(bias)
     if weight.requires_grad or (bias is not None and bias.requires_grad):
@@ -212,20 +219,11 @@ def _linear_backward_op(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.T
     return grad_out @ weight.to(grad_out.dtype)
 
 
-@_linear_backward_op.register_fake
-def _(grad_out, x, weight, bias):
-    return x.new_empty(x.shape)
 
-
-def _save_linear(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs)
-
-
-def _linear_op_backward(ctx, grad_out):
-    return _linear_backward_op(grad_out, *ctx.saved_tensors), None, None
-
-
-_linear_op.register_autograd(_linear_op_backward, setup_context=_save_linear)
+_library.impl("linear_backward", _linear_backward, "CompositeExplicitAutograd")
+torch.library.register_fake("pipeloom::linear_backward", lambda grad_out, x, weight, bias: x.new_empty(x.shape),
+                            lib=_library)
+_linear_backward_op = torch.ops.pipeloom.linear_backward
 
 
 class Linear(nn.Linear):
@@ -239,7 +237,7 @@ class Linear(nn.Linear):
         if torch.compiler.is_compiling():
             if torch.is_autocast_enabled(x.device.type):
                 x = x.to(torch.get_autocast_dtype(x.device.type))
-            return _linear_op(x, self.weight, self.bias)
+            return _CompiledLinear.apply(x, self.weight, self.bias)
         return _LinearFunction.apply(x, self.weight, self.bias)
 
 

@@ -7,8 +7,8 @@ the blocks of one model share one compiled graph; the embeddings, the final
 norm, the LM head and the loss stay eager. Your own stages
 (``Pipeline.from_stages``) are each compiled whole.
 
-The B/W split holds: in a compiled graph pipeloom's linear layer is an
-operator of its own (:mod:`pipeloom.nn.linear`) whose backward queues the
+The B/W split holds: in a compiled graph pipeloom's linear layer's backward is
+an operator of its own (:mod:`pipeloom.nn.linear`) that queues the
 weight-gradient work in the store of B, as the eager layer's does; W runs it.
 That work holds the output gradient and the input of each layer past the end
 of the compiled backward, so inductor must not write into their buffers:
