@@ -371,6 +371,7 @@ def test_ring_attention_turns_by_global_positions():
     check(spawn(2, parity_worker, cases, {}, 4, 32, None, None, "llama-tiny", timeout=240))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_pipeloom_train_trains_llama_tiny(tmp_path):
     import json

@@ -106,7 +106,7 @@ def test_bounds_hold_for_every_candidate(links):
         assert costing.memory_lower_bound(c) <= costing.activation_memory_bound(c) <= max(plan.peak_memory_bytes)
 
 
-@pytest.mark.parametrize("every,sample", [(None, 29), (3, 7)])
+@pytest.mark.parametrize("every,sample", [pytest.param(None, 29, marks=pytest.mark.slow), (3, 7)])
 def test_bounds_hold_with_kfac(every, sample):
     """The bounds of K-FAC candidates (AdamW's, with each stage's preconditioning every step, and
     the critical path of the schedule without K-FAC) are within their refresh cycle's mean step,
@@ -146,7 +146,7 @@ def _train_args(line: str):
     return _parser().parse_args(words[words.index("pipeloom") + 1:])
 
 
-@pytest.mark.parametrize("memory", [80, 0.4])
+@pytest.mark.parametrize("memory", [80, pytest.param(0.4, marks=pytest.mark.slow)])  # 0.4: an offload search
 def test_the_command_reruns_the_plan(memory):
     """The printed command carries every setting: parsed by pipeloom train's own parser and
     re-simulated, it gives the plan's step and memory exactly, and train builds that schedule."""

@@ -232,6 +232,7 @@ def test_plan_searches_a_plugged_dimension():
     assert any("--toy-ms 0.5" in plan["command"] for plan in found["plans"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_train_runs_a_plugged_technique(tmp_path):
     flags = ("--seq", "32", "--toy-ms", "0.5")

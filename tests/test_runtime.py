@@ -270,6 +270,7 @@ def test_measured_timeline_trace_and_costs(tmp_path):
     assert any(e["ph"] == "s" for e in doc["traceEvents"])  # flow arrows for the transfers
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_readme_torchrun_example_runs(tmp_path):
     import os

@@ -194,25 +194,25 @@ def test_clip_zero_or_none_turns_clipping_off(tmp_path):
 
 @pytest.mark.timeout(TIMEOUT)
 def test_resume_gives_the_uninterrupted_losses_also_with_another_pp(tmp_path):
-    train("--steps", "20", "--checkpoint-dir", "ck", "--checkpoint-every", "10", "--metrics", "full.jsonl",
+    train("--steps", "12", "--checkpoint-dir", "ck", "--checkpoint-every", "6", "--metrics", "full.jsonl",
           cwd=tmp_path)
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_0000010", "step_0000020"]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_0000006", "step_0000012"]
     full = [r["loss"] for r in metrics(tmp_path / "full.jsonl")]
-    train("--steps", "20", "--checkpoint-dir", "again", "--resume", "ck/step_0000010", "--metrics", "same.jsonl",
+    train("--steps", "12", "--checkpoint-dir", "again", "--resume", "ck/step_0000006", "--metrics", "same.jsonl",
           cwd=tmp_path)
     same = metrics(tmp_path / "same.jsonl")
-    assert [r["step"] for r in same] == list(range(11, 21))
-    assert [r["loss"] for r in same] == full[10:]  # the same pp: the same arithmetic, bit for bit
-    done = train("--steps", "20", "--pp", "4", "--schedule", "zb-h1", "--checkpoint-dir", "ck",
+    assert [r["step"] for r in same] == list(range(7, 13))
+    assert [r["loss"] for r in same] == full[6:]  # the same pp: the same arithmetic, bit for bit
+    done = train("--steps", "12", "--pp", "4", "--schedule", "zb-h1", "--checkpoint-dir", "ck",
                  "--resume", "--metrics", "pp4.jsonl", cwd=tmp_path, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]  # the latest is step 20: nothing left to train, said before launch
-    assert done.stderr.strip() == ("pipeloom train: nothing to do: ck/step_0000020 holds step 20 and --steps is 20; "
-                                   "give --steps above 20 to train on")
+    assert done.returncode == 0, done.stderr[-2000:]  # the latest is step 12: nothing left to train, said before launch
+    assert done.stderr.strip() == ("pipeloom train: nothing to do: ck/step_0000012 holds step 12 and --steps is 12; "
+                                   "give --steps above 12 to train on")
     assert not (tmp_path / "pp4.jsonl").exists()
-    train("--steps", "20", "--pp", "4", "--schedule", "zb-h1", "--checkpoint-dir", "ck4",
-          "--resume", "ck/step_0000010", "--metrics", "pp4.jsonl", cwd=tmp_path)
+    train("--steps", "12", "--pp", "4", "--schedule", "zb-h1", "--checkpoint-dir", "ck4",
+          "--resume", "ck/step_0000006", "--metrics", "pp4.jsonl", cwd=tmp_path)
     other = [r["loss"] for r in metrics(tmp_path / "pp4.jsonl")]
-    assert np.allclose(other, full[10:], rtol=1e-4, atol=0)
+    assert np.allclose(other, full[6:], rtol=1e-4, atol=0)
 
 
 @pytest.mark.slow
@@ -336,6 +336,7 @@ def test_vocab_parallel_with_a_bpe_vocabulary_resumes_under_other_splits(tmp_pat
         assert np.allclose([r["loss"] for r in metrics(tmp_path / name)], full[4:], rtol=1e-4, atol=0), name
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT)
 def test_sequence_parallel_training_matches_the_plain_run(tmp_path):
     train("--steps", "6", "--seq", "32", "--metrics", "plain.jsonl", cwd=tmp_path)
@@ -374,7 +375,8 @@ def _gone(mark, within: float) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the workers through /proc")
-@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+@pytest.mark.parametrize("sig,code", [pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow), (signal.SIGTERM, 143),
+                                      pytest.param(signal.SIGHUP, 129, marks=pytest.mark.slow)])
 @pytest.mark.timeout(TIMEOUT)
 def test_a_signal_stops_every_rank_after_the_same_step(tmp_path, sig, code):
     mark = uuid.uuid4().hex
