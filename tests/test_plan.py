@@ -87,7 +87,7 @@ def test_tight_memory_picks_memory_savers():
     assert tight.step_ms >= ample.step_ms
 
 
-@pytest.mark.parametrize("links", ["fast", "slow"])
+@pytest.mark.parametrize("links", ["fast", pytest.param("slow", marks=pytest.mark.slow)])
 def test_bounds_hold_for_every_candidate(links):
     """Neither bound exceeds what simulation gives, also once critical paths have raised them: every
     family, vocabulary placement and memory saver, with links that cost little or as much as compute."""

@@ -403,6 +403,7 @@ def test_a_signal_stops_every_rank_after_the_same_step(tmp_path, sig, code):
 
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the workers through /proc")
+@pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT)
 def test_workers_of_a_killed_launcher_exit_within_seconds(tmp_path):
     mark = uuid.uuid4().hex
@@ -533,6 +534,7 @@ def simulate_json(*args) -> dict:
     return json.loads(done.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT)
 def test_a_checkpoint_that_cannot_be_written_is_one_line(tmp_path):
     """Files capped at 200 KiB (RLIMIT_FSIZE, as a full disk fails a write): one line naming the
