@@ -78,8 +78,10 @@ def test_a_stalled_peer_is_named_with_what_it_waits_for():
     (message0, waited0), (message1, waited1) = spawn(2, _deadlock_worker, timeout=50)
     assert re.fullmatch(r"rank 0: a test waited for rank 1 for \d+ s; rank 1 is alive but stalled: action 1F0 "
                         r"waited for the activation of stage 0 microbatch 0 from rank 0 for \d+ s", message0), message0
+    # both waits time out at about the same moment: rank 1 reads rank 0 still stalled, or just after it gave up
     assert re.fullmatch(r"rank 1: action 1F0 waited for the activation of stage 0 microbatch 0 from rank 0 for \d+ s; "
-                        r"rank 0 is alive but stalled: a test waited for rank 1 for \d+ s", message1), message1
+                        r"rank 0 is alive but (stalled: a test waited for rank 1 for \d+ s"
+                        r"|not running a pipeline step \(for \d+ s\))", message1), message1
     assert max(waited0, waited1) < TIMEOUT + heartbeat.SILENT + 2
 
 
