@@ -150,6 +150,15 @@ def test_bad_arguments_stop_before_any_worker_starts(tmp_path, args, message):
     assert not _workers(mark)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("threads", ["", "two", "0"])
+def test_a_thread_count_that_is_not_a_number_is_said_in_one_line(tmp_path, threads):
+    done = train("--steps", "1", cwd=tmp_path, check=False, env={"OMP_NUM_THREADS": threads})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"OMP_NUM_THREADS={threads!r} is not a positive integer" in done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.count("error:") == 1, done.stderr
+
+
 @pytest.mark.timeout(TIMEOUT)
 def test_outputs_into_missing_directories_are_created_before_training(tmp_path):
     (tmp_path / "tmp").mkdir()

@@ -51,11 +51,15 @@ def worker(make_spec, config) -> int:
         check(config, spec)
         backend = "nccl" if spec.device == "cuda" else "gloo"
         device = pipeline_device(spec.device, backend)
+        threads = os.environ.get("OMP_NUM_THREADS", "1")
+        if not (threads.isdigit() and int(threads) > 0):
+            raise PipeloomError(f"OMP_NUM_THREADS={threads!r} is not a positive integer: set it to the threads "
+                                "per rank (e.g. 1) or unset it")
     except PipeloomError as err:
         if rank == 0:
             print(f"pipeloom train: error: {err}", file=sys.stderr)
         return 2
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.set_num_threads(int(threads))
     for technique in TECHNIQUES.values():
         technique.setup_runtime()
     # torch's own timeout (30 min on gloo) bounds a wait for a busy peer; --timeout is when a rank looks at it
