@@ -219,7 +219,6 @@ def _linear_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tens
     return grad_out @ weight.to(grad_out.dtype)
 
 
-
 _library.impl("linear_backward", _linear_backward, "CompositeExplicitAutograd")
 torch.library.register_fake("pipeloom::linear_backward", lambda grad_out, x, weight, bias: x.new_empty(x.shape),
                             lib=_library)
