@@ -97,6 +97,7 @@ def test_offload_on_one_gpu_matches_the_model_step_after_step(policy, fp32_matmu
     model's."""
     import pipeloom
     from pipeloom.nn import GPT, GPTConfig
+    from pipeloom.runtime.timeline import gather_timeline
     from pipeloom.schedule import Costs
 
     config = GPTConfig.preset("tiny")
@@ -112,6 +113,12 @@ def test_offload_on_one_gpu_matches_the_model_step_after_step(policy, fp32_matmu
         assert abs(loss - ref_loss) / abs(ref_loss) < 1e-5
         assert max_rel_error(pipe.gather_grads(), {n: g.cpu() for n, g in ref_grads.items()}) < 1e-4
     assert pipe.offload_stats()["offloaded"] > 0
+    # the copies are timed on their own streams: an offload from after its F's end to its last copy's
+    (events,) = gather_timeline(pipe)
+    ends = {(e.action.stage, e.action.microbatch): e.end for e in events if e.action.kind == "F"}
+    copies = [e for e in events if e.action.kind in ("OFFLOAD", "RELOAD")]
+    assert copies and all(e.end > e.start for e in copies)
+    assert all(e.start >= ends[e.action.stage, e.action.microbatch] for e in copies if e.action.kind == "OFFLOAD")
 
 
 @pytest.mark.timeout(300)

@@ -41,12 +41,9 @@ class Executor:
                 handler.prepare(action, context)  # waiting for a peer is not the action's time
             heartbeat.running(action)  # for peers that wait for this rank meanwhile
             start = clock.mark() if handler.timed else None
-            if wrappers:
-                _run_wrapped(handler, action, context, wrappers)
-            else:
-                handler.run(action, context)
-            if handler.timed:
-                marks.append((action, start, clock.mark()))
+            own = _run_wrapped(handler, action, context, wrappers) if wrappers else handler.run(action, context)
+            if handler.timed:  # a side stream's work: its own marks on that stream (see handlers)
+                marks.append((action, *own) if isinstance(own, tuple) else (action, start, clock.mark()))
             for call in after.get(k, ()):
                 call()
 
@@ -70,11 +67,11 @@ def _planned(action, wrapped: bool = True) -> tuple:
     return action, Handler(run, prepare), ()
 
 
-def _run_wrapped(handler, action, context: Context, wrappers) -> None:
-    """``handler.run`` inside the context managers the ``wrappers`` give for ``action``."""
+def _run_wrapped(handler, action, context: Context, wrappers):
+    """``handler.run`` inside the context managers the ``wrappers`` give for ``action``; what it returns."""
     with ExitStack() as stack:
         for factory in wrappers:
             manager = factory(action, context)
             if manager is not None:
                 stack.enter_context(manager)
-        handler.run(action, context)
+        return handler.run(action, context)

@@ -1,8 +1,11 @@
 """What the executor does for each action kind: a handler per kind, registered by technique.
 
 A handler is ``run(action, context)`` (:class:`~pipeloom.runtime.context.Context`),
-timed by the executor; ``prepare(action, context)``, if given, runs just before
-the action's time starts: waiting for its inputs does not count as its work.
+timed by the executor with marks on the current stream; a handler that puts its
+work on a side stream of its own returns that work's (start, end) marks instead
+(timed CUDA events recorded on that stream: offload's copies), else None.
+``prepare(action, context)``, if given, runs just before the action's time
+starts: waiting for its inputs does not count as its work.
 The built-in handlers live in modules by technique: :mod:`.compute` (F, B, W,
 BW), :mod:`.comm` (the sends and receives of :mod:`pipeloom.schedule.lower`)
 and :mod:`.vocab` (the vocabulary passes). A technique from outside the package

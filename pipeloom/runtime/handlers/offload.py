@@ -347,32 +347,36 @@ class Offloader:
         self.stats.new_step()
         self.step = self.context.step
 
-    def offload(self, action) -> None:
-        """Copy the pair's ranges (but its output's) to host buffers; drop the device copies."""
+    def offload(self, action) -> tuple | None:
+        """Copy the pair's ranges (but its output's) to host buffers; drop the device copies. On CUDA,
+        the copies' start and end on the offload stream (:meth:`_out`)."""
         pair = action.stage, action.microbatch
         capture, slot = self.captures[pair], self.context.step.slots[pair]
         kept = {slot.output.untyped_storage().data_ptr()} if slot.output is not None else set()
         leaf = slot.input if slot.input is not None and slot.input.is_floating_point() else None
         moving = capture.gather(kept, leaf)
-        self._out(moving)
+        marks = self._out(moving)
         if self.cuda and moving and pair in self.waited:
             self.copied[pair] = self.out.record_event()
+        return marks
 
-    def offload_w(self, action) -> None:
+    def offload_w(self, action) -> tuple | None:
         """Copy what the pair's B queued for W (:meth:`_moves`) to host buffers; drop the device copies."""
         pair = action.stage, action.microbatch
         capture = self.queued[pair] = _Capture()
         self.context.step.slots[pair].weights.pack(lambda t: capture.save(t) if self._moves(t) else t, _unpack)
-        self._out(capture.gather(set(), None))
+        return self._out(capture.gather(set(), None))
 
-    def _out(self, moving: list[_Block]) -> None:
+    def _out(self, moving: list[_Block]) -> tuple | None:
         """Copy ``moving`` to host buffers on the offload stream, after the compute so far, each block's
-        ranges into slices of one buffer; drop the device copies."""
+        ranges into slices of one buffer; drop the device copies. On CUDA, the timed events recorded on
+        the offload stream before and after the copies (the action's time in the step's timeline)."""
         if self.cuda and moving:
             ready = torch.cuda.Event()
             ready.record()  # after the compute before it, on the compute stream
             self.out.wait_event(ready)
         with self._on(self.out):
+            began = self._mark(moving)
             for block in moving:
                 block.host = host = self.pool.take(block.ranges[0].tensor.dtype, block.numel)
                 for where, at in zip(block.ranges, block.offsets):
@@ -381,28 +385,33 @@ class Offloader:
                         where.tensor.record_stream(self.out)
                     where.tensor = None
                 self.stats.offloaded += _nbytes(host)
+            return None if began is None else (began, self._mark(moving))
 
-    def reload(self, action) -> None:
-        """Copy the pair's offloaded ranges back to new device tensors; their buffers go back to the pool."""
+    def reload(self, action) -> tuple | None:
+        """Copy the pair's offloaded ranges back to new device tensors; their buffers go back to the pool.
+        On CUDA, the copies' start and end on the reload stream (:meth:`_back`)."""
         capture = self.captures.pop((action.stage, action.microbatch))
-        self._back(capture.blocks)
+        marks = self._back(capture.blocks)
         if capture.leaf is not None:  # the stage input's data again, a view of its reloaded range: nothing
             # reads it before the backward, whose unpack waits for the copy (so this action does not)
             self.context.step.slots[action.stage, action.microbatch].input.data = capture.leaf.view()
+        return marks
 
-    def reload_w(self, action) -> None:
+    def reload_w(self, action) -> tuple | None:
         """Copy what the pair's B queued for W back to new device tensors; W's unpacking waits for the copy."""
-        self._back(self.queued.pop((action.stage, action.microbatch)).blocks)
+        return self._back(self.queued.pop((action.stage, action.microbatch)).blocks)
 
-    def _back(self, back: list[_Block]) -> None:
+    def _back(self, back: list[_Block]) -> tuple | None:
         """Copy ``back`` to the device on the reload stream, after the compute so far: each block in one
-        copy to one new device tensor, its ranges slices of it; the host buffers go back to the pool."""
+        copy to one new device tensor, its ranges slices of it; the host buffers go back to the pool.
+        On CUDA, the timed events recorded on the reload stream before and after the copies."""
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
         if self.cuda and back:  # no earlier than the compute before it in the list ends, as the simulator times it
             issued = torch.cuda.Event()
             issued.record(compute)
             self.back.wait_event(issued)
         with self._on(self.back):
+            began = self._mark(back)
             for block in back:
                 device = torch.empty_like(block.host, device=self.device)
                 device.copy_(block.host, non_blocking=self.cuda)
@@ -411,18 +420,24 @@ class Offloader:
                     device.record_stream(compute)  # read and freed there
                 for where, at in zip(block.ranges, block.offsets):
                     where.tensor = device[at:at + where.end - where.start]
-        done = None
-        if self.cuda and back:
-            done = torch.cuda.Event()
-            done.record(self.back)
+            done = self._mark(back)
         for block in back:
             for where in block.ranges:
                 where.ready = done
             self.pool.give(block.host, done)
             block.host = None
+        return None if began is None else (began, done)
 
     def _on(self, stream):
         return torch.cuda.stream(stream) if self.cuda else nullcontext()
+
+    def _mark(self, copies: list) -> torch.cuda.Event | None:
+        """On CUDA with ``copies`` to make, a timed event recorded on the current (copy) stream; else None."""
+        if not (self.cuda and copies):
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
 
 def offloader_of(context) -> Offloader:
