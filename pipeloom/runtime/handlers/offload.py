@@ -371,10 +371,7 @@ class Offloader:
         """Copy ``moving`` to host buffers on the offload stream, after the compute so far, each block's
         ranges into slices of one buffer; drop the device copies. On CUDA, the timed events recorded on
         the offload stream before and after the copies (the action's time in the step's timeline)."""
-        if self.cuda and moving:
-            ready = torch.cuda.Event()
-            ready.record()  # after the compute before it, on the compute stream
-            self.out.wait_event(ready)
+        self._after_compute(self.out, moving)
         with self._on(self.out):
             began = self._mark(moving)
             for block in moving:
@@ -406,10 +403,7 @@ class Offloader:
         copy to one new device tensor, its ranges slices of it; the host buffers go back to the pool.
         On CUDA, the timed events recorded on the reload stream before and after the copies."""
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
-        if self.cuda and back:  # no earlier than the compute before it in the list ends, as the simulator times it
-            issued = torch.cuda.Event()
-            issued.record(compute)
-            self.back.wait_event(issued)
+        self._after_compute(self.back, back)
         with self._on(self.back):
             began = self._mark(back)
             for block in back:
@@ -427,6 +421,12 @@ class Offloader:
             self.pool.give(block.host, done)
             block.host = None
         return None if began is None else (began, done)
+
+    def _after_compute(self, stream, copies: list) -> None:
+        """On CUDA with ``copies`` to make, ``stream`` waits for the compute issued so far: a copy starts no
+        earlier than the compute before it in the list ends, as the simulator times it."""
+        if self.cuda and copies:
+            stream.wait_event(torch.cuda.current_stream(self.device).record_event())
 
     def _on(self, stream):
         return torch.cuda.stream(stream) if self.cuda else nullcontext()
