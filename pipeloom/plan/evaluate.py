@@ -62,6 +62,7 @@ class Plan:
     allreduce_ms: float
     optimizer_ms: float
     fits: bool
+    #: the simulation (None where the plan is another candidate's: :meth:`Costing.evaluate`)
     result: Result = field(repr=False, compare=False, default=None)
 
     @property
@@ -116,6 +117,8 @@ class Costing:
         self._adders = [t for t, axis in named if axis.added]
         self._passers, self._listers = hooked("plan_passes"), hooked("plan_memory_lists")
         self._steppers = hooked("plan_step_passes")
+        self._samers = hooked("plan_same")
+        self._plans: dict[Candidate, Plan] = {}  # costed, without their results (large)
 
     def family(self, c: Candidate) -> tuple:
         """Facts of ``c``'s family the bounds read, once per family: (V-shaped, fused, ``costs`` among
@@ -154,12 +157,26 @@ class Costing:
     def evaluate(self, c: Candidate) -> Plan:
         """Simulate ``c`` and cost it (raises :class:`~pipeloom.errors.PipeloomError` when its
         schedule cannot be built); its critical path then bounds every candidate of its schedule,
-        with its added axes or not (their work only adds inputs to the compute, so never makes it faster)."""
-        plan = evaluate(self.request, c, self.costs(c), self.schedule, self.steady(c))
-        key = self._path_key(c)
-        if key not in self._paths and not self.steady(c) and self.bare(c) is c:
-            self._paths[key] = critical_path(plan.result)
-        return plan
+        with its added axes or not (their work only adds inputs to the compute, so never makes it faster).
+        A candidate that costs as another does (:meth:`same`) gets that one's plan, renamed (without
+        its result where that one was costed before)."""
+        same = self.same(c)
+        known = self._plans.get(same) if same is not c else None
+        if known is None:
+            plan = evaluate(self.request, same, self.costs(same), self.schedule, self.steady(same))
+            key = self._path_key(same)
+            if key not in self._paths and not self.steady(same) and self.bare(same) is same:
+                self._paths[key] = critical_path(plan.result)
+            self._plans[same] = replace(plan, result=None)
+            return plan if same is c else replace(plan, candidate=c)
+        return replace(known, candidate=c)
+
+    def same(self, c: Candidate) -> Candidate:
+        """The candidate costed for ``c``: one whose plan is ``c``'s but for its settings' names
+        (:meth:`~pipeloom.techniques.Technique.plan_same`), or ``c``."""
+        for technique in self._samers:
+            c = technique.plan_same(self.request, c)
+        return c
 
     def has_path(self, c: Candidate) -> bool:
         """Whether a simulation has given ``c``'s schedule its critical path."""
@@ -282,6 +299,7 @@ class Costing:
         (:class:`~pipeloom.schedule.deps.ListPeaks`); with a technique that moves activations
         away, the lists as its steps count them, cheapest first
         (:meth:`~pipeloom.techniques.Technique.plan_memory_lists`)."""
+        c = self.same(c)
         bound = self.microbatch_memory_bound(c)
         steps = [(t, *step) for t in self._listers for step in t.plan_memory_lists(c)] or [None]
         for away in steps:

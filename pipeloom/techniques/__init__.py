@@ -210,6 +210,11 @@ class Technique:
         """Whether the runtime accepts ``c`` on the request's cluster as far as the technique goes."""
         return True
 
+    def plan_same(self, request, c):
+        """A candidate whose plan is ``c``'s but for the names of its settings (the same costs, schedule
+        and memory), or ``c``: the planner costs one of them for both."""
+        return c
+
     def plan_fields(self, request, c) -> dict:
         """Run spec fields the technique derives from ``c`` and the request (also the plan's ``--json``
         fields after its axis's)."""

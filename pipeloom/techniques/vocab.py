@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
 from ..modes import VocabMode
+from ..partition import balanced_layers, split_layers
 from . import Flag, PlanAxis, Technique, register
 
 CHOICES = tuple(mode.value for mode in VocabMode)
@@ -67,6 +69,12 @@ class VocabParallel(Technique):
         return not (c.vocab_parallel in ALGORITHMS and _builds_steps(c.schedule)
                     and c.microbatches < versioned_microbatches(c.pp, c.vocab_parallel))
 
+    def plan_same(self, request, c):
+        """redis where it balances the layers as the even split places them: none's plan."""
+        if c.vocab_parallel != "redis":
+            return c
+        return replace(c, vocab_parallel="none") if _balanced_evenly(request.model, c.pp * c.chunks, request.seq) else c
+
     def plan_passes(self, c) -> tuple:
         from ..schedule.transforms.vocab import VOCAB_PASSES
 
@@ -79,6 +87,12 @@ class VocabParallel(Technique):
 
     def plan_model_options(self, c) -> dict:
         return {"vocab_parallel": None if c.vocab_parallel == "none" else c.vocab_parallel}
+
+
+@lru_cache(maxsize=1024)
+def _balanced_evenly(model, stages: int, seq: int) -> bool:
+    """Whether redis's balanced layers are the even split's."""
+    return balanced_layers(model, stages, seq) == split_layers(model.layers, stages)
 
 
 @lru_cache(maxsize=None)
