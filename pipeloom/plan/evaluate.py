@@ -179,14 +179,14 @@ class Costing:
         return c
 
     def has_path(self, c: Candidate) -> bool:
-        """Whether a simulation has given ``c``'s schedule its critical path."""
-        return self._path_key(c) in self._paths
+        """Whether a simulation has given ``c``'s schedule (:meth:`same`'s) its critical path."""
+        return self._path_key(self.same(c)) in self._paths
 
     def bound_ms(self, c: Candidate) -> float:
         """:meth:`lower_bound_ms`, raised by the critical path of ``c``'s schedule without its added axes
         once one candidate of that schedule has been simulated (:mod:`pipeloom.plan.bounds`)."""
         bound = self.lower_bound_ms(c)
-        path = self._paths.get(self._path_key(c))
+        path = self._paths.get(self._path_key(self.same(c)))
         if path is not None:
             bound = max(bound, path.length(self._both(c)[1]) + self.tail_ms(c)[path.rank])
         return bound

@@ -10,7 +10,8 @@ found. A layout whose schedule has not been simulated yet is simulated bare
 first, fitting or not: the critical path that gives raises the bound of every
 candidate running that schedule, with added work or not, and the layout goes back
 in line on it. Within a layout its variants are simulated until one is slower
-than its best so far, skipping those whose list shows they cannot fit
+than its best so far, skipping those whose bound is slower than the ``top``-th
+plan and those whose list shows they cannot fit
 (:meth:`Costing.activation_memory_bound`): the plans returned are those an
 exhaustive search (:func:`exhaustive`) ranks first.
 """
@@ -107,6 +108,8 @@ def search(request: PlanRequest, progress=None, every: float = 5.0) -> Search:
         for variant_bound, c in variants:
             if best is not None and (best.beats(variant_bound) or best.candidate == base):
                 break  # a memory saver never makes a step faster: the bare layout is its best
+            if len(kept) == request.top and kept[0][1].beats(variant_bound):
+                continue  # it would not make the list
             if c not in tried and costing.activation_memory_bound(c, memory) > memory:
                 continue  # cannot fit: not worth simulating
             plan = attempt(c)
