@@ -10,8 +10,8 @@ and views stay views.
 
 OFFLOAD (:mod:`pipeloom.schedule.transforms.offload` places it after F)
 copies the pair's ranges of each dtype into one host buffer (each range into
-its slice) from a :class:`HostPool` reused across steps and drops the device
-copies. The stage's input, a leaf the slot
+its slice, in one batched call: ``torch._foreach_copy_``) from a
+:class:`HostPool` reused across steps and drops the device copies. The stage's input, a leaf the slot
 keeps for its gradient, goes too: its ``data`` becomes a one-element
 placeholder of its shape until RELOAD puts the reloaded view back (with
 recomputation it is all a stage saves). The stage's output stays (the slot
@@ -146,15 +146,13 @@ class _Range:
 
 class _Block:
     """A pair's ranges of one dtype, copied together: ``host`` the one buffer they lie in while
-    offloaded, each from its element ``offsets``, ``numel`` elements in all."""
+    offloaded, one after another, ``sizes`` elements each, ``numel`` in all."""
 
-    __slots__ = ("ranges", "offsets", "numel", "host")
+    __slots__ = ("ranges", "sizes", "numel", "host")
 
     def __init__(self, ranges: list[_Range]):
-        self.ranges, self.offsets, self.numel, self.host = ranges, [], 0, None
-        for where in ranges:
-            self.offsets.append(self.numel)
-            self.numel += where.end - where.start
+        self.ranges, self.sizes, self.host = ranges, [where.end - where.start for where in ranges], None
+        self.numel = sum(self.sizes)
 
 
 def _blocks(ranges: list[_Range]) -> list[_Block]:
@@ -215,6 +213,8 @@ class _Saved:
 def _extent(tensor: torch.Tensor) -> tuple[int, int]:
     """The elements ``start:end`` of its storage that ``tensor`` spans."""
     start = tensor.storage_offset()
+    if tensor.is_contiguous():
+        return start, start + tensor.numel()
     return start, start + 1 + sum((n - 1) * s for n, s in zip(tensor.size(), tensor.stride()))
 
 
@@ -238,10 +238,11 @@ class _Capture:
         saved tensor in one lets go of its device tensor. ``leaf`` (the stage input), when its storage is
         among them, is placed in its range too (:attr:`leaf`) and lets go of its data."""
         self.leaf = None
+        leaf_key = leaf.untyped_storage().data_ptr() if leaf is not None else None
         for (key, _), group in self.saved.items():
             if key in kept:
                 continue
-            lent = leaf is not None and leaf.untyped_storage().data_ptr() == key
+            lent = key == leaf_key
             extents = [_extent(t) for t in [saved.tensor for saved in group] + ([leaf] if lent else [])]
             start, end = min(a for a, _ in extents), max(b for _, b in extents)
             where = _Range(start, end, group[0].tensor.detach().as_strided((end - start,), (1,), start))
@@ -376,10 +377,12 @@ class Offloader:
             began = self._mark(moving)
             for block in moving:
                 block.host = host = self.pool.take(block.ranges[0].tensor.dtype, block.numel)
-                for where, at in zip(block.ranges, block.offsets):
-                    host[at:at + where.end - where.start].copy_(where.tensor, non_blocking=self.cuda)
-                    if self.cuda:
-                        where.tensor.record_stream(self.out)
+                sources = [where.tensor for where in block.ranges]
+                torch._foreach_copy_(list(host.split(block.sizes)), sources, non_blocking=self.cuda)
+                if self.cuda:
+                    for source in sources:
+                        source.record_stream(self.out)
+                for where in block.ranges:
                     where.tensor = None
                 self.stats.offloaded += _nbytes(host)
             return None if began is None else (began, self._mark(moving))
@@ -412,8 +415,8 @@ class Offloader:
                 self.hold(device.untyped_storage())
                 if self.cuda:
                     device.record_stream(compute)  # read and freed there
-                for where, at in zip(block.ranges, block.offsets):
-                    where.tensor = device[at:at + where.end - where.start]
+                for where, piece in zip(block.ranges, device.split(block.sizes)):
+                    where.tensor = piece
             done = self._mark(back)
         for block in back:
             for where in block.ranges:
