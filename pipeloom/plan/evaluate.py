@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from operator import attrgetter
+from typing import Iterator
 
 from ..builder import build_run, model_costs
 from ..errors import PipeloomError
@@ -299,14 +300,20 @@ class Costing:
         (:class:`~pipeloom.schedule.deps.ListPeaks`); with a technique that moves activations
         away, the lists as its steps count them, cheapest first
         (:meth:`~pipeloom.techniques.Technique.plan_memory_lists`)."""
-        c = self.same(c)
-        bound = self.microbatch_memory_bound(c)
-        steps = [(t, *step) for t in self._listers for step in t.plan_memory_lists(c)] or [None]
-        for away in steps:
+        for bound in self.memory_bounds(c):
             if bound > limit:
                 break
-            bound = max(bound, self._state_and_peaks(c, self._list_peaks(c, away)))
         return bound
+
+    def memory_bounds(self, c: Candidate) -> Iterator[float]:
+        """The bounds :meth:`activation_memory_bound` takes in turn, each at least the one before and
+        dearer to work out: :meth:`microbatch_memory_bound`, then the peaks of each list."""
+        c = self.same(c)
+        bound = self.microbatch_memory_bound(c)
+        yield bound
+        for away in [(t, *step) for t in self._listers for step in t.plan_memory_lists(c)] or [None]:
+            bound = max(bound, self._state_and_peaks(c, self._list_peaks(c, away)))
+            yield bound
 
     def microbatch_memory_bound(self, c: Candidate) -> float:
         """Bytes the busiest rank needs at least without reading its list: the model state but the

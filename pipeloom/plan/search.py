@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import gc
 import heapq
-import math
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -183,29 +182,38 @@ def _most_gpus(request: PlanRequest) -> str:
 
 
 def _smallest_memory(request: PlanRequest, costing: Costing, pool: list[Candidate]) -> str:
-    """One line: the GPU memory the least demanding layout needs, found best first on the bound of
-    one microbatch's activations, the candidates that save the most (each saver's most saving value
-    first: :attr:`~pipeloom.techniques.PlanAxis.saving`, the smallest microbatch) first among
-    equals, those whose list's bound cannot beat the best so far left unsimulated."""
-    best: Plan | None = None
-    least = math.inf
+    """One line: the GPU memory the least demanding layout needs, found best first on each
+    candidate's memory bound, tightened a step at a time (:meth:`Costing.memory_bounds`) as it
+    comes first, so that only candidates whose tightest bound is under the least found are
+    simulated. Among equals, those that save the most (each saver's most saving value first:
+    :attr:`~pipeloom.techniques.PlanAxis.saving`, the smallest microbatch) come first."""
     saving = savers()
 
     def order(c: Candidate) -> tuple:
         return costing.microbatch_memory_bound(c), *saving_ranks(c, saving), c.microbatch_size, c
 
-    for c in sorted(pool, key=order):
-        if costing.microbatch_memory_bound(c) >= least:
+    queue = []  # (bound, rank in order, candidate, its further bounds)
+    for n, c in enumerate(sorted(pool, key=order)):
+        bounds = costing.memory_bounds(c)
+        queue.append((next(bounds), n, c, bounds))
+    heapq.heapify(queue)
+    best: tuple | None = None  # (peak, rank in order, plan)
+    while queue:
+        bound, n, c, bounds = heapq.heappop(queue)
+        if best is not None and (bound, n) >= best[:2]:
             break
-        if costing.activation_memory_bound(c, least) >= least:
+        tighter = next(bounds, None)
+        if tighter is not None:
+            heapq.heappush(queue, (tighter, n, c, bounds))
             continue
         plan = _try(costing, c)
-        if plan is not None and max(plan.peak_memory_bytes) < least:
-            best, least = plan, max(plan.peak_memory_bytes)
+        if plan is not None and (best is None or (max(plan.peak_memory_bytes), n) < best[:2]):
+            best = max(plan.peak_memory_bytes), n, plan
     have = request.cluster.gpu_memory / _GiB
     head = f"no layout of {request.model.name} on {request.cluster.gpus} GPUs fits {have:.1f} GiB per GPU"
     if best is None:
         return f"{head}: none of the candidate schedules can be built for this batch"
-    c = best.candidate
+    least, _, plan = best
+    c = plan.candidate
     return (f"{head}; the smallest needs {least / _GiB:.1f} GiB (pp {c.pp}, dp {c.dp}, sp {c.sp}, {c.schedule}, "
             f"chunks {c.chunks}, microbatch size {c.microbatch_size}, {settings_text(c)})")
