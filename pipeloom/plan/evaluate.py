@@ -104,6 +104,7 @@ class Costing:
         self._tail: dict[tuple, list[float]] = {}
         self._bounds: dict[tuple, float] = {}
         self._states: dict[tuple, float] = {}
+        self._microbatch: dict[tuple, float] = {}
         self._peaks: dict[tuple, ListPeaks | None] = {}
         self._families: dict[str, tuple] = {}
         # what fixes each cache's entry: the layout, and the axes whose values change what it holds
@@ -318,8 +319,13 @@ class Costing:
     def microbatch_memory_bound(self, c: Candidate) -> float:
         """Bytes the busiest rank needs at least without reading its list: the model state but the
         gradients plus one microbatch's activations of a stage (every list holds each stage's F)
-        and its rerun, or the whole state."""
-        return self._state_and_peaks(c, None)
+        and its rerun, or the whole state (once per costs and placement)."""
+        v_shape, _, _, _, versions = self.family(c)
+        key = self._costs_key(c), self._placed(c), v_shape, versions
+        bound = self._microbatch.get(key)
+        if bound is None:
+            bound = self._microbatch[key] = self._state_and_peaks(c, None)
+        return bound
 
     def _list_peaks(self, c: Candidate, away: tuple | None) -> list[float] | None:
         """Per rank, the peak of the activations and the stages' gradients (each from the stage's
