@@ -356,16 +356,17 @@ def test_a_device_the_backend_cannot_serve_is_refused(monkeypatch, device, backe
     assert str(pipeline_device(None, "gloo")) == "cpu"
 
 
-def _exits_at_once(rank):
-    if rank == 1:
+def _exits_at_once(rank, dies):
+    if rank == dies:
         os._exit(3)  # as a worker killed by a signal, or one whose start-up failed, goes
     time.sleep(0.2)
     return rank
 
 
 @pytest.mark.timeout(60)
-def test_a_worker_that_dies_is_named_at_once_not_after_the_timeout():
+@pytest.mark.parametrize("dies", [0, 1])
+def test_a_worker_that_dies_is_named_at_once_not_after_the_timeout(dies):
     began = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"worker 1 exited with code 3 before it returned"):
-        spawn(2, _exits_at_once, timeout=50)
+    with pytest.raises(RuntimeError, match=rf"worker {dies} exited with code 3 before it returned"):
+        spawn(2, _exits_at_once, dies, timeout=50)
     assert time.monotonic() - began < 20

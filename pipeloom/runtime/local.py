@@ -86,9 +86,9 @@ def spawn(world: int, fn, *args, timeout: float = 600.0, group_timeout: float = 
     try:
         while len(out) < world:
             try:
-                rank, error, value = results.get(timeout=2.0 if gone else 0.5)
+                rank, error, value = results.get(timeout=0.5 if gone is None else 2.0)
             except queue.Empty:
-                if gone:  # its result, had it sent one, would have come by now
+                if gone is not None:  # its result, had it sent one, would have come by now
                     raise RuntimeError(f"worker {gone} exited with code {procs[gone].exitcode} before it returned "
                                        "(its output above says why)") from None
                 if time.monotonic() > deadline:
