@@ -100,6 +100,21 @@ def test_search_says_how_far_it_is():
     assert settings(found.plans) == settings(search(request(8, 80, 16)).plans)
 
 
+def test_an_infeasible_search_says_how_far_its_hunt_is():
+    """Where nothing fits, the hunt for the least memory says how far it is too, and ends in
+    the same one line as without progress."""
+    heard = []
+    with pytest.raises(PipeloomError) as quiet:
+        search(request(4, 0.01, 16))
+    with pytest.raises(PipeloomError) as told:
+        search(request(4, 0.01, 16), progress=heard.append, every=0)
+    assert told.value.args == quiet.value.args
+    assert heard and all(re.fullmatch(r"no layout fits: looking for the least memory one needs, \d+ memory bounds "
+                                      r"tightened and \d+ layouts simulated after \d+ s(; the least so far "
+                                      r"[\d.]+ GiB)?", text) for text in heard), heard[:3]
+    assert "the least so far" in heard[-1]
+
+
 def test_float_noise_ties_break_on_memory():
     """2bw plans whose steps differ only by rounding: the top plan does not depend on ``top``."""
     model = ModelSpec("gpt-1.3b", 24, 2048, 16, 50304, tied_embeddings=True)

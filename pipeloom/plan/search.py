@@ -119,7 +119,7 @@ def search(request: PlanRequest, progress=None, every: float = 5.0) -> Search:
             if len(kept) > request.top:
                 heapq.heappop(kept)
     if not kept:
-        raise PipeloomError(_smallest_memory(request, costing, pool))
+        raise PipeloomError(_smallest_memory(request, costing, pool, progress, every))
     plans = sorted((entry[1] for entry in kept), key=lambda p: p.key)
     return Search(plans, len(pool), simulated, time.perf_counter() - started)
 
@@ -181,13 +181,25 @@ def _most_gpus(request: PlanRequest) -> str:
     return f"{what}; at most {fewer} GPUs would" if fewer else what
 
 
-def _smallest_memory(request: PlanRequest, costing: Costing, pool: list[Candidate]) -> str:
+def _smallest_memory(request: PlanRequest, costing: Costing, pool: list[Candidate], progress=None,
+                     every: float = 5.0) -> str:
     """One line: the GPU memory the least demanding layout needs, found best first on each
     candidate's memory bound, tightened a step at a time (:meth:`Costing.memory_bounds`) as it
     comes first, so that only candidates whose tightest bound is under the least found are
     simulated. Among equals, those that save the most (each saver's most saving value first:
-    :attr:`~pipeloom.techniques.PlanAxis.saving`, the smallest microbatch) come first."""
+    :attr:`~pipeloom.techniques.PlanAxis.saving`, the smallest microbatch) come first.
+    ``progress(text)``, if given, hears how far the hunt is every ``every`` seconds."""
     saving = savers()
+    started = said = time.perf_counter()
+    tightened = simulated = 0
+
+    def tell():
+        nonlocal said
+        if progress is not None and time.perf_counter() - said >= every:
+            said = time.perf_counter()
+            least = f"; the least so far {best[0] / _GiB:.1f} GiB" if best is not None else ""
+            progress(f"no layout fits: looking for the least memory one needs, {tightened} memory bounds tightened "
+                     f"and {simulated} layouts simulated after {said - started:.0f} s{least}")
 
     def order(c: Candidate) -> tuple:
         return costing.microbatch_memory_bound(c), *saving_ranks(c, saving), c.microbatch_size, c
@@ -205,10 +217,14 @@ def _smallest_memory(request: PlanRequest, costing: Costing, pool: list[Candidat
         tighter = next(bounds, None)
         if tighter is not None:
             heapq.heappush(queue, (tighter, n, c, bounds))
+            tightened += 1
+            tell()
             continue
         plan = _try(costing, c)
+        simulated += plan is not None
         if plan is not None and (best is None or (max(plan.peak_memory_bytes), n) < best[:2]):
             best = max(plan.peak_memory_bytes), n, plan
+        tell()
     have = request.cluster.gpu_memory / _GiB
     head = f"no layout of {request.model.name} on {request.cluster.gpus} GPUs fits {have:.1f} GiB per GPU"
     if best is None:
