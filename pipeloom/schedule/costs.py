@@ -171,6 +171,7 @@ class StageCosts:
 
     def __init__(self, values: dict[str, tuple[float, ...]]):
         self.values = values
+        self._deltas: tuple[dict, dict] = ({}, {})  # activation and host changes by (kind, stage, payload)
 
     def __getattr__(self, name: str) -> tuple[float, ...]:
         try:
@@ -207,8 +208,17 @@ class StageCosts:
 
     def memory_delta(self, action) -> float:
         """The action's change of its rank's activation memory (:func:`~.deps.memory_delta`)."""
-        return memory_delta(action, lambda name, a: self.values[name][a.stage])
+        return self._delta(action, "memory")
 
     def host_delta(self, action) -> float:
         """The action's change of its rank's host memory (its kind's ``host`` terms)."""
-        return memory_delta(action, lambda name, a: self.values[name][a.stage], "host")
+        return self._delta(action, "host")
+
+    def _delta(self, action, memory: str) -> float:
+        """:func:`~.deps.memory_delta` of ``action``, worked out once per kind, stage and payload."""
+        deltas = self._deltas[memory == "host"]
+        key = action[0], action[1], action[3]
+        found = deltas.get(key)
+        if found is None:
+            found = deltas[key] = memory_delta(action, lambda name, a: self.values[name][a.stage], memory)
+        return found

@@ -590,17 +590,10 @@ def _memory_events(actions, delta, starts, ends) -> list[tuple[float, float]]:
 
 def _levels(schedule: Schedule, costs: StageCosts, starts, ends) -> list[float]:
     """Each rank's activation peak on the timeline ``starts``, ``ends``."""
-    peaks, deltas = [], {}
-
-    def delta(a) -> float:  # an action's change depends on its kind, stage and payload alone
-        key = a.kind, a.stage, a.payload
-        found = deltas.get(key)
-        if found is None:
-            found = deltas[key] = costs.memory_delta(a)
-        return found
+    peaks = []
     for rank, actions in enumerate(schedule.ranks):
         level = peak = 0.0
-        for _, d in sorted(_memory_events(actions, delta, starts[rank], ends[rank])):
+        for _, d in sorted(_memory_events(actions, costs.memory_delta, starts[rank], ends[rank])):
             level += d
             peak = max(peak, level)
         peaks.append(peak)
