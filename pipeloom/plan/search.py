@@ -198,8 +198,9 @@ def _smallest_memory(request: PlanRequest, costing: Costing, pool: list[Candidat
         if progress is not None and time.perf_counter() - said >= every:
             said = time.perf_counter()
             least = f"; the least so far {best[0] / _GiB:.1f} GiB" if best is not None else ""
-            progress(f"no layout fits: looking for the least memory one needs, {tightened} memory bounds tightened "
-                     f"and {simulated} layouts simulated after {said - started:.0f} s{least}")
+            progress(f"no layout fits: looking for the least memory one needs, {tightened} memory "
+                     f"bound{'s' * (tightened != 1)} tightened and {simulated} layout{'s' * (simulated != 1)} "
+                     f"simulated after {said - started:.0f} s{least}")
 
     def order(c: Candidate) -> tuple:
         return costing.microbatch_memory_bound(c), *saving_ranks(c, saving), c.microbatch_size, c
