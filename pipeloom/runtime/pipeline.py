@@ -8,7 +8,10 @@ and each technique's :class:`~.parts.Part`, whose hooks it calls in turn.
 
 from __future__ import annotations
 
+import atexit
 import functools
+import gc
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -90,6 +93,7 @@ class Pipeline:
     ):
         if not dist.is_available() or not dist.is_initialized():
             raise PipeloomError("Pipeline needs torch.distributed initialised: launch with torchrun")
+        _close_at_exit()
         #: each technique's part, in the techniques' order; what they leave of ``options`` builds the schedule
         self.parts: list[Part] = [cls(options) for cls in part_classes()]
         self.schedule = _schedule(schedule, pp, microbatches, chunks, self.parts, options)
@@ -131,13 +135,28 @@ class Pipeline:
         self._cycle_so_far: list[Step] = []
         self._evaluation: Executor | None = None  # the forward-only list, made on the first evaluate()
         self.channel.heartbeat.idle()  # set up: a peer that waits for this rank now sees it outside a step
+        _OPEN.add(self)
 
     def __getattr__(self, name: str):
         """What a technique's part gives as the pipeline's (its :attr:`~.parts.Part.exposes`)."""
+        if self.__dict__.get("closed"):
+            raise PipeloomError(f"the pipeline is closed (asked for {name!r}): make a new one")
         for part in self.__dict__.get("parts", ()):
             if name in part.exposes:
                 return getattr(part, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def close(self) -> None:
+        """Let go now, while Python is whole, of what the pipeline holds of torch.distributed: its
+        process subgroups, their gloo work and the tensors that work holds; it cannot run again.
+        Python closes every pipeline still open when it exits: freed while it shuts down instead, a
+        gloo thread's release of a tensor takes the GIL and aborts the finished process
+        ("terminate called without an active exception"). Call it before
+        ``destroy_process_group`` where a script goes on after it."""
+        _OPEN.discard(self)
+        self.__dict__.clear()
+        self.__dict__["closed"] = True
+        gc.collect()
 
     @classmethod
     def from_stages(cls, stages: Sequence[nn.Module], loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -361,3 +380,13 @@ def _free_unused(model: nn.Module, kept: list[nn.Parameter]) -> None:
     for p in model.parameters():
         if id(p) not in keep and not p.is_meta:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+#: The pipelines of this process not closed yet (:meth:`Pipeline.close`).
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+
+
+@functools.cache
+def _close_at_exit() -> None:
+    """Close the pipelines still open when the interpreter exits (once a pipeline exists)."""
+    atexit.register(lambda: [pipe.close() for pipe in list(_OPEN)])
