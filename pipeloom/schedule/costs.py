@@ -208,17 +208,16 @@ class StageCosts:
 
     def memory_delta(self, action) -> float:
         """The action's change of its rank's activation memory (:func:`~.deps.memory_delta`)."""
-        return self._delta(action, "memory")
+        found = self._deltas[0].get((action[0], action[1], action[3]))
+        return self._delta(action, "memory") if found is None else found
 
     def host_delta(self, action) -> float:
         """The action's change of its rank's host memory (its kind's ``host`` terms)."""
-        return self._delta(action, "host")
+        found = self._deltas[1].get((action[0], action[1], action[3]))
+        return self._delta(action, "host") if found is None else found
 
     def _delta(self, action, memory: str) -> float:
-        """:func:`~.deps.memory_delta` of ``action``, worked out once per kind, stage and payload."""
-        deltas = self._deltas[memory == "host"]
-        key = action[0], action[1], action[3]
-        found = deltas.get(key)
-        if found is None:
-            found = deltas[key] = memory_delta(action, lambda name, a: self.values[name][a.stage], memory)
+        """:func:`~.deps.memory_delta` of ``action``, kept for every action of its kind, stage and payload."""
+        found = self._deltas[memory == "host"][action[0], action[1], action[3]] = memory_delta(
+            action, lambda name, a: self.values[name][a.stage], memory)
         return found

@@ -154,15 +154,11 @@ def _levels(times, delta) -> list[tuple[float, float]]:
     from (action, start, end) triples: a rise at the start, a fall at the end
     (each part of a compound action on its own: the F of an overlapped pair
     holds its activations from the start, the backward frees its own at the
-    end); changes at one instant in list order. ``delta`` is asked once per
-    distinct (kind, stage, payload)."""
-    changes, ordered, last, known = [], True, 0.0, {}
+    end); changes at one instant in list order."""
+    changes, ordered, last = [], True, 0.0
     for action, start, end in times:
         for part in parts(action) if action.kind in COMPOUND else (action,):
-            key = part.kind, part.stage, part.payload
-            d = known.get(key)
-            if d is None:
-                d = known[key] = delta(part)
+            d = delta(part)
             if d:
                 t = start if d > 0 else end
                 ordered = ordered and t >= last
