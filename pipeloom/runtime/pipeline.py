@@ -389,4 +389,9 @@ _OPEN: weakref.WeakSet = weakref.WeakSet()
 @functools.cache
 def _close_at_exit() -> None:
     """Close the pipelines still open when the interpreter exits (once a pipeline exists)."""
-    atexit.register(lambda: [pipe.close() for pipe in list(_OPEN)])
+    atexit.register(_close_open)
+
+
+def _close_open() -> None:
+    for pipe in list(_OPEN):
+        pipe.close()
