@@ -94,8 +94,10 @@ def plan_search(doc: dict) -> list[str]:
     for r in doc["requests"]:
         what = f"`{r['args']}`" if r["args"] else "defaults"
         request = f"{r['model']}, seq {r['seq']}, batch {r['global_batch']}"
+        seconds = [f"{r['seconds']:.1f}", f"{r['seconds_one_job']:.1f}"] if "seconds_one_job" in r else [
+            f"{r['seconds']:.1f}", "–"]
         if "infeasible" in r:
-            rows.append([what, request, "–", "–", f"{r['seconds']:.1f}", "nothing fits"])
+            rows.append([what, request, "–", "–", *seconds, "nothing fits"])
             continue
         b = r["best"]
         sp = f" sp {b['sp']}" if b["sp"] > 1 else ""
@@ -103,9 +105,10 @@ def plan_search(doc: dict) -> list[str]:
         settings += [b["vocab_parallel"]] if b["vocab_parallel"] != "none" else []
         best = ", ".join([f"pp {b['pp']} dp {b['dp']}{sp} {b['schedule']}", f"{b['microbatches']} x {b['microbatch_size']}",
                           *settings, f"{b['step_ms']:.0f} ms"])
-        rows.append([what, request, f"{r['candidates']:,}", r["simulated"], f"{r['seconds']:.1f}", best])
-    return _table(["request (`pipeloom plan ...`)", "model, seq, global batch", "layouts", "simulated", "seconds",
-                   "best plan"], rows)
+        rows.append([what, request, f"{r['candidates']:,}", r["simulated"], *seconds, best])
+    jobs = doc["requests"][0].get("jobs", 1)
+    return _table(["request (`pipeloom plan ...`)", "model, seq, global batch", "layouts", "simulated",
+                   f"seconds ({jobs} jobs)", "seconds (one process)", "best plan"], rows)
 
 
 def offload_sim(doc: dict) -> list[str]:

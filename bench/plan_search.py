@@ -1,10 +1,12 @@
 """Seconds `pipeloom plan` takes to search, on requests from 8 to 1,024 GPUs.
 
-    python bench/plan_search.py [--out FILE]
+    python bench/plan_search.py [--jobs N] [--out FILE]
 
 Writes bench/results/plan_search.json: per request its `pipeloom plan`
-arguments, the seconds the search took, the layouts searched and simulated,
-and the best plan, or the one line an infeasible request gets. The goal is
+arguments, the seconds the search took on `--jobs` worker processes (as
+`pipeloom plan` runs it: default, the CPUs it may use) and on one process in
+the same run, whether the two gave the same plans, the layouts searched and
+simulated, and the best plan, or the one line an infeasible request gets. The goal is
 seconds for 1,024 GPUs; long schedules (few GPUs, large batches: hundreds of
 microbatches a schedule) and tight memory are where the time goes. Asserts
 nothing about time.
@@ -23,6 +25,7 @@ from common import write_results  # noqa: E402
 from pipeloom.cli import _parser  # noqa: E402
 from pipeloom.errors import PipeloomError  # noqa: E402
 from pipeloom.plan import search  # noqa: E402
+from pipeloom.plan.ahead import usable_cpus  # noqa: E402
 from pipeloom.cli.plan import request_of  # noqa: E402
 
 #: `pipeloom plan` arguments of each request timed: the default, then by GPUs.
@@ -43,21 +46,28 @@ REQUESTS = (
 )
 
 
-def timed(words: tuple[str, ...]) -> dict:
-    """One request searched: its facts, its best plan or why none fits."""
+def timed(words: tuple[str, ...], jobs: int) -> dict:
+    """One request searched on one process and on ``jobs`` worker processes: its facts, the seconds
+    of each, whether their plans are the same, its best plan or why none fits."""
     args = _parser().parse_args(["plan", *words])
     request, _ = request_of(args)
     row = {"args": " ".join(words), "model": request.model.name, "gpus": request.cluster.gpus, "seq": request.seq,
-           "global_batch": request.global_batch}
-    started = time.perf_counter()
-    try:
-        found = search(request)
-    except PipeloomError as err:
-        return {**row, "seconds": round(time.perf_counter() - started, 2), "infeasible": str(err)}
-    best = found.plans[0]
+           "global_batch": request.global_batch, "jobs": jobs}
+    found = {}
+    for n in (1, jobs):
+        started = time.perf_counter()
+        try:
+            found[n] = search(request, jobs=n)
+        except PipeloomError as err:
+            found[n] = str(err)
+        row["seconds_one_job" if n == 1 else "seconds"] = round(time.perf_counter() - started, 2)
+    one, many = found[1], found[jobs]
+    if isinstance(many, str):
+        return {**row, "same_plans": one == many, "infeasible": many}
+    best = many.plans[0]
     c = best.candidate
-    return {**row, "seconds": round(time.perf_counter() - started, 2), "candidates": found.candidates,
-            "simulated": found.simulated, "best": {
+    return {**row, "same_plans": not isinstance(one, str) and one.plans == many.plans, "candidates": many.candidates,
+            "simulated": many.simulated, "best": {
                 "pp": c.pp, "dp": c.dp, "sp": c.sp, "schedule": c.schedule, "chunks": c.chunks,
                 "microbatch_size": c.microbatch_size, "microbatches": c.microbatches, "recompute": c.recompute,
                 "vocab_parallel": c.vocab_parallel, "offload": c.offload, "step_ms": round(best.step_ms, 1)}}
@@ -66,13 +76,16 @@ def timed(words: tuple[str, ...]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out")
+    parser.add_argument("--jobs", type=int, default=usable_cpus(),
+                        help="worker processes of the timed search (default: the CPUs this process may use)")
     args = parser.parse_args()
     rows = []
     for words in REQUESTS:
-        row = timed(words)
+        row = timed(words, args.jobs)
         rows.append(row)
         what = row.get("infeasible") or f"{row['candidates']} layouts, {row['simulated']} simulated"
-        what = f"{row['seconds']} s: {what}"
+        what = (f"{row['seconds']} s on {args.jobs} jobs, {row['seconds_one_job']} s on one; "
+                f"{'the same plans' if row['same_plans'] else 'PLANS DIFFER'}: {what}")
         print(f"pipeloom plan {row['args'] or '(defaults)'}: {what}", flush=True)
     print(f"wrote {write_results('plan_search', {'requests': rows}, args.out)}")
 

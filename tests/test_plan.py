@@ -2,6 +2,7 @@
 bounds, its cluster tiers and its command line."""
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -87,6 +88,36 @@ def test_search_equals_brute_force_with_kfac(gpus, memory, kfac):
     assert {p.candidate.optimizer for p in plans} == set(want.optimizer)
     if memory < 80:
         assert any((p.candidate.recompute, p.candidate.offload) != ("none", "none") for p in plans)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("want", [request(8, 80, 16), request(2, 0.4, 8, top=6),
+                                  request(2, 1.2, 8, optimizer=("kfac",), kfac_every=2, schedules=("1f1b", "2bw"))],
+                         ids=["ample", "tight", "kfac"])
+def test_workers_ahead_give_the_plans_one_process_gives(want):
+    """With worker processes costing candidates ahead, the search decides as it does alone: the
+    same plans in the same order (each plan's every figure), from the same simulations."""
+    alone, ahead = search(want), search(want, jobs=2)
+    assert ahead.jobs == 2 and alone.jobs == 1
+    assert ahead.plans == alone.plans and ahead.simulated == alone.simulated
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_or_failing_worker_is_said_not_waited_for(monkeypatch):
+    """A worker that dies (killed, out of memory) ends the search in one line naming the candidate
+    and the way round; a worker's error is raised as it would be without workers."""
+    monkeypatch.setattr(Costing, "attempt", lambda self, c: os._exit(3))
+    with pytest.raises(PipeloomError, match=r"a planner worker died while costing Candidate\(pp=.*pipeloom plan "
+                                            r"--jobs 1\)$"):
+        search(request(2, 80, 8), jobs=2)
+
+    def fails(self, c):
+        raise ValueError(f"no costs for {c.schedule}")
+    monkeypatch.setattr(Costing, "attempt", fails)
+    with pytest.raises(ValueError, match="no costs for "):
+        search(request(2, 80, 8), jobs=2)
+    with pytest.raises(PipeloomError, match=r"^jobs=0: the search needs a whole number >= 1 of worker processes$"):
+        search(request(2, 80, 8), jobs=0)
 
 
 def test_search_says_how_far_it_is():

@@ -45,6 +45,9 @@ def add_parser(sub) -> None:
     next(flag for flag in flags() if flag.name == "kfac_every").add(p)  # train's flag: the refresh planned
     p.add_argument("--microbatch-sizes", metavar="1,2,...", help="microbatch sizes to search (default: every divisor)")
     p.add_argument("--top", type=int, default=10, help="plans to print (default 10)")
+    p.add_argument("--jobs", type=int, metavar="N",
+                   help="worker processes that simulate candidates ahead of the search (the same plans, sooner; "
+                        "default: the CPUs this process may use)")
     p.add_argument("--json", action="store_true", help="print the facts as one JSON object")
     p.set_defaults(run=run)
 
@@ -55,10 +58,12 @@ def _progress(text: str) -> None:
 
 def run(args) -> int:
     from ..plan import search
+    from ..plan.ahead import usable_cpus
     from ..plan.command import command
 
     request, costs = request_of(args)
-    found = search(request, progress=_progress if sys.stderr.isatty() else None)
+    jobs = usable_cpus() if args.jobs is None else args.jobs
+    found = search(request, progress=_progress if sys.stderr.isatty() else None, jobs=jobs)
     if args.json:
         print(json.dumps(_report(request, costs, found, command), indent=2))
     else:
@@ -152,7 +157,8 @@ def _report(request, costs, found, command) -> dict:
                     "gpu_memory_bytes": cluster.gpu_memory, "intra_node_bandwidth": cluster.intra,
                     "inter_node_bandwidth": cluster.inter_bandwidth},
         "costs": costs,
-        "search": {"candidates": found.candidates, "simulated": found.simulated, "seconds": found.seconds},
+        "search": {"candidates": found.candidates, "simulated": found.simulated, "seconds": found.seconds,
+                   "jobs": found.jobs},
         "plans": [_fields(plan, request, command) for plan in found.plans],
     }
 

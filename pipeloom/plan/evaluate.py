@@ -173,6 +173,13 @@ class Costing:
             return plan if same is c else replace(plan, candidate=c)
         return replace(known, candidate=c)
 
+    def attempt(self, c: Candidate) -> Plan | None:
+        """:meth:`evaluate`, or None where ``c``'s schedule cannot be built (a family's own limits, e.g. m < p)."""
+        try:
+            return self.evaluate(c)
+        except PipeloomError:
+            return None
+
     def same(self, c: Candidate) -> Candidate:
         """The candidate costed for ``c``: one whose plan is ``c``'s but for its settings' names
         (:meth:`~pipeloom.techniques.Technique.plan_same`), or ``c``."""
@@ -182,13 +189,21 @@ class Costing:
 
     def has_path(self, c: Candidate) -> bool:
         """Whether a simulation has given ``c``'s schedule (:meth:`same`'s) its critical path."""
-        return self._path_key(self.same(c)) in self._paths
+        return self.path(c) is not None
+
+    def path(self, c: Candidate) -> CriticalPath | None:
+        """The critical path of ``c``'s schedule without its added axes, once a simulation gave it."""
+        return self._paths.get(self._path_key(self.same(c)))
+
+    def add_path(self, c: Candidate, path: CriticalPath) -> None:
+        """Take ``path`` as :meth:`path` of ``c`` (one a simulation elsewhere gave: :mod:`~pipeloom.plan.ahead`)."""
+        self._paths.setdefault(self._path_key(self.same(c)), path)
 
     def bound_ms(self, c: Candidate) -> float:
         """:meth:`lower_bound_ms`, raised by the critical path of ``c``'s schedule without its added axes
         once one candidate of that schedule has been simulated (:mod:`pipeloom.plan.bounds`)."""
         bound = self.lower_bound_ms(c)
-        path = self._paths.get(self._path_key(self.same(c)))
+        path = self.path(c)
         if path is not None:
             bound = max(bound, path.length(self._both(c)[1]) + self.tail_ms(c)[path.rank])
         return bound

@@ -24,8 +24,10 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 from ..errors import PipeloomError
+from .ahead import Ahead
 from .evaluate import Costing, Plan
 from .space import Candidate, PlanRequest, candidates, layouts, saver_ranks, savers, saving_ranks, settings_text
 
@@ -34,12 +36,14 @@ _GiB = 2**30
 
 @dataclass(frozen=True)
 class Search:
-    """The ranked plans, and how the search went: layouts considered, simulated, seconds taken."""
+    """The ranked plans, and how the search went: layouts considered, simulated, seconds taken, on
+    how many worker processes (1: none, the search's own)."""
 
     plans: list[Plan]
     candidates: int
     simulated: int
     seconds: float
+    jobs: int = 1
 
 
 @contextmanager
@@ -58,10 +62,13 @@ def _collector_paused():
 
 
 @_collector_paused()
-def search(request: PlanRequest, progress=None, every: float = 5.0) -> Search:
+def search(request: PlanRequest, progress=None, every: float = 5.0, jobs: int = 1) -> Search:
     """The ``request.top`` fastest layouts that fit, each with its best memory savers (raises one
     line saying what would fit when none does). ``progress(text)``, if given, hears how far the
-    search is every ``every`` seconds."""
+    search is every ``every`` seconds. ``jobs`` > 1: candidates are costed ahead on that many
+    worker processes (:mod:`~pipeloom.plan.ahead`; the same plans, sooner)."""
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+        raise PipeloomError(f"jobs={jobs!r}: the search needs a whole number >= 1 of worker processes")
     started = said = time.perf_counter()
     costing = Costing(request)
     pool = _pool(request)
@@ -83,7 +90,7 @@ def search(request: PlanRequest, progress=None, every: float = 5.0) -> Search:
     def attempt(c: Candidate) -> Plan | None:
         nonlocal simulated, said
         if c not in tried:
-            plan = _try(costing, c)
+            plan = ahead.plan(c)
             simulated += plan is not None
             tried[c] = plan if plan is not None and plan.fits else None
             if progress is not None and time.perf_counter() - said >= every:
@@ -92,36 +99,61 @@ def search(request: PlanRequest, progress=None, every: float = 5.0) -> Search:
                 progress(f"{simulated} of {len(pool)} layouts simulated after {said - started:.0f} s{best}")
         return tried[c]
 
-    while queue:
-        bound, n, base = heapq.heappop(queue)
-        if len(kept) == request.top and kept[0][1].beats(bound):
-            break
-        if not costing.steady(base) and base not in tried and not costing.has_path(base):
-            attempt(base)  # fitting or not, its critical path bounds every variant: put it back on that
-        variants = sorted(((costing.bound_ms(c), c) for c in bases[base]), key=order)
-        least = min(b for b, _ in variants)
-        if least > bound:
-            heapq.heappush(queue, (least, n, base))
-            continue
-        best = None
-        for variant_bound, c in variants:
-            if best is not None and (best.beats(variant_bound) or best.candidate == base):
-                break  # a memory saver never makes a step faster: the bare layout is its best
-            if len(kept) == request.top and kept[0][1].beats(variant_bound):
-                continue  # it would not make the list
-            if c not in tried and costing.activation_memory_bound(c, memory) > memory:
-                continue  # cannot fit: not worth simulating
-            plan = attempt(c)
-            if plan is not None and (best is None or plan.key < best.key):
-                best = plan
-        if best is not None:
-            heapq.heappush(kept, (_Reverse(best.key), best))
-            if len(kept) > request.top:
-                heapq.heappop(kept)
+    def beaten(bound: float) -> bool:
+        """Whether a plan of step ``bound`` would not make the list."""
+        return len(kept) == request.top and kept[0][1].beats(bound)
+
+    def bare_first(base: Candidate) -> bool:
+        """Whether ``base`` is simulated bare first: its schedule has given no critical path yet."""
+        return not costing.steady(base) and base not in tried and not costing.has_path(base)
+
+    def variants_of(base: Candidate) -> list[tuple[float, Candidate]]:
+        return sorted(((costing.bound_ms(c), c) for c in bases[base]), key=order)
+
+    def likely(now: tuple[Candidate, bool]) -> Iterator[tuple[Candidate, bool]]:
+        """What the loop may ask next, each with whether its memory bound comes first: ``now``, then
+        the next layouts bare (their variants, dearer and needed only where the bare one does not fit,
+        are left until asked)."""
+        yield now
+        for bound, _, base in heapq.nsmallest(4 * ahead.jobs, queue):
+            if beaten(bound):
+                break
+            if base not in tried and base in bases[base] and not beaten(costing.bound_ms(base)):
+                yield base, not bare_first(base)
+
+    with Ahead(costing, memory, jobs) as ahead:
+        while queue:
+            bound, n, base = heapq.heappop(queue)
+            if beaten(bound):
+                break
+            if bare_first(base):
+                ahead.expect(likely((base, False)))
+                attempt(base)  # fitting or not, its critical path bounds every variant: put it back on that
+            variants = variants_of(base)
+            least = min(b for b, _ in variants)
+            if least > bound:
+                heapq.heappush(queue, (least, n, base))
+                continue
+            best = None
+            for variant_bound, c in variants:
+                if best is not None and (best.beats(variant_bound) or best.candidate == base):
+                    break  # a memory saver never makes a step faster: the bare layout is its best
+                if beaten(variant_bound):
+                    continue  # it would not make the list
+                ahead.expect(likely((c, True)))
+                if c not in tried and ahead.memory_bound(c) > memory:
+                    continue  # cannot fit: not worth simulating
+                plan = attempt(c)
+                if plan is not None and (best is None or plan.key < best.key):
+                    best = plan
+            if best is not None:
+                heapq.heappush(kept, (_Reverse(best.key), best))
+                if len(kept) > request.top:
+                    heapq.heappop(kept)
     if not kept:
         raise PipeloomError(_smallest_memory(request, costing, pool, progress, every))
     plans = sorted((entry[1] for entry in kept), key=lambda p: p.key)
-    return Search(plans, len(pool), simulated, time.perf_counter() - started)
+    return Search(plans, len(pool), simulated, time.perf_counter() - started, ahead.jobs)
 
 
 @_collector_paused()
@@ -130,7 +162,7 @@ def exhaustive(request: PlanRequest) -> list[Plan]:
     layouts (what :func:`search` must return)."""
     costing = Costing(request)
     best: dict[Candidate, Plan] = {}
-    for plan in (_try(costing, c) for c in _pool(request)):
+    for plan in (costing.attempt(c) for c in _pool(request)):
         if plan is not None and plan.fits:
             base = plan.candidate.base
             if base not in best or plan.key < best[base].key:
@@ -155,14 +187,6 @@ class _Reverse:
 
     def __lt__(self, other):
         return self.key > other.key
-
-
-def _try(costing: Costing, c: Candidate) -> Plan | None:
-    """``c`` costed, or None where its schedule cannot be built (a family's own limits, e.g. m < p)."""
-    try:
-        return costing.evaluate(c)
-    except PipeloomError:
-        return None
 
 
 def _pool(request: PlanRequest) -> list[Candidate]:
@@ -221,7 +245,7 @@ def _smallest_memory(request: PlanRequest, costing: Costing, pool: list[Candidat
             tightened += 1
             tell()
             continue
-        plan = _try(costing, c)
+        plan = costing.attempt(c)
         simulated += plan is not None
         if plan is not None and (best is None or (max(plan.peak_memory_bytes), n) < best[:2]):
             best = max(plan.peak_memory_bytes), n, plan
