@@ -350,6 +350,7 @@ def test_stages_that_do_not_fit_are_named():
         Stages([half, nn.Linear(4, 4)]).build_stages(2, [0])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_example_trains():
     import os

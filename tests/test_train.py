@@ -54,10 +54,12 @@ def test_default_job_trains_and_writes_metrics(tmp_path):
 
 
 @pytest.mark.timeout(TIMEOUT)
-def test_under_torchrun_with_data_parallelism(tmp_path):
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_under_torchrun_with_data_parallelism(tmp_path, ranks):
+    """Under torchrun (the default set: its pipeline alone, the slow set: two replicas of it, dp 2)."""
     done = train("--pp", "2", "--steps", "4", "--schedule", "zb-h1", "--metrics", "m.jsonl", "--report",
-                 "--trace", "t.json", cwd=tmp_path, torchrun=4)
-    assert "zb-h1, pp=2, dp=2" in done.stderr
+                 "--trace", "t.json", cwd=tmp_path, torchrun=ranks)
+    assert f"zb-h1, pp=2, dp={ranks // 2}" in done.stderr
     assert len(metrics(tmp_path / "m.jsonl")) == 4
     assert "measured step" in done.stdout and "simulated / measured span" in done.stdout and "bubble seen" in done.stdout
     trace = json.loads((tmp_path / "t.json").read_text())

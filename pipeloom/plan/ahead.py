@@ -20,6 +20,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import signal
 import traceback
 from dataclasses import replace
 from multiprocessing.connection import wait
@@ -56,7 +57,9 @@ def _work(costing: Costing, memory: float, c: Candidate, bound_first: bool) -> t
 
 def _serve(conn, costing: Costing, memory: float) -> None:
     """A worker: answer each (candidate, bound first) received with (True, :func:`_work`'s) or
-    (False, the error raised), until the parent closes the pipe."""
+    (False, the error raised), until the parent closes the pipe. Ctrl-C is the parent's to
+    handle (it stops its workers)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     while True:
         try:
             c, bound_first = conn.recv()
