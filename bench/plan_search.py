@@ -4,7 +4,7 @@
 
 Writes bench/results/plan_search.json: per request its `pipeloom plan`
 arguments, the seconds the search took on `--jobs` worker processes (as
-`pipeloom plan` runs it: default, the CPUs it may use) and on one process in
+`pipeloom plan` runs it: default, the CPUs it may use, at most 8) and on one process in
 the same run, whether the two gave the same plans, the layouts searched and
 simulated, and the best plan, or the one line an infeasible request gets. The goal is
 seconds for 1,024 GPUs; long schedules (few GPUs, large batches: hundreds of
@@ -25,7 +25,7 @@ from common import write_results  # noqa: E402
 from pipeloom.cli import _parser  # noqa: E402
 from pipeloom.errors import PipeloomError  # noqa: E402
 from pipeloom.plan import search  # noqa: E402
-from pipeloom.plan.ahead import usable_cpus  # noqa: E402
+from pipeloom.plan.ahead import default_jobs  # noqa: E402
 from pipeloom.cli.plan import request_of  # noqa: E402
 
 #: `pipeloom plan` arguments of each request timed: the default, then by GPUs.
@@ -76,8 +76,8 @@ def timed(words: tuple[str, ...], jobs: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out")
-    parser.add_argument("--jobs", type=int, default=usable_cpus(),
-                        help="worker processes of the timed search (default: the CPUs this process may use)")
+    parser.add_argument("--jobs", type=int, default=default_jobs(),
+                        help="worker processes of the timed search (default: as pipeloom plan's)")
     args = parser.parse_args()
     rows = []
     for words in REQUESTS:

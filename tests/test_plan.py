@@ -120,6 +120,15 @@ def test_a_dead_or_failing_worker_is_said_not_waited_for(monkeypatch):
         search(request(2, 80, 8), jobs=0)
 
 
+def test_the_default_jobs_are_the_usable_cpus_at_most_eight(monkeypatch):
+    """``pipeloom plan`` forks a worker per CPU it may use, but no more than 8 (each keeps its own caches)."""
+    from pipeloom.plan.ahead import default_jobs
+
+    for cpus, jobs in ((1, 1), (2, 2), (8, 8), (64, 8)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)), raising=False)
+        assert default_jobs() == jobs
+
+
 def test_search_says_how_far_it_is():
     """With progress, each simulation past the interval says how many of the layouts are done;
     the plans are those found without it."""

@@ -47,7 +47,7 @@ def add_parser(sub) -> None:
     p.add_argument("--top", type=int, default=10, help="plans to print (default 10)")
     p.add_argument("--jobs", type=int, metavar="N",
                    help="worker processes that simulate candidates ahead of the search (the same plans, sooner; "
-                        "default: the CPUs this process may use)")
+                        "default: the CPUs this process may use, at most 8)")
     p.add_argument("--json", action="store_true", help="print the facts as one JSON object")
     p.set_defaults(run=run)
 
@@ -58,11 +58,11 @@ def _progress(text: str) -> None:
 
 def run(args) -> int:
     from ..plan import search
-    from ..plan.ahead import usable_cpus
+    from ..plan.ahead import default_jobs
     from ..plan.command import command
 
     request, costs = request_of(args)
-    jobs = usable_cpus() if args.jobs is None else args.jobs
+    jobs = default_jobs() if args.jobs is None else args.jobs
     found = search(request, progress=_progress if sys.stderr.isatty() else None, jobs=jobs)
     if args.json:
         print(json.dumps(_report(request, costs, found, command), indent=2))

@@ -31,12 +31,17 @@ from .evaluate import Costing, Plan
 from .space import Candidate
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on: the default number of jobs."""
+#: The most workers by default: each keeps its own caches (~0.5 GB on the largest bench requests).
+MAX_DEFAULT_JOBS = 8
+
+
+def default_jobs() -> int:
+    """The CPUs this process may run on, at most :data:`MAX_DEFAULT_JOBS`: the default number of jobs."""
     try:
-        return len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # no affinity on this platform
-        return os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    return min(cpus, MAX_DEFAULT_JOBS)
 
 
 def can_fork() -> bool:
