@@ -127,9 +127,7 @@ class Ahead:
     def memory_bound(self, c: Candidate) -> float:
         """:meth:`Costing.activation_memory_bound` of ``c`` under the memory."""
         if self._workers:
-            bound = self._result(c, True)[0]
-            if bound is not None:
-                return bound
+            return self._result(c, True)[0]
         return self.costing.activation_memory_bound(c, self.memory)
 
     def plan(self, c: Candidate) -> Plan | None:
@@ -137,11 +135,7 @@ class Ahead:
         added to the costing."""
         if not self._workers:
             return self.costing.attempt(c)
-        found = self._result(c, False)
-        if not found[1]:  # its bound was over the memory: not costed
-            del self._done[c]
-            found = self._result(c, False)
-        _, _, plan, path = found
+        _, _, plan, path = self._result(c, False)
         if path is not None:
             self.costing.add_path(c, path)
         return plan
@@ -167,15 +161,22 @@ class Ahead:
                     return
 
     def _result(self, c: Candidate, bound_first: bool) -> tuple:
-        """What a worker gave for ``c``, started now (once its worker is free) if it is not already."""
-        if c not in self._done and not self._busy(c):
-            worker = self._worker(c)
-            while worker.on is not None:
+        """What a worker gave for ``c`` holding what is asked (its memory bound with ``bound_first``,
+        else its plan), started now (once its worker is free) where no worker has given or is giving
+        it, and again where what it gave lacks that (a plan not costed as its bound was over the
+        memory; a bound not asked first)."""
+        while True:
+            if c not in self._done and not self._busy(c):
+                worker = self._worker(c)
+                while worker.on is not None:
+                    self._take()
+                self._start(worker, c, bound_first)
+            while c not in self._done:
                 self._take()
-            self._start(worker, c, bound_first)
-        while c not in self._done:
-            self._take()
-        return self._done[c]
+            found = self._done[c]
+            if found[0] is not None if bound_first else found[1]:
+                return found
+            del self._done[c]
 
     def _start(self, worker: _Worker, c: Candidate, bound_first: bool) -> None:
         worker.conn.send((c, bound_first))
