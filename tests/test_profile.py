@@ -443,3 +443,23 @@ def test_command_line_mistakes(capsys, args, message):
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
 
+
+
+@needs_torch
+@pytest.mark.parametrize("threads", [1, 2])
+def test_on_one_cpu_thread_only_the_threads_own_time_counts(threads):
+    """With one thread the CPU timer counts the calling thread's CPU time: a wait in which it
+    uses none (as when other processes take the core: a loaded machine) is not counted, so a
+    profile taken beside other work is the op's cost; with more threads it is the host clock."""
+    import time
+
+    from pipeloom.runtime.profile import Timer
+
+    kept = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        timer = Timer(torch.device("cpu"))
+    finally:
+        torch.set_num_threads(kept)
+    waited = timer(lambda: time.sleep(0.05))
+    assert (waited < 5) if threads == 1 else (waited >= 50), waited

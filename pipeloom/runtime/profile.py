@@ -8,8 +8,9 @@ F under autocast (bf16) with the output cast to the weights' dtype, the last
 stage's cross-entropy on its logits; B under
 :func:`~pipeloom.nn.linear.defer_weight_grads` (W: the queued store), BW with
 an eager store. On a GPU each op is timed with CUDA events after a
-synchronize; on a CPU with the host clock, on ``threads`` threads (the
-runtime's workers run one). Each time is the median over ``repeats`` after
+synchronize; on a CPU on ``threads`` threads (the runtime's workers run
+one), with one thread by its CPU time (other processes' turns on the core
+not counted), else with the host clock. Each time is the median over ``repeats`` after
 ``warmup`` runs; weight gradients accumulate across repeats, as over a step's
 microbatches. On a GPU a layer's times are its pace inside a stage: the host
 queues kernels ahead of the device there, so one call's latency after a
@@ -259,10 +260,13 @@ class _Runner:
 
 
 class Timer:
-    """Milliseconds a call takes: CUDA events after a synchronize on a GPU, the host clock on a CPU."""
+    """Milliseconds a call takes: CUDA events after a synchronize on a GPU; on a CPU with one
+    thread the calling thread's CPU time (what the op costs on an idle core: time the thread
+    waits while other processes run is not counted), else the host clock."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.clock = time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
 
     def __call__(self, fn) -> float:
         if self.cuda:
@@ -273,9 +277,9 @@ class Timer:
             end.record()
             end.synchronize()
             return start.elapsed_time(end)
-        began = time.perf_counter()
+        began = self.clock()
         fn()
-        return 1e3 * (time.perf_counter() - began)
+        return 1e3 * (self.clock() - began)
 
 
 def _is_param(tensor: torch.Tensor) -> bool:
