@@ -1,7 +1,8 @@
 """Settings for the whole suite.
 
-Under pytest-xdist (``-n auto``: a test process per core) each test process computes with one
-thread, as each worker of its multi-process runs does: more would only contend for the cores.
+Under pytest-xdist ``-n auto`` starts one test process more than the cores this process may use
+(:func:`pytest_xdist_auto_num_workers`), and each computes with one thread, as each worker of its
+multi-process runs does: more threads would only contend for the cores.
 
 The multi-process runs start each worker by a fork of one server per test process
 (:func:`pipeloom.runtime.local.worker_context`); the server imports what those workers need once,
@@ -23,3 +24,17 @@ except ImportError:  # no torch: the tests that need it skip themselves
 else:
     local.PRELOAD += [module for module in ("pytest", "pipeloom.nn", "pipeloom.cli", "pipeloom.train",
                                             "frozen_heap") if module not in local.PRELOAD]
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: the usable cores and one more (``PYTEST_XDIST_AUTO_NUM_WORKERS`` still rules).
+    About a quarter of the suite's time is waiting (timeouts, heartbeats, signals, a launch), in
+    which a test process per core leaves its core idle; one more takes it up. On 2 cores, run
+    after run: 5:18 and 5:25 with 3 test processes, 5:46 and 5:50 with 2 (4 was slower than 2)."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        cores = os.cpu_count() or 1
+    return cores + 1
