@@ -102,6 +102,18 @@ def test_workers_ahead_give_the_plans_one_process_gives(want):
     assert ahead.plans == alone.plans and ahead.simulated == alone.simulated
 
 
+@pytest.mark.timeout(120)
+def test_workers_ahead_hunt_the_least_memory_one_process_finds():
+    """Where nothing fits, the hunt with workers working out the next candidates' bounds ahead
+    names the layout and the memory the hunt names alone."""
+    want = request(4, 0.01, 16)
+    with pytest.raises(PipeloomError) as alone:
+        search(want)
+    with pytest.raises(PipeloomError) as ahead:
+        search(want, jobs=2)
+    assert ahead.value.args == alone.value.args and "the smallest needs" in alone.value.args[0]
+
+
 @pytest.mark.timeout(60)
 def test_a_dead_or_failing_worker_is_said_not_waited_for(monkeypatch):
     """A worker that dies (killed, out of memory) ends the search in one line naming the candidate

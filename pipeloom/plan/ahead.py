@@ -10,9 +10,12 @@ exactly as it would alone, in the same order, on the same figures: workers
 only compute sooner what it would compute itself, so the plans are the same;
 what it named and then did not need is wasted work on a worker, never a
 changed answer. A critical path a worker's simulation gives comes back with
-its plan and bounds the search as its own would. Each layout's candidates go
-to one worker, whose costing keeps the schedules they share (a layout's
-variants build on its bare schedule).
+its plan and bounds the search as its own would. The candidates of one
+schedule without its added axes (:meth:`Costing.bare`: offload's variants of
+one layout and recomputation) go to the worker that took the last of them,
+whose costing keeps what they share (the schedule, offload's sweeps); a
+candidate the search waits for goes to any free worker where that one is
+busy, a likely one waits for it.
 """
 
 from __future__ import annotations
@@ -49,29 +52,64 @@ def can_fork() -> bool:
     return "fork" in multiprocessing.get_all_start_methods()
 
 
-def _work(costing: Costing, memory: float, c: Candidate, bound_first: bool) -> tuple:
-    """(``c``'s memory bound if ``bound_first``, else None; whether it was costed; its plan without
-    its simulation (large); the critical path its simulation gave). ``c`` is costed unless its
-    bound, asked first, is over the memory."""
-    bound = costing.activation_memory_bound(c, memory) if bound_first else None
+#: What the search asks of a candidate: its memory bound, then its plan unless the bound is over
+#: the memory; its plan; (:data:`BOUNDS`, k): the k-th of its bounds (the infeasible hunt's).
+BOUND, PLAN, BOUNDS = "bound", "plan", "bounds"
+Ask = str | tuple[str, int]
+
+
+class _Bounds:
+    """Each candidate's memory bounds (:meth:`Costing.memory_bounds`), worked out as far as asked."""
+
+    def __init__(self, costing: Costing):
+        self.costing = costing
+        self.taken: dict[Candidate, tuple[Iterator[float], list[float]]] = {}
+
+    def at(self, c: Candidate, k: int) -> float | None:
+        """The ``k``-th bound of ``c`` (from 0), or None past its last."""
+        bounds, values = self.taken.setdefault(c, (self.costing.memory_bounds(c), []))
+        while len(values) <= k:
+            value = next(bounds, None)
+            if value is None:
+                return None
+            values.append(value)
+        return values[k]
+
+
+def _work(costing: Costing, memory: float, bounds: _Bounds, c: Candidate, ask: Ask) -> tuple:
+    """(``c``'s memory bound (:data:`BOUND`), or (:data:`BOUNDS`, k, its k-th bound), else None;
+    whether it was costed; its plan without its simulation (large); the critical path its
+    simulation gave). ``c`` is costed unless its bound, asked first, is over the memory, or a bound
+    of its list was asked."""
+    if isinstance(ask, tuple):
+        return (*ask, bounds.at(c, ask[1])), False, None, None
+    bound = costing.activation_memory_bound(c, memory) if ask == BOUND else None
     if bound is not None and bound > memory:
         return bound, False, None, None
     plan = costing.attempt(c)
     return bound, True, plan if plan is None else replace(plan, result=None), costing.path(c)
 
 
+def _holds(found: tuple, ask: Ask) -> bool:
+    """Whether :func:`_work`'s ``found`` answers ``ask``."""
+    if isinstance(ask, tuple):
+        return isinstance(found[0], tuple) and found[0][:2] == ask
+    return found[0] is not None and not isinstance(found[0], tuple) if ask == BOUND else found[1]
+
+
 def _serve(conn, costing: Costing, memory: float) -> None:
-    """A worker: answer each (candidate, bound first) received with (True, :func:`_work`'s) or
+    """A worker: answer each (candidate, what is asked) received with (True, :func:`_work`'s) or
     (False, the error raised), until the parent closes the pipe. Ctrl-C is the parent's to
     handle (it stops its workers)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    bounds = _Bounds(costing)
     while True:
         try:
-            c, bound_first = conn.recv()
+            c, ask = conn.recv()
         except EOFError:
             return
         try:
-            answer = True, _work(costing, memory, c, bound_first)
+            answer = True, _work(costing, memory, bounds, c, ask)
         except Exception as err:  # the parent raises it, as the search alone would have
             try:
                 answer = False, pickle.loads(pickle.dumps(err))
@@ -100,9 +138,12 @@ class Ahead:
         self.costing, self.memory = costing, memory
         self.jobs = jobs if jobs > 1 and can_fork() else 1
         self._done: dict[Candidate, tuple] = {}  # what _work gave
-        self._likely: Iterator[tuple[Candidate, bool]] = iter(())
+        self._bounds = _Bounds(costing)  # without workers
+        self._likely: Iterator[tuple[Candidate, Ask]] = iter(())
+        self._skipped: list[tuple[Candidate, Ask]] = []  # likely, their worker busy when their turn came
         self._workers: list[_Worker] = []
-        self._of: dict[Candidate, int] = {}  # each layout's worker
+        self._of: dict[Candidate, _Worker] = {}  # the worker of each schedule
+        self._awaited: Candidate | None = None  # the candidate the search waits for a worker to take
         if self.jobs > 1:
             context = multiprocessing.get_context("fork")
             self._workers = [_Worker(context, costing, memory) for _ in range(self.jobs)]
@@ -117,69 +158,98 @@ class Ahead:
             worker.conn.close()
         self._workers = []
 
-    def expect(self, likely: Iterable[tuple[Candidate, bool]]) -> None:
-        """Work ahead on ``likely`` ((candidate, whether its memory bound comes first), in the order the
-        search may ask them): each worker, when free, takes the next of its layouts not yet taken,
-        until the next call."""
-        self._likely = iter(likely)
+    def expect(self, likely: Iterable[tuple[Candidate, Ask]]) -> None:
+        """Work ahead on ``likely`` ((candidate, what will be asked of it: :data:`BOUND`, :data:`PLAN`
+        or :data:`BOUNDS`), in the order the search may ask them): each free worker takes the next
+        not yet taken, until the next call (one whose schedule's worker is busy waits for it: :meth:`_free`)."""
+        self._likely, self._skipped = iter(likely), []
         self._fill()
 
     def memory_bound(self, c: Candidate) -> float:
         """:meth:`Costing.activation_memory_bound` of ``c`` under the memory."""
         if self._workers:
-            return self._result(c, True)[0]
+            return self._result(c, BOUND)[0]
         return self.costing.activation_memory_bound(c, self.memory)
+
+    def memory_bound_at(self, c: Candidate, k: int) -> float | None:
+        """The ``k``-th of :meth:`Costing.memory_bounds` of ``c`` (from 0), or None past its last."""
+        if self._workers:
+            return self._result(c, (BOUNDS, k))[0][2]
+        return self._bounds.at(c, k)
 
     def plan(self, c: Candidate) -> Plan | None:
         """:meth:`Costing.attempt` of ``c``; its critical path, where a worker's simulation gave one,
         added to the costing."""
         if not self._workers:
             return self.costing.attempt(c)
-        _, _, plan, path = self._result(c, False)
+        _, _, plan, path = self._result(c, PLAN)
         if path is not None:
             self.costing.add_path(c, path)
         return plan
 
-    def _worker(self, c: Candidate) -> _Worker:
-        """The worker of ``c``'s layout (of the candidate costed for it: :meth:`Costing.same`): the
-        next in turn for a layout not seen before."""
-        n = self._of.setdefault(self.costing.same(c).base, len(self._of) % len(self._workers))
-        return self._workers[n]
+    def _key(self, c: Candidate) -> Candidate:
+        """``c``'s schedule: :meth:`Costing.bare` of the candidate costed for it (:meth:`Costing.same`)."""
+        return self.costing.bare(self.costing.same(c))
+
+    def _free(self, c: Candidate) -> _Worker | None:
+        """The worker for ``c`` if it is free, else None: the one that took the last candidate of its
+        schedule, whose caches hold what they share (the whole plan, for a candidate costed as another),
+        else any; the worker of the candidate the search waits for is kept for that one."""
+        held = self._of.get(self._key(self._awaited)) if self._awaited not in (None, c) else None
+        worker = self._of.get(self._key(c))
+        if worker is None:
+            worker = next((w for w in self._workers if w.on is None and w is not held), None)
+        if worker is None or worker.on is not None or worker is held:
+            return None
+        self._of[self._key(c)] = worker
+        return worker
 
     def _busy(self, c: Candidate) -> bool:
         return any(worker.on == c for worker in self._workers)
 
     def _fill(self) -> None:
-        """Start the next likely candidates whose workers are free."""
-        if not any(worker.on is None for worker in self._workers):
+        """Start the likely candidates, in turn, on the free workers; those whose schedule's worker
+        is busy wait for their next turn."""
+        waiting, self._skipped = self._skipped, []
+        for n, (c, ask) in enumerate(waiting):
+            if all(worker.on is not None for worker in self._workers):
+                self._skipped += waiting[n:]
+                return
+            self._offer(c, ask)
+        while any(worker.on is None for worker in self._workers):
+            item = next(self._likely, None)
+            if item is None:
+                return
+            self._offer(*item)
+
+    def _offer(self, c: Candidate, ask: Ask) -> None:
+        if self._busy(c) or c in self._done and _holds(self._done[c], ask):
             return
-        for c, bound_first in self._likely:
-            worker = self._worker(c)
-            if worker.on is None and c not in self._done and not self._busy(c):
-                self._start(worker, c, bound_first)
-                if all(worker.on is not None for worker in self._workers):
-                    return
+        worker = self._free(c)
+        if worker is None:
+            self._skipped.append((c, ask))
+        else:
+            self._start(worker, c, ask)
 
-    def _result(self, c: Candidate, bound_first: bool) -> tuple:
-        """What a worker gave for ``c`` holding what is asked (its memory bound with ``bound_first``,
-        else its plan), started now (once its worker is free) where no worker has given or is giving
-        it, and again where what it gave lacks that (a plan not costed as its bound was over the
-        memory; a bound not asked first)."""
+    def _result(self, c: Candidate, ask: Ask) -> tuple:
+        """What a worker gave for ``c`` holding what is asked (:func:`_holds`), started now (once its
+        worker is free) where no worker has given or is giving it, and again where what it gave lacks
+        that (a plan not costed as its bound was over the memory; a bound not asked first)."""
         while True:
-            if c not in self._done and not self._busy(c):
-                worker = self._worker(c)
-                while worker.on is not None:
-                    self._take()
-                self._start(worker, c, bound_first)
-            while c not in self._done:
+            while self._busy(c):
                 self._take()
-            found = self._done[c]
-            if found[0] is not None if bound_first else found[1]:
+            found = self._done.get(c)
+            if found is not None and _holds(found, ask):
                 return found
-            del self._done[c]
+            self._awaited = c
+            while not self._busy(c) and (worker := self._free(c)) is None:
+                self._take()
+            self._awaited = None
+            if not self._busy(c):
+                self._start(worker, c, ask)
 
-    def _start(self, worker: _Worker, c: Candidate, bound_first: bool) -> None:
-        worker.conn.send((c, bound_first))
+    def _start(self, worker: _Worker, c: Candidate, ask: Ask) -> None:
+        worker.conn.send((c, ask))
         worker.on = c
 
     def _take(self) -> None:

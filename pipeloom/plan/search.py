@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from ..errors import PipeloomError
-from .ahead import Ahead
+from .ahead import BOUND, BOUNDS, PLAN, Ahead
 from .evaluate import Costing, Plan
 from .space import Candidate, PlanRequest, candidates, layouts, saver_ranks, savers, saving_ranks, settings_text
 
@@ -110,16 +110,37 @@ def search(request: PlanRequest, progress=None, every: float = 5.0, jobs: int = 
     def variants_of(base: Candidate) -> list[tuple[float, Candidate]]:
         return sorted(((costing.bound_ms(c), c) for c in bases[base]), key=order)
 
-    def likely(now: tuple[Candidate, bool]) -> Iterator[tuple[Candidate, bool]]:
-        """What the loop may ask next, each with whether its memory bound comes first: ``now``, then
-        the next layouts bare (their variants, dearer and needed only where the bare one does not fit,
-        are left until asked)."""
+    def unfit(base: Candidate) -> bool:
+        """Whether ``base`` bare surely does not fit (so its variants will be asked)."""
+        return base not in bases[base] or (base in tried and tried[base] is None) or (
+            costing.microbatch_memory_bound(costing.same(base)) > memory)
+
+    def rest(base: Candidate, after: Candidate | None = None) -> Iterator[tuple[Candidate, str]]:
+        """``base``'s variants the loop surely asks once at them, bound first: after ``after`` (else
+        after the bare layout), those of the same bound (no plan of a variant before them can beat
+        them), that no plan on the list beats."""
+        variants = [(bound, c) for bound, c in variants_of(base) if c is not base]
+        at = next((k for k, (_, c) in enumerate(variants) if c == after), None)
+        start = 0 if at is None else at + 1
+        for bound, c in variants[start:]:
+            if bound > variants[max(start - 1, 0)][0]:
+                return
+            if c not in tried and not beaten(bound):
+                yield c, BOUND
+
+    def likely(now: tuple[Candidate, str], more: Iterator = iter(())) -> Iterator[tuple[Candidate, str]]:
+        """What the loop may ask next, each with what it will ask (:mod:`~pipeloom.plan.ahead`): ``now``, then
+        ``more`` (the rest of its layout's variants), then the next layouts bare and, where the bare
+        layout surely does not fit, their variants."""
         yield now
+        yield from more
         for bound, _, base in heapq.nsmallest(4 * ahead.jobs, queue):
             if beaten(bound):
                 break
             if base not in tried and base in bases[base] and not beaten(costing.bound_ms(base)):
-                yield base, not bare_first(base)
+                yield base, PLAN if bare_first(base) else BOUND
+            if unfit(base):
+                yield from rest(base)
 
     with Ahead(costing, memory, jobs) as ahead:
         while queue:
@@ -127,7 +148,7 @@ def search(request: PlanRequest, progress=None, every: float = 5.0, jobs: int = 
             if beaten(bound):
                 break
             if bare_first(base):
-                ahead.expect(likely((base, False)))
+                ahead.expect(likely((base, PLAN), rest(base) if unfit(base) else iter(())))
                 attempt(base)  # fitting or not, its critical path bounds every variant: put it back on that
             variants = variants_of(base)
             least = min(b for b, _ in variants)
@@ -140,7 +161,7 @@ def search(request: PlanRequest, progress=None, every: float = 5.0, jobs: int = 
                     break  # a memory saver never makes a step faster: the bare layout is its best
                 if beaten(variant_bound):
                     continue  # it would not make the list
-                ahead.expect(likely((c, True)))
+                ahead.expect(likely((c, BOUND), rest(base, c)))
                 if c not in tried and ahead.memory_bound(c) > memory:
                     continue  # cannot fit: not worth simulating
                 plan = attempt(c)
@@ -150,8 +171,8 @@ def search(request: PlanRequest, progress=None, every: float = 5.0, jobs: int = 
                 heapq.heappush(kept, (_Reverse(best.key), best))
                 if len(kept) > request.top:
                     heapq.heappop(kept)
-    if not kept:
-        raise PipeloomError(_smallest_memory(request, costing, pool, progress, every))
+        if not kept:
+            raise PipeloomError(_smallest_memory(request, costing, ahead, pool, progress, every))
     plans = sorted((entry[1] for entry in kept), key=lambda p: p.key)
     return Search(plans, len(pool), simulated, time.perf_counter() - started, ahead.jobs)
 
@@ -205,12 +226,13 @@ def _most_gpus(request: PlanRequest) -> str:
     return f"{what}; at most {fewer} GPUs would" if fewer else what
 
 
-def _smallest_memory(request: PlanRequest, costing: Costing, pool: list[Candidate], progress=None,
+def _smallest_memory(request: PlanRequest, costing: Costing, ahead: Ahead, pool: list[Candidate], progress=None,
                      every: float = 5.0) -> str:
     """One line: the GPU memory the least demanding layout needs, found best first on each
-    candidate's memory bound, tightened a step at a time (:meth:`Costing.memory_bounds`) as it
-    comes first, so that only candidates whose tightest bound is under the least found are
-    simulated. Among equals, those that save the most (each saver's most saving value first:
+    candidate's memory bound, tightened a step at a time (:meth:`Costing.memory_bounds`, from
+    ``ahead``: on its workers, the next candidates' ahead) as it comes first, so that only
+    candidates whose tightest bound is under the least found are simulated. Among equals, those
+    that save the most (each saver's most saving value first:
     :attr:`~pipeloom.techniques.PlanAxis.saving`, the smallest microbatch) come first.
     ``progress(text)``, if given, hears how far the hunt is every ``every`` seconds."""
     saving = savers()
@@ -229,23 +251,31 @@ def _smallest_memory(request: PlanRequest, costing: Costing, pool: list[Candidat
     def order(c: Candidate) -> tuple:
         return costing.microbatch_memory_bound(c), *saving_ranks(c, saving), c.microbatch_size, c
 
-    queue = []  # (bound, rank in order, candidate, its further bounds)
-    for n, c in enumerate(sorted(pool, key=order)):
-        bounds = costing.memory_bounds(c)
-        queue.append((next(bounds), n, c, bounds))
+    def likely(now: tuple[Candidate, tuple]) -> Iterator[tuple[Candidate, tuple]]:
+        """The next bounds the hunt asks: ``now``, then of the candidates that come first, each one further."""
+        yield now
+        for bound, n, c, k in heapq.nsmallest(4 * ahead.jobs, queue):
+            if best is not None and (bound, n) >= best[:2]:
+                return
+            yield c, (BOUNDS, k + 1)
+
+    # (bound, rank in order, candidate, which of its bounds: the first (cheap), then further ones as it comes first)
+    queue = [(costing.microbatch_memory_bound(costing.same(c)), n, c, 0)
+             for n, c in enumerate(sorted(pool, key=order))]
     heapq.heapify(queue)
     best: tuple | None = None  # (peak, rank in order, plan)
     while queue:
-        bound, n, c, bounds = heapq.heappop(queue)
+        bound, n, c, k = heapq.heappop(queue)
         if best is not None and (bound, n) >= best[:2]:
             break
-        tighter = next(bounds, None)
+        ahead.expect(likely((c, (BOUNDS, k + 1))))
+        tighter = ahead.memory_bound_at(c, k + 1)
         if tighter is not None:
-            heapq.heappush(queue, (tighter, n, c, bounds))
+            heapq.heappush(queue, (tighter, n, c, k + 1))
             tightened += 1
             tell()
             continue
-        plan = costing.attempt(c)
+        plan = ahead.plan(c)
         simulated += plan is not None
         if plan is not None and (best is None or (max(plan.peak_memory_bytes), n) < best[:2]):
             best = max(plan.peak_memory_bytes), n, plan

@@ -206,17 +206,24 @@ class Offload:
         return _moved(_fallen_back(schedule, pairs, per_stage, timed, short, ratio), pairs, per_stage, short, ratio)
 
 
-#: The schedule last offloaded, its costs and its pairs (:func:`_pairs_of`).
-_LAST: list = [None, None, None]
+#: The schedules last offloaded, each with its costs and its pairs (:func:`_pairs_of`), the latest last.
+_RECENT: list[tuple] = []
+#: How many :data:`_RECENT` keeps: the planner and the infeasible hunt take a schedule's policies
+#: a few schedules apart (e.g. one per vocabulary-parallel setting in between).
+_KEPT = 4
 
 
 def _pairs_of(schedule: Schedule, costs: Costs | None) -> _Pairs:
-    """``schedule``'s pairs under ``costs``, the last ones kept for the next call with the same two
+    """``schedule``'s pairs under ``costs``, the last few kept for the next call with the same two
     objects: the planner offloads one schedule under one costs with each policy, and what does not
     depend on the policy (each rank's sweep and its lowest peak, the eager copies) is worked out once."""
-    if _LAST[0] is not schedule or _LAST[1] is not costs:
-        _LAST[:] = schedule, costs, _Pairs(schedule, (costs or Costs()).per_stage(schedule.stages, schedule.chunks))
-    return _LAST[2]
+    for k, (known, priced, pairs) in enumerate(_RECENT):
+        if known is schedule and priced is costs:
+            _RECENT.append(_RECENT.pop(k))
+            return pairs
+    pairs = _Pairs(schedule, (costs or Costs()).per_stage(schedule.stages, schedule.chunks))
+    _RECENT[:] = [*_RECENT[-(_KEPT - 1):], (schedule, costs, pairs)]
+    return pairs
 
 
 def _fallen_back(schedule: Schedule, pairs: _Pairs, costs: StageCosts, timed: list, short: set,
@@ -364,33 +371,39 @@ class _Sweep:
         self.base = _profile(events, self.grid)
         self.peak = max(self.base, default=0.0)
         self.candidates = sorted(candidates, key=lambda p: (pairs.gap(p)[0], p[1], p[0], p[2]))  # by their F's (B's) end
+        #: per candidate, the first instant it is surely back by, wherever it goes (:meth:`_off`'s end
+        #: at most: its RELOAD follows an action that ends by the start of the pair's backward)
+        self.reach = [bisect.bisect_left(self.grid, pairs.gap(p)[1] - _NOISE) for p in self.candidates]
 
     def cover(self, target: float, stream: _Link | None = None) -> dict | None:
         """Pairs and their places that keep every instant at or below ``target``, or None."""
-        pairs, grid, gaps = self.pairs, self.grid, self.pairs.gaps
+        pairs, grid, gaps, candidates = self.pairs, self.grid, self.pairs.gaps, self.candidates
         stream, chosen = stream or self.pairs.stream(), {}
         ends = [0.0] * (len(grid) + 1)  # the savings that end at each instant
-        saved, k, live = 0.0, 0, []
+        saved, k = 0.0, 0
+        live = []  # (-reach, order, pair) of the pairs in flight: the furthest reaching first, then by order
         for i, t in enumerate(grid):
             saved -= ends[i]
-            while k < len(self.candidates) and gaps[self.candidates[k]][0] < t:
-                live.append(self.candidates[k])
+            while k < len(candidates) and gaps[candidates[k]][0] < t:
+                bisect.insort(live, (-self.reach[k], k, candidates[k]))
                 k += 1
-            live = [p for p in live if gaps[p][1] > t]
+            live = [entry for entry in live if gaps[entry[2]][1] > t]
             while self.base[i] - saved > target + _slack(self.peak):
-                best = None
-                for pair in live:
+                best = None  # (-end, order, pair, placed): the pair off the furthest ahead, the first on ties
+                for reach, order, pair in live:
+                    if -reach <= i or best is not None and (reach, order) > best[:2]:
+                        break  # neither this pair nor any after it can be off at i, or beat the best
                     placed = pairs._fit(pair, stream)
                     if placed is not None:
                         first, end = self._off(pair, placed)
-                        if first <= i < end and (best is None or end > best[2]):
-                            best = pair, placed, end
+                        if first <= i < end and (best is None or (-end, order) < best[:2]):
+                            best = -end, order, pair, placed
                 if best is None:
                     return None
-                pair, placed, end = best
+                end, order, pair, placed = -best[0], *best[1:]
                 stream.take(pairs.copy(pair), placed)
                 chosen[pair] = placed
-                live.remove(pair)
+                live.remove((-self.reach[order], order, pair))
                 saved += pairs.size(pair)
                 ends[end] += pairs.size(pair)
         return chosen
