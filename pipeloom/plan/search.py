@@ -116,9 +116,11 @@ def search(request: PlanRequest, progress=None, every: float = 5.0, jobs: int = 
             costing.microbatch_memory_bound(costing.same(base)) > memory)
 
     def rest(base: Candidate, after: Candidate | None = None) -> Iterator[tuple[Candidate, str]]:
-        """``base``'s variants the loop surely asks once at them, bound first: after ``after`` (else
-        after the bare layout), those of the same bound (no plan of a variant before them can beat
-        them), that no plan on the list beats."""
+        """``base``'s variants the loop surely asks once at them, bound first: after ``after``, else
+        after the bare layout where it surely does not fit; those of the same bound (no plan of a
+        variant before them can beat them) that no plan on the list beats."""
+        if (after is None or after == base) and not unfit(base):
+            return
         variants = [(bound, c) for bound, c in variants_of(base) if c is not base]
         at = next((k for k, (_, c) in enumerate(variants) if c == after), None)
         start = 0 if at is None else at + 1
@@ -129,9 +131,9 @@ def search(request: PlanRequest, progress=None, every: float = 5.0, jobs: int = 
                 yield c, BOUND
 
     def likely(now: tuple[Candidate, str], more: Iterator = iter(())) -> Iterator[tuple[Candidate, str]]:
-        """What the loop may ask next, each with what it will ask (:mod:`~pipeloom.plan.ahead`): ``now``, then
-        ``more`` (the rest of its layout's variants), then the next layouts bare and, where the bare
-        layout surely does not fit, their variants."""
+        """What the loop may ask next, each with what it will ask (:mod:`~pipeloom.plan.ahead`):
+        ``now``, then ``more`` (the rest of its layout's variants), then the next layouts bare and,
+        where the bare layout surely does not fit, their variants."""
         yield now
         yield from more
         for bound, _, base in heapq.nsmallest(4 * ahead.jobs, queue):
@@ -139,8 +141,7 @@ def search(request: PlanRequest, progress=None, every: float = 5.0, jobs: int = 
                 break
             if base not in tried and base in bases[base] and not beaten(costing.bound_ms(base)):
                 yield base, PLAN if bare_first(base) else BOUND
-            if unfit(base):
-                yield from rest(base)
+            yield from rest(base)
 
     with Ahead(costing, memory, jobs) as ahead:
         while queue:
@@ -148,7 +149,7 @@ def search(request: PlanRequest, progress=None, every: float = 5.0, jobs: int = 
             if beaten(bound):
                 break
             if bare_first(base):
-                ahead.expect(likely((base, PLAN), rest(base) if unfit(base) else iter(())))
+                ahead.expect(likely((base, PLAN), rest(base)))
                 attempt(base)  # fitting or not, its critical path bounds every variant: put it back on that
             variants = variants_of(base)
             least = min(b for b, _ in variants)
