@@ -1,21 +1,21 @@
 """Candidates costed ahead of the search, on worker processes.
 
-The search (:func:`~pipeloom.plan.search.search`) asks two dear things of a
-candidate: its activation memory bound and its plan (a simulation). With
-``jobs`` > 1, :class:`Ahead` answers both from ``jobs`` worker processes,
-forked with the search's :class:`~pipeloom.plan.evaluate.Costing` (nothing is
-copied to them), that work on the candidates the search names as likely next
-(:meth:`Ahead.expect`) while it waits for the one it needs. The search decides
-exactly as it would alone, in the same order, on the same figures: workers
-only compute sooner what it would compute itself, so the plans are the same;
-what it named and then did not need is wasted work on a worker, never a
-changed answer. A critical path a worker's simulation gives comes back with
-its plan and bounds the search as its own would. The candidates of one
-schedule without its added axes (:meth:`Costing.bare`: offload's variants of
-one layout and recomputation) go to the worker that took the last of them,
-whose costing keeps what they share (the schedule, offload's sweeps); a
-candidate the search waits for goes to any free worker where that one is
-busy, a likely one waits for it.
+The search (:func:`~pipeloom.plan.search.search`) asks dear things of a
+candidate: its activation memory bound, its plan (a simulation), and in the
+infeasible hunt the next bound of its list. With ``jobs`` > 1, :class:`Ahead`
+answers them from ``jobs`` worker processes, forked with the search's
+:class:`~pipeloom.plan.evaluate.Costing` (nothing is copied to them), that
+work on what the search names as likely next (:meth:`Ahead.expect`) while it
+waits for the one it needs. The search decides exactly as it would alone, in
+the same order, on the same figures: workers only compute sooner what it
+would compute itself, so the plans are the same; what it named and then did
+not need is wasted work on a worker, never a changed answer. A critical path
+a worker's simulation gives comes back with its plan and bounds the search as
+its own would. The candidates of one schedule without its added axes
+(:meth:`Costing.bare` of :meth:`Costing.same`: a layout with its recomputation,
+offload's policies added to it) stay on the worker that took the first of
+them, whose costing keeps what they share (the schedule, offload's sweeps,
+the plan of a candidate costed as another, a candidate's bounds so far).
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ class Ahead:
         self._likely: Iterator[tuple[Candidate, Ask]] = iter(())
         self._skipped: list[tuple[Candidate, Ask]] = []  # likely, their worker busy when their turn came
         self._workers: list[_Worker] = []
-        self._of: dict[Candidate, _Worker] = {}  # the worker of each schedule
+        self._of: dict[Candidate, _Worker] = {}  # the worker of each schedule (:meth:`_key`)
         self._awaited: Candidate | None = None  # the candidate the search waits for a worker to take
         if self.jobs > 1:
             context = multiprocessing.get_context("fork")
@@ -160,7 +160,7 @@ class Ahead:
 
     def expect(self, likely: Iterable[tuple[Candidate, Ask]]) -> None:
         """Work ahead on ``likely`` ((candidate, what will be asked of it: :data:`BOUND`, :data:`PLAN`
-        or :data:`BOUNDS`), in the order the search may ask them): each free worker takes the next
+        or (:data:`BOUNDS`, k)), in the order the search may ask them): each free worker takes the next
         not yet taken, until the next call (one whose schedule's worker is busy waits for it: :meth:`_free`)."""
         self._likely, self._skipped = iter(likely), []
         self._fill()
@@ -192,7 +192,7 @@ class Ahead:
         return self.costing.bare(self.costing.same(c))
 
     def _free(self, c: Candidate) -> _Worker | None:
-        """The worker for ``c`` if it is free, else None: the one that took the last candidate of its
+        """The worker for ``c`` if it is free, else None: the one that took the first candidate of its
         schedule, whose caches hold what they share (the whole plan, for a candidate costed as another),
         else any; the worker of the candidate the search waits for is kept for that one."""
         held = self._of.get(self._key(self._awaited)) if self._awaited not in (None, c) else None
