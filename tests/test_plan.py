@@ -102,18 +102,6 @@ def test_workers_ahead_give_the_plans_one_process_gives(want):
     assert ahead.plans == alone.plans and ahead.simulated == alone.simulated
 
 
-@pytest.mark.timeout(120)
-def test_workers_ahead_hunt_the_least_memory_one_process_finds():
-    """Where nothing fits, the hunt with workers working out the next candidates' bounds ahead
-    names the layout and the memory the hunt names alone."""
-    want = request(4, 0.01, 16)
-    with pytest.raises(PipeloomError) as alone:
-        search(want)
-    with pytest.raises(PipeloomError) as ahead:
-        search(want, jobs=2)
-    assert ahead.value.args == alone.value.args and "the smallest needs" in alone.value.args[0]
-
-
 @pytest.mark.timeout(60)
 def test_a_dead_or_failing_worker_is_said_not_waited_for(monkeypatch):
     """A worker that dies (killed, out of memory) ends the search in one line naming the candidate
@@ -152,15 +140,17 @@ def test_search_says_how_far_it_is():
     assert settings(found.plans) == settings(search(request(8, 80, 16)).plans)
 
 
+@pytest.mark.timeout(120)
 def test_an_infeasible_search_says_how_far_its_hunt_is():
     """Where nothing fits, the hunt for the least memory says how far it is too, and ends in
-    the same one line as without progress."""
+    the same one line as without progress, its workers working out the next bounds ahead as
+    one process alone."""
     heard = []
     with pytest.raises(PipeloomError) as quiet:
         search(request(4, 0.01, 16))
     with pytest.raises(PipeloomError) as told:
-        search(request(4, 0.01, 16), progress=heard.append, every=0)
-    assert told.value.args == quiet.value.args
+        search(request(4, 0.01, 16), progress=heard.append, every=0, jobs=2)
+    assert told.value.args == quiet.value.args and "the smallest needs" in quiet.value.args[0]
     assert heard and all(re.fullmatch(r"no layout fits: looking for the least memory one needs, \d+ memory bounds? "
                                       r"tightened and \d+ layouts? simulated after \d+ s(; the least so far "
                                       r"[\d.]+ GiB)?", text) for text in heard), heard[:3]
