@@ -33,8 +33,6 @@ def pytest_xdist_auto_num_workers(config):
     after run: 5:18 and 5:25 with 3 test processes, 5:46 and 5:50 with 2 (4 was slower than 2)."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own hook reads it
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity on this platform
-        cores = os.cpu_count() or 1
-    return cores + 1
+    from pipeloom.host import usable_cpus
+
+    return usable_cpus() + 1

@@ -21,7 +21,6 @@ the plan of a candidate costed as another, a candidate's bounds so far).
 from __future__ import annotations
 
 import multiprocessing
-import os
 import pickle
 import signal
 import traceback
@@ -30,6 +29,7 @@ from multiprocessing.connection import wait
 from typing import Iterable, Iterator
 
 from ..errors import PipeloomError
+from ..host import usable_cpus
 from .evaluate import Costing, Plan
 from .space import Candidate
 
@@ -40,11 +40,7 @@ MAX_DEFAULT_JOBS = 8
 
 def default_jobs() -> int:
     """The CPUs this process may run on, at most :data:`MAX_DEFAULT_JOBS`: the default number of jobs."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity on this platform
-        cpus = os.cpu_count() or 1
-    return min(cpus, MAX_DEFAULT_JOBS)
+    return min(usable_cpus(), MAX_DEFAULT_JOBS)
 
 
 def can_fork() -> bool:
