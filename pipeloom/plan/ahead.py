@@ -192,12 +192,13 @@ class Ahead:
         schedule, whose caches hold what they share (the whole plan, for a candidate costed as another),
         else any; the worker of the candidate the search waits for is kept for that one."""
         held = self._of.get(self._key(self._awaited)) if self._awaited not in (None, c) else None
-        worker = self._of.get(self._key(c))
+        key = self._key(c)
+        worker = self._of.get(key)
         if worker is None:
             worker = next((w for w in self._workers if w.on is None and w is not held), None)
         if worker is None or worker.on is not None or worker is held:
             return None
-        self._of[self._key(c)] = worker
+        self._of[key] = worker
         return worker
 
     def _busy(self, c: Candidate) -> bool:

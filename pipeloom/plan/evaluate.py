@@ -324,12 +324,17 @@ class Costing:
     def memory_bounds(self, c: Candidate) -> Iterator[float]:
         """The bounds :meth:`activation_memory_bound` takes in turn, each at least the one before and
         dearer to work out: :meth:`microbatch_memory_bound`, then the peaks of each list."""
-        c = self.same(c)
-        bound = self.microbatch_memory_bound(c)
+        bound = self.first_memory_bound(c)
         yield bound
+        c = self.same(c)
         for away in [(t, *step) for t in self._listers for step in t.plan_memory_lists(c)] or [None]:
             bound = max(bound, self._state_and_peaks(c, self._list_peaks(c, away)))
             yield bound
+
+    def first_memory_bound(self, c: Candidate) -> float:
+        """The first of :meth:`memory_bounds` (cheap): :meth:`microbatch_memory_bound` of the
+        candidate costed for ``c`` (:meth:`same`)."""
+        return self.microbatch_memory_bound(self.same(c))
 
     def microbatch_memory_bound(self, c: Candidate) -> float:
         """Bytes the busiest rank needs at least without reading its list: the model state but the

@@ -113,7 +113,7 @@ def search(request: PlanRequest, progress=None, every: float = 5.0, jobs: int = 
     def unfit(base: Candidate) -> bool:
         """Whether ``base`` bare surely does not fit (so its variants will be asked)."""
         return base not in bases[base] or (base in tried and tried[base] is None) or (
-            costing.microbatch_memory_bound(costing.same(base)) > memory)
+            costing.first_memory_bound(base) > memory)
 
     def rest(base: Candidate, after: Candidate | None = None) -> Iterator[tuple[Candidate, str]]:
         """``base``'s variants the loop surely asks once at them, bound first: after ``after``, else
@@ -261,8 +261,7 @@ def _smallest_memory(request: PlanRequest, costing: Costing, ahead: Ahead, pool:
             yield c, (BOUNDS, k + 1)
 
     # (bound, rank in order, candidate, which of its bounds: the first (cheap), then further ones as it comes first)
-    queue = [(costing.microbatch_memory_bound(costing.same(c)), n, c, 0)
-             for n, c in enumerate(sorted(pool, key=order))]
+    queue = [(costing.first_memory_bound(c), n, c, 0) for n, c in enumerate(sorted(pool, key=order))]
     heapq.heapify(queue)
     best: tuple | None = None  # (peak, rank in order, plan)
     while queue:
