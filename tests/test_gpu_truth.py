@@ -76,12 +76,15 @@ def _simulated_gib(tmp_path, truth: dict, row: dict, profiled: bool) -> float:
 #: Commits whose K-FAC rows ran train without the profile, its pieces placed by the formulas (the H100
 #: file's note: the first call's rows); the others' train took the profile.
 PLACED_BY_FORMULAS = {"1649795"}
+#: Commits before cd1b363, whose runs held every capture for the curvature that fits no bubble till the end
+#: of the refresh cycle; later runs do that curvature right after its producer, as the schedule places it.
+CURVATURE_LATE = {"1649795", "b4b7b8f", "58dcab0"}
 
 
 def _kfac_as_run_gib(tmp_path, truth: dict, row: dict) -> float:
-    """The peak ``simulate`` predicts for a K-FAC row's run as it ran: every row so far ran the curvature
-    that fits no bubble at the end of the refresh cycle, each capture held till then (``curvature_late``),
-    placed by the costs train had; a run of one cycle (``--steps`` at most k) measured the first refresh,
+    """The peak ``simulate`` predicts for a K-FAC row's run as it ran, placed by the costs train had: the rows
+    of :data:`CURVATURE_LATE` ran the curvature that fits no bubble at the end of the refresh cycle, each
+    capture held till then (``curvature_late``), later ones as the schedule places it; a run of one cycle (``--steps`` at most k) measured the first refresh,
     whose captures wait without factors or inverses of an earlier one (pp 1: one rank holds every layer)."""
     flags = shlex.split(row["flags"])
     at = flags.index("--steps")
@@ -89,7 +92,8 @@ def _kfac_as_run_gib(tmp_path, truth: dict, row: dict) -> float:
     del flags[at]
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps(truth["profile"]))
-    profiled = row.get("commit", truth.get("commit")) not in PLACED_BY_FORMULAS
+    commit = row.get("commit", truth.get("commit"))
+    profiled = commit not in PLACED_BY_FORMULAS
     spec = spec_of(_parser().parse_args(["simulate", "--model", row["model"], "--vocab", str(truth["vocab"]), "--seq",
                                          str(truth["seq"]), "--device", "cuda",
                                          *(("--profile", str(profile)) if profiled else ()), *flags]))
@@ -98,7 +102,8 @@ def _kfac_as_run_gib(tmp_path, truth: dict, row: dict) -> float:
     assert schedule.pp == 1
     state = ({"bytes_per_param": priced.profile.bytes_per_param,
               "cast_bytes_per_param": priced.profile.cast_bytes_per_param} if profiled else {})
-    peak = peak_memory_bytes(priced.model, simulate(curvature_late(schedule), priced.costs), spec.seq,
+    ran = curvature_late(schedule) if commit in CURVATURE_LATE else schedule
+    peak = peak_memory_bytes(priced.model, simulate(ran, priced.costs), spec.seq,
                              microbatch_size=spec.microbatch_size, **state)[0]
     if steps <= schedule.options["kfac"]["every"]:
         peak -= (KFAC_STATE_COPIES - 1) * priced.model.layers * sum(a + g for a, g in kfac_factor_bytes(priced.model))
