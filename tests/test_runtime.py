@@ -65,6 +65,44 @@ def test_recompute_matches():
     check(spawn(2, parity_worker, _cases(["1f1b", "zb-h1", "zb-v"], 2, 1, 4, recompute=True), {}, 8, 16, timeout=90))
 
 
+def _dropout_worker(rank, families):
+    """With dropout: a pp 1 pipeline, recomputing or not, against the model run a microbatch at a time
+    from the same generator state (relative errors of loss and gradients), and the generator's next draw."""
+    import pipeloom
+    from pipeloom.nn import GPTConfig
+
+    config = GPTConfig.preset("tiny", dropout=0.3)
+    tokens, targets = make_batch(config, batch=4, seq=16)
+    torch.manual_seed(0)
+    model = config.build()
+    torch.manual_seed(1)
+    ref_loss = 0.0
+    for i in range(4):
+        loss = model(tokens[i:i + 1], targets[i:i + 1]) / 4
+        loss.backward()
+        ref_loss += loss.item()
+    ref_grads, out = {n: p.grad for n, p in model.named_parameters()}, {"reference": (0.0, 0.0, torch.rand(1).item())}
+    for family in families:
+        for recompute in (False, True):
+            torch.manual_seed(0)
+            pipe = pipeloom.Pipeline(config.build(), family, pp=1, microbatches=4, recompute=recompute)
+            torch.manual_seed(1)
+            loss = pipe.step(tokens, targets)
+            out[f"{family}, recompute {recompute}"] = (abs(loss - ref_loss) / ref_loss,
+                                                       max_rel_error(pipe.gather_grads(), ref_grads),
+                                                       torch.rand(1).item())
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_recompute_draws_the_same_dropout_masks():
+    """The backward's forward runs again with the generators as F had them, then hands them back as
+    they were: the same masks as the model's own run, and the same next draw."""
+    (result,) = spawn(1, _dropout_worker, ["1f1b", "zb-h1"], timeout=90)
+    check([{case: errors[:2] for case, errors in result.items()}])
+    assert len({after for *_, after in result.values()}) == 1, result
+
+
 def _training_worker(rank, name, pp, dp, steps):
     import pipeloom
     from pipeloom.nn import GPT, GPTConfig

@@ -43,7 +43,10 @@ when :func:`~pipeloom.nn.defer_weight_grads` delays the weight gradients.
 Each forward (and each backward) of a layer is one capture, numbered from 0
 in call order since the layer's last reduction: microbatch ``j`` of a step.
 A forward with no backward (evaluation) should run under ``torch.no_grad()``
-or with ``capturing`` off, or its inputs count in the next refresh.
+or with ``capturing`` off, or its inputs count in the next refresh. A
+pipeline that recomputes a stage splits the capture: ``capturing = "A"``
+keeps the inputs of a forward that runs without autograd, ``"G"`` the output
+gradients of the same forward run again, recording, in its backward.
 
 Pieces, for a pipeline to schedule one at a time: :meth:`KFAC.curvature`
 (one factor of one layer from one capture), :meth:`KFAC.reduce` (one factor
@@ -132,8 +135,9 @@ class KFAC:
             layer.module.register_forward_hook(self._forward_hook(layer))
         #: The number of equal microbatches the loss is averaged over (with ``grad_scale`` None).
         self.accumulation = 1
-        #: Whether forwards and backwards capture curvature now (set by :meth:`step`; a pipeline may set it).
-        self.capturing = True
+        #: Whether forwards and backwards capture curvature now (set by :meth:`step`; a pipeline may set it):
+        #: True, False, or "A" / "G" for the inputs or the output gradients alone.
+        self.capturing: bool | str = True
         self.steps = 0
 
     @staticmethod
@@ -163,8 +167,11 @@ class KFAC:
 
     def _forward_hook(self, layer: KFACLayer):
         def hook(module, inputs, output):
-            if self.capturing and torch.is_grad_enabled() and output.requires_grad:
+            capturing = self.capturing
+            records = torch.is_grad_enabled() and output.requires_grad
+            if capturing == "A" or (capturing is True and records):
                 layer.captures["A"].append(inputs[0].detach())
+            if records and (capturing is True or capturing == "G"):
                 output.register_hook(lambda grad: layer.captures["G"].append(grad.detach()))
         return hook
 

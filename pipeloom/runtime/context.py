@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ class Slot:
     output: torch.Tensor | None = None  # the stage output, or the loss on the last stage
     grad: torch.Tensor | None = None  # gradient of the output, once known
     weights: WeightGradStore | None = None
+    rerun: Any = None  # a recomputing stage's F: what its backward runs again (handlers.compute.Rerun)
 
 
 @dataclass

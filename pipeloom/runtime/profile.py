@@ -234,12 +234,15 @@ class _Runner:
         return x.to(self.dtype)
 
     def _loss(self, x, tokens, recompute: bool = False):
-        """The last stage's F (``recompute``: under ``torch.utils.checkpoint``, as the runtime reruns
-        a stage), then the mean cross-entropy on its logits (fp32 without autocast)."""
-        stage = partial(checkpoint, self.head, use_reentrant=False) if recompute else self.head
-        with self.autocasting():
-            y = stage(x)
+        """The last stage's F and the mean cross-entropy on its logits (fp32 without autocast); with
+        ``recompute`` both under ``torch.utils.checkpoint``, which keeps what the runtime's recomputing
+        stage keeps: its input."""
+        def head_and_loss(x):
+            y = self.head(x)
             return Decoder.loss(y if self.autocast else y.float(), tokens)
+
+        with self.autocasting():
+            return checkpoint(head_and_loss, x, use_reentrant=False) if recompute else head_and_loss(x)
 
     def _memory(self, tokens, x, grad) -> dict:
         """Bytes kept from F to the backward and from B to W, of the layer and the output layer."""

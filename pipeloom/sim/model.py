@@ -118,10 +118,8 @@ def _activation_bytes(model: ModelSpec, split, seq: int, microbatch_size: int, s
         head_mb, head_mw = 4 * b * t * v + 4 * bth, 2 * b * t * v + 2 * bth
     m_b, m_w = stage_totals(split, layer_mb, last=head_mb), stage_totals(split, layer_mw, last=head_mw)
     if recompute is True:
-        # the runtime reruns whole stages in B: each keeps only its input; the last also the
-        # loss's fp32 log-probabilities, which are outside the rerun
-        m_b = [2 * bth + (head_mb - 4 * bth if last and not mode.splits else 0)
-               for last in (i == len(split) - 1 for i in range(len(split)))]
+        # the runtime reruns whole stages in B, the last one's loss too: each keeps only its input
+        m_b = [2 * bth] * len(split)
     return [float(x) for x in m_b], [float(x) for x in m_w]
 
 
@@ -152,9 +150,8 @@ def costs_from_model(
     (18 + 4·ffn)·bth (20 and 34 bsh for ffn = 4, as "PipeOffload: Improving
     Scalability of Pipeline Parallelism with Memory Optimization" counts; their
     FLOPs are not counted). With ``recompute`` True each stage keeps
-    only its input (2bth bytes; the last stage also the loss's fp32
-    log-probabilities) and B first reruns the stage's forward, as the runtime
-    does (``torch.utils.checkpoint`` around the stage): while it runs, the
+    only its input (2bth bytes) and B first reruns the stage's forward (the
+    last stage's loss too), as the runtime does: while it runs, the
     stage's whole activations are alive again (:func:`peak_memory_bytes` adds
     them). W still needs its inputs, so ``m_w`` exceeds ``m_b`` and memory
     grows from B to W (use a fused-backward schedule with it). ``vocab_parallel`` (none,

@@ -40,7 +40,7 @@ rebuilt in B (``cheap``), under ``torch.utils.checkpoint`` (``full``: its
 input, what a recomputed stage keeps), and what B leaves queued for W
 (``w``: the linear layers' inputs and output gradients); ``memory.head``:
 the output layer's ``b`` and ``w``, and ``full``, what its stage keeps when
-recomputed (its input and the loss's log-probabilities). ``bytes_per_param``:
+recomputed (its input: the loss is rerun too). ``bytes_per_param``:
 model state per parameter as the runtime keeps it (weights, gradients,
 AdamW's moments); ``cast_bytes_per_param``: the low-precision copy of the
 weights autocast keeps while a forward runs (2 under bf16, 0 in fp32; absent
@@ -141,8 +141,7 @@ class Sample:
 class ProfiledCosts:
     """One transformer layer's and the two ends' costs for one microbatch on one rank (ms, bytes),
     from a profile, under a recomputation: ``layer_m_b`` what a layer keeps for its backward,
-    ``head_m_b`` the output layer's (with whole-stage recomputation: its input and the loss's
-    log-probabilities); ``layer_fused`` a fused backward's time less B's and W's (measured ``bw - b - w``);
+    ``head_m_b`` the output layer's (with whole-stage recomputation: its input); ``layer_fused`` a fused backward's time less B's and W's (measured ``bw - b - w``);
     ``comm_ms`` None where the profile has no measured link."""
 
     layer_f: float

@@ -78,9 +78,14 @@ class KfacWork:
     @contextmanager
     def around(self, action):
         """Around an F: capture the layer inputs; around a backward: check its order (the
-        hooks its forward left capture the output gradients)."""
+        hooks its forward left capture the output gradients). A recomputing stage's F runs without
+        autograd: it captures the inputs alone, and its backward's forward, run again, the gradients."""
         capturing = self.capturing(action)
-        self.kfac.capturing = capturing and action.kind == F
+        recomputed = action.stage in self.context.recompute and self.context.step.training
+        if action.kind == F:
+            self.kfac.capturing = capturing and ("A" if recomputed else True)
+        else:
+            self.kfac.capturing = capturing and recomputed and "G"
         try:
             yield
         finally:
