@@ -228,9 +228,15 @@ class _Capture:
         self.blocks: list[_Block] = []
         self.leaf: _Saved | None = None
 
-    def save(self, tensor: torch.Tensor) -> _Saved:
+    def save(self, tensor: torch.Tensor, address: int | None = None) -> _Saved:
+        """``tensor`` saved, by its storage's ``address`` (None: read it)."""
         saved = _Saved(tensor)
-        self.saved.setdefault((tensor.untyped_storage().data_ptr(), tensor.dtype), []).append(saved)
+        key = tensor.untyped_storage().data_ptr() if address is None else address, tensor.dtype
+        group = self.saved.get(key)
+        if group is None:
+            self.saved[key] = [saved]
+        else:
+            group.append(saved)
         return saved
 
     def gather(self, kept: set[int], leaf: torch.Tensor | None) -> list[_Block]:
@@ -278,7 +284,7 @@ class Offloader:
         self.captures: dict[tuple[int, int], _Capture] = {}
         #: what the B of each pair whose W inputs are offloaded queued for W, from OFFLOAD_W to RELOAD_W
         self.queued: dict[tuple[int, int], _Capture] = {}
-        self.held: dict[int, int] = {}  # address -> bytes of each device storage counted
+        self.held: dict[int, tuple] = {}  # address -> (bytes, weak reference) of each device storage counted
         self.step = None
         context.extras[NAME] = self
 
@@ -312,29 +318,34 @@ class Offloader:
             return _Rebuilt(rebuild, tuple(self._pack(i, capture) for i in inputs), self.hold)
         if not self._moves(tensor):
             return tensor
-        self.hold(tensor.untyped_storage())
-        return tensor if capture is None else capture.save(tensor)
+        address = self.hold(tensor.untyped_storage())
+        return tensor if capture is None else capture.save(tensor, address)
 
     def _moves(self, tensor: torch.Tensor) -> bool:
         """Whether an offload copies ``tensor``: not a parameter or a view of one, more than
-        :data:`SMALL` elements, strided, on the offloader's device."""
-        return not (tensor.numel() <= SMALL or isinstance(tensor, nn.Parameter)
-                    or isinstance(tensor._base, nn.Parameter) or tensor.device.type != self.device.type
-                    or tensor.layout is not torch.strided)
+        :data:`SMALL` elements, strided, on the offloader's device. (It runs for every tensor F saves:
+        plain tensors, the activations, skip the parameter checks, which are slow.)"""
+        if tensor.numel() <= SMALL or tensor.layout is not torch.strided or tensor.is_cuda is not self.cuda:
+            return False
+        base = tensor._base
+        if type(tensor) is torch.Tensor and (base is None or type(base) is torch.Tensor):
+            return True
+        return not (isinstance(tensor, nn.Parameter) or isinstance(base, nn.Parameter))
 
-    def hold(self, storage) -> None:
-        """Count ``storage`` as activation bytes on the device until it is freed."""
+    def hold(self, storage) -> int:
+        """Count ``storage`` as activation bytes on the device until it is freed; its address."""
         key = storage.data_ptr()
-        if key in self.held:
-            return
-        stats = self.stats
-        self.held[key] = size = storage.nbytes()
-        stats.device += size
-        stats.device_peak = max(stats.device_peak, stats.device)
-        weakref.finalize(storage, self._freed, key)
+        if key not in self.held:
+            stats = self.stats
+            size = storage.nbytes()
+            # a weak reference that calls back when the storage goes (kept here until then)
+            self.held[key] = size, weakref.ref(storage, lambda _, key=key: self._freed(key))
+            stats.device += size
+            stats.device_peak = max(stats.device_peak, stats.device)
+        return key
 
     def _freed(self, key: int) -> None:
-        self.stats.device -= self.held.pop(key)
+        self.stats.device -= self.held.pop(key)[0]
 
     def _new_step(self) -> None:
         """Hand back the buffers of captures a failed step left, and start the step's peaks."""
