@@ -2,6 +2,7 @@
 
     python bench/executor_overhead.py [--models tiny] [--microbatch-size 8] [--seq 256] [--steps 20]
     python bench/executor_overhead.py --profile gpipe     # torch.profiler table of pipeloom's step
+    python bench/executor_overhead.py --options '{"offload": "full"}' --profile gpipe --profiler python
 
 One rank (a process group of one: NCCL on a GPU, gloo on the CPU), the same
 GPT class and weights, ``--microbatches`` microbatches per step. The plain
@@ -11,14 +12,19 @@ loop runs forward, ``loss / m`` and backward per microbatch, then
 ``optimizer_step(opt, max_norm=None)``: the same math. On CUDA: bf16
 autocast, fused AdamW, TF32 allowed; on the CPU: fp32, AdamW. The two sides
 alternate step by step after a warm-up, so a drifting machine affects both
-alike. Writes bench/results/executor_overhead.json (or ``--out``) with the
+alike. ``--options`` adds Pipeline keyword arguments (JSON) to pipeloom's
+side, such as a recomputation or offload, whose cost the ratio then shows.
+Writes bench/results/executor_overhead.json (or ``--out``) with the
 median step times and ratio = pipeloom / plain per model and family (goal:
-<= 1.03). Asserts nothing about time.
+<= 1.03). Asserts nothing about time. ``--profile FAMILY`` prints
+torch.profiler's table of a few steps (``--profiler python``: cProfile's,
+the host's Python functions) instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -72,7 +78,7 @@ def _sides(name: str, args, device, autocast) -> dict:
     for family in args.families:
         torch.manual_seed(0)
         pipe = pipeloom.Pipeline(GPT(config), family, pp=1, microbatches=args.microbatches, autocast=autocast,
-                                 device=device)
+                                 device=device, **args.options)
         sides[family] = _Pipeloom(pipe, _optimizer(pipe.parameters(), device))
     return sides, config
 
@@ -109,7 +115,7 @@ def measure(name: str, args, device, autocast) -> dict:
 
 
 def profile(family: str, args, device, autocast) -> None:
-    """Print torch.profiler's table of a few of pipeloom's steps (host and device time)."""
+    """Print torch.profiler's table of a few of pipeloom's steps (host and device time), or cProfile's."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     sides, config = _sides(args.models[0], argparse.Namespace(**{**vars(args), "families": [family]}), device, autocast)
@@ -118,6 +124,16 @@ def profile(family: str, args, device, autocast) -> None:
     tokens, targets = data[:, :-1].to(device), data[:, 1:].to(device)
     for _ in range(args.warmup):
         side.step(tokens, targets)
+    if args.profiler == "python":
+        import cProfile
+        import pstats
+
+        with cProfile.Profile() as prof:
+            for _ in range(3):
+                side.step(tokens, targets)
+            _sync(device)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(40)
+        return
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=activities) as prof:
         for _ in range(3):
@@ -137,7 +153,11 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024 if cuda else 256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--options", type=json.loads, default={}, metavar="JSON",
+                        help='Pipeline keyword arguments for pipeloom\'s side, e.g. \'{"recompute": true}\'')
     parser.add_argument("--profile", metavar="FAMILY", help="print torch.profiler's table for this family instead")
+    parser.add_argument("--profiler", choices=("torch", "python"), default="torch",
+                        help="with --profile: torch.profiler's table, or cProfile's of the host's Python")
     parser.add_argument("--out", help="where to write the JSON (default bench/results/executor_overhead.json)")
     args = parser.parse_args()
 
@@ -152,7 +172,7 @@ def main() -> None:
     for r in results:
         print(f"{r['model']}: plain {r['plain_ms']:.2f} ms; " + ", ".join(
             f"{f} {v['ms']:.2f} ms ({v['ratio']:.3f}x)" for f, v in r["families"].items()))
-    settings = {k: getattr(args, k) for k in ("microbatches", "microbatch_size", "seq", "steps", "warmup")}
+    settings = {k: getattr(args, k) for k in ("microbatches", "microbatch_size", "seq", "steps", "warmup", "options")}
     precision = "bf16 autocast, fused AdamW, TF32 allowed" if cuda else "fp32, AdamW, 1 thread"
     path = write_results("executor_overhead", {"device": str(device), "backend": "nccl" if cuda else "gloo", "precision": precision,
                                                "settings": settings, "results": results}, args.out)
