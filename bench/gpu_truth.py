@@ -1,7 +1,7 @@
 """What one GPU measures beside what the planner predicts, in one call: the GPU truth the CPU tests keep.
 
     PYTHONPATH=. python bench/gpu_truth.py [--out bench/results/gpu/NAME.json] [--steps 10] [--deadline 420]
-                                           [--traces DIR] [--quick] [--only TEXT ...]
+                                           [--traces DIR] [--quick] [--only REGEX ...]
 
 On the current GPU: the pinned host<->device copy bandwidth (each way alone and both at once), then
 ``pipeloom profile --device cuda`` of gpt-350m at seq 1024 (vocabulary 256, the built-in corpus's bytes,
@@ -11,7 +11,7 @@ as ``pipeloom train --vocab 256`` builds it; microbatch sizes 1 to 8), then ``pi
 median step time over the second half of the steps and the mean after the first. Beside each run, the
 planner's prediction for it (:class:`~pipeloom.plan.Costing`: peak per rank and step time) from the new
 profile, and from the formulas (no profile). No run starts after ``--deadline`` seconds (they are listed
-as skipped; ``--only`` keeps the runs whose model and flags hold one of its texts); the file is rewritten
+as skipped; ``--only`` keeps the runs whose model and flags match one of its regular expressions); the file is rewritten
 after each run, so a killed call keeps what it measured. Writes
 ``bench/results/gpu/<gpu>.json`` (with the profile, the commit and the machine), which
 ``tests/test_gpu_truth.py`` checks the simulator against on every CPU run: 441 s on an H100 (2026-11-27).
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -141,8 +142,9 @@ def main(argv=None) -> None:
     parser.add_argument("--traces", help="a folder for each run's measured timeline (pipeloom train --trace)")
     parser.add_argument("--commit", help="the commit measured (default: git's HEAD here; a lent GPU machine's copy "
                                          "of the tree can hold a stale one)")
-    parser.add_argument("--only", nargs="+", metavar="TEXT",
-                        help="only the runs whose model and flags hold one of these texts (e.g. offload kfac)")
+    parser.add_argument("--only", nargs="+", metavar="REGEX",
+                        help="only the runs whose model and flags match one of these (re.search: 'recompute', "
+                             "'size 4$')")
     args = parser.parse_args(argv)
     from pipeloom.sim.profile import load_profile
 
@@ -177,7 +179,7 @@ def main(argv=None) -> None:
                                                "skipped": skipped}, where)
 
         runs = [(model, flags) for flags in layouts] + list(extra)
-        for run_model, flags in [(m, f) for m, f in runs if not args.only or any(t in f"{m} {f}" for t in args.only)]:
+        for run_model, flags in [(m, f) for m, f in runs if not args.only or any(re.search(t, f"{m} {f}") for t in args.only)]:
             if time.perf_counter() - began > args.deadline:
                 skipped.append(f"{run_model} {flags}")
                 continue

@@ -2,7 +2,7 @@
 # Everything a lent GPU checks, in one call: the CUDA tests, then the GPU benchmarks, each under a time limit
 # so that the call ends inside the device's limit and keeps what finished.
 #
-#   PYTHONPATH=. bash bench/on_gpu.sh OUT [COMMIT] [TRUTH_S] [gpu_truth.py's --only texts...]
+#   PYTHONPATH=. bash bench/on_gpu.sh OUT [COMMIT] [TRUTH_S] [gpu_truth.py's --only regular expressions...]
 #
 # OUT receives pytest.txt, the benchmarks' JSON (named as under bench/results/) and traces.tgz (the measured
 # timelines of gpu_truth's runs); COMMIT is the commit measured (a device machine's copy of the tree can hold
