@@ -135,13 +135,29 @@ def _nbytes(tensor: torch.Tensor) -> int:
 class _Range:
     """Elements ``start:end`` of a storage that a pair's saved tensors of one dtype use: ``tensor``
     on the device (None while offloaded; once reloaded, a slice of its block's device tensor),
-    ``ready`` the CUDA event of its reload."""
+    ``ready`` its reload's :class:`_Reloaded`."""
 
     __slots__ = ("start", "end", "tensor", "ready")
 
     def __init__(self, start: int, end: int, tensor: torch.Tensor):
         self.start, self.end, self.tensor = start, end, tensor
         self.ready = None
+
+
+class _Reloaded:
+    """A reload's CUDA event, shared by the ranges it copied, until the compute stream has waited for it:
+    the first saved tensor unpacked waits, the others follow it on that stream (a wait per saved tensor,
+    hundreds per pair, cost the backward more host time than the copy's issue)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: torch.cuda.Event):
+        self.event = event
+
+    def wait(self, device: torch.device) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream(device).wait_event(self.event)
+            self.event = None
 
 
 class _Block:
@@ -200,7 +216,7 @@ class _Saved:
                 raise PipeloomError("a backward read activations that were offloaded and not reloaded "
                                     "(its pair has an OFFLOAD and no RELOAD before the backward)")
             if where.ready is not None:
-                torch.cuda.current_stream(where.tensor.device).wait_event(where.ready)
+                where.ready.wait(where.tensor.device)
             self.tensor = self.view()
         return self.tensor
 
@@ -429,9 +445,10 @@ class Offloader:
                 for where, piece in zip(block.ranges, device.split(block.sizes)):
                     where.tensor = piece
             done = self._mark(back)
+        reloaded = _Reloaded(done) if done is not None else None
         for block in back:
             for where in block.ranges:
-                where.ready = done
+                where.ready = reloaded
             self.pool.give(block.host, done)
             block.host = None
         return None if began is None else (began, done)
