@@ -12,7 +12,7 @@ from parity import (autocast_reference, check, cheap_recompute_run, make_batch, 
                     parity_worker)
 from pipeloom.errors import PipeloomError  # noqa: E402
 from pipeloom.nn.linear import Linear, WeightGradStore, defer_weight_grads  # noqa: E402
-from pipeloom.runtime.handlers.offload import SMALL, Offloader, _unpack  # noqa: E402
+from pipeloom.runtime.handlers.offload import SMALL, Offloader, _Range, _Reloaded, _Saved, _unpack  # noqa: E402
 from pipeloom.runtime.local import spawn  # noqa: E402
 from pipeloom.schedule import (OFFLOAD, OFFLOAD_W, RELOAD, RELOAD_W, Action, Costs, F, Offload,  # noqa: E402
                                build)
@@ -115,6 +115,24 @@ def test_a_pairs_storages_of_one_dtype_go_and_come_back_in_one_buffer(device):
     assert offloader.stats.device - kept == reloaded == offloader.stats.offloaded
     del back, packed, capture, got, pack  # the pack hook holds the capture, as F's hooks do until F ends
     assert offloader.stats.device == kept
+
+
+def test_a_reloads_event_is_waited_for_once(monkeypatch):
+    """The compute stream waits for a reload's copy at the first saved tensor unpacked, of whichever
+    range; the others follow it on that stream (one wait per saved tensor cost the backward host time)."""
+    waits = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(wait_event=waits.append))
+    storages = [torch.arange(12.0), torch.arange(8.0)]
+    views = [storages[0][:6], storages[0][6:].view(2, 3), storages[1][2:]]
+    saved = [_Saved(v) for v in views]
+    reloaded = _Reloaded("the reload's event")
+    for storage, group in ((storages[0], saved[:2]), (storages[1], saved[2:])):
+        where = _Range(0, storage.numel(), storage)
+        for each in group:
+            each.place(where)
+        where.ready = reloaded
+    assert all(torch.equal(each.unpack(), view) for each, view in zip(saved, views))
+    assert waits == ["the reload's event"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
