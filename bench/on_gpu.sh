@@ -8,7 +8,11 @@
 # timelines of gpu_truth's runs); COMMIT is the commit measured (a device machine's copy of the tree can hold
 # a stale HEAD); TRUTH_S is gpu_truth's --deadline (default 300). Run by `device run` as
 #   bash bench/on_gpu.sh "$OUT" <commit>
-# then copy the JSON into bench/results/ (gpu_truth's into bench/results/gpu/).
+# then copy the JSON into bench/results/ (gpu_truth's into bench/results/gpu/). On an H200 (2026-11-27) the CUDA
+# tests took 47 s, the vocabulary head 10 s, compile.py on gpt-125m 32 s, gpu_truth's profile 17 s and each
+# run 20-50 s (7 runs: 214 s), executor_overhead on gpt-125m 22 s: 325 s in all. Every run of gpu_truth in
+# one call (14) would take it past 8 minutes: pick with --only, and take the rest in a second call at once
+# while the machine is warm (30 s).
 set -u
 out=${1:?usage: bench/on_gpu.sh OUT [COMMIT] [TRUTH_S] [TEXT...]}
 commit=${2:-$(git rev-parse --short HEAD)}
