@@ -8,9 +8,9 @@ from parity import check, parity_worker  # noqa: E402
 from pipeloom.runtime.local import spawn  # noqa: E402
 
 
-def _run(world, cases, pp, dp, sp, microbatches, config_overrides):
+def _run(world, cases, pp, dp, sp, microbatches, config_overrides, **options):
     cases = [((family, attention), dict(schedule=family, pp=pp, microbatches=microbatches, dp=dp, sp=sp,
-                                        attention=attention, timeout=30)) for family, attention in cases]
+                                        attention=attention, timeout=30, **options)) for family, attention in cases]
     check(spawn(world, parity_worker, cases, config_overrides, dp * microbatches * 2, 32, timeout=240))
 
 
@@ -23,6 +23,13 @@ def test_sequence_parallel_alone_on_four_ranks():
 def test_pipeline_times_sequence_parallel():
     cases = [("1f1b", "ring"), ("zb-v", "ring"), ("1f1b", "rsa")]
     _run(4, cases, 2, 1, 2, 4, {"tie_embeddings": True})
+
+
+@pytest.mark.timeout(300)
+def test_recomputation_with_sequence_parallel():
+    """A recomputed stage's backward runs its forward again, the ring's exchanges with it, on every rank of
+    the ring at once (fused backward, and the B/W split)."""
+    _run(4, [("1f1b", "ring"), ("zb-v", "ring"), ("1f1b", "rsa")], 2, 1, 2, 4, {}, recompute=True)
 
 
 @pytest.mark.timeout(300)
