@@ -106,6 +106,11 @@ class Rerun:
             yield
 
 
+def _ends_in_loss(context, s: int) -> bool:
+    """Whether stage ``s`` computes the loss: the last stage, unless a technique takes its output."""
+    return s == context.last_stage and not context.ends.output
+
+
 def _loss(context, y: torch.Tensor, i: int) -> torch.Tensor:
     """Microbatch ``i``'s loss from the last stage's output ``y``. As the unsplit model: under autocast
     the loss reads the low-precision logits and computes in fp32 (no fp32 copy of them); without it, in
@@ -120,7 +125,7 @@ def _forward(action, context) -> None:
     stage = context.versioned(s, i) or context.stages[s]
     if not training:
         del step.slots[s, i]  # nothing to keep for a backward
-    loss_here = s == context.last_stage and not context.ends.output
+    loss_here = _ends_in_loss(context, s)
     recompute = s in context.recompute and training
     if recompute:
         slot.rerun = Rerun.of(stage, slot.input, context.device)
@@ -153,7 +158,7 @@ def _recompute(action, context, slot) -> None:
     x = rerun.input(slot)
     with rerun.same_random(), torch.enable_grad(), context.autocasting():
         y = rerun.stage(x)
-        if action.stage == context.last_stage and not context.ends.output:
+        if _ends_in_loss(context, action.stage):
             slot.output = _loss(context, y, action.microbatch)
         else:
             slot.output = y.to(context.dtype)
