@@ -63,12 +63,9 @@ def one_rank_group(cuda: bool):
     import torch
     import torch.distributed as dist
 
-    from pipeloom.runtime.local import free_port
-
     if not cuda:
         torch.set_num_threads(1)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
-                            rank=0, world_size=1)
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     if not cuda:
         return torch.device("cpu"), None
     torch.backends.cuda.matmul.allow_tf32 = True

@@ -27,8 +27,6 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from .runtime.local import free_port
-
 #: Seconds between the launcher's looks at its workers: the time a survivor has
 #: to say what it waited for after a peer died, before the launcher stops it.
 MONITOR_INTERVAL = 2.0
@@ -48,7 +46,7 @@ def launch(argv: list[str], nproc: int) -> int:
     with tempfile.TemporaryDirectory(prefix="pipeloom-launch-") as logs:  # torchelastic's, removed after
         config = LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"pipeloom-{uuid.uuid4().hex[:8]}",
-            rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
+            rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,  # as torchrun --standalone
             monitor_interval=MONITOR_INTERVAL, start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=logs),
         )
         try:

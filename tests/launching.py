@@ -27,7 +27,7 @@ from pathlib import Path
 from unittest import mock
 
 from pipeloom.cli import main
-from pipeloom.runtime.local import free_port, worker_context
+from pipeloom.runtime.local import host_store, worker_context
 
 
 def train_forked(*args, cwd, env=None, timeout=240) -> subprocess.CompletedProcess:
@@ -84,8 +84,8 @@ class _Launch:
 
     def __call__(self, argv: list[str], nproc: int) -> int:
         self.world = nproc
-        ctx, port = worker_context(), free_port()
-        procs = [ctx.Process(target=_rank, args=(rank, nproc, port, self.entry, argv, str(self.cwd), str(self.logs),
+        ctx, store = worker_context(), host_store()  # torchrun's agent hosts it too
+        procs = [ctx.Process(target=_rank, args=(rank, nproc, store.port, self.entry, argv, str(self.cwd), str(self.logs),
                                                 dict(os.environ)))
                  for rank in range(nproc)]
         for p in procs:
@@ -103,7 +103,8 @@ class _Launch:
 def _rank(rank: int, world: int, port: int, entry, argv: list[str], cwd: str, logs: str, env: dict) -> None:
     os.environ.clear()
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
     os.chdir(cwd)
     for fd, stream in ((1, "out"), (2, "err")):
         os.dup2(os.open(f"{logs}/{rank}.{stream}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)

@@ -29,10 +29,8 @@ def fp32_matmuls():
 def nccl_world_of_one():
     import torch.distributed as dist
 
-    from pipeloom.runtime.local import free_port
-
-    os.environ.update(LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    os.environ["LOCAL_RANK"] = "0"
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 

@@ -1,7 +1,7 @@
 """Run a function on N gloo processes on this machine: for tests, benchmarks and notebooks.
 
-Each worker gets one thread (``OMP_NUM_THREADS=1``), a process group on a
-free localhost port with a timeout, and returns ``fn(rank, *args)``; a
+Each worker gets one thread (``OMP_NUM_THREADS=1``), a process group with a
+timeout on a store the caller hosts, and returns ``fn(rank, *args)``; a
 worker's failure comes back with its traceback, and a group that outlives
 its timeout is killed rather than left hanging. Workers are forked from a
 server that has imported torch once (a start takes ~0.05 s, not the ~2 s of
@@ -13,18 +13,20 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from datetime import timedelta
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def host_store(timeout: float = 120.0) -> dist.TCPStore:
+    """A TCP store hosted by this process on a localhost port the OS picks as it binds it: unlike a port
+    looked up first and bound later, no other process can take it in between. Workers join it as
+    clients (``dist.TCPStore("127.0.0.1", store.port, is_master=False)``, or torchrun's
+    ``TORCHELASTIC_USE_AGENT_STORE``); it lives as long as this object."""
+    return dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
 
 
 #: What the fork server imports once, before it forks any worker.
@@ -45,11 +47,11 @@ def _entry(rank, world, port, fn, args, results, group_timeout, env, cwd):
     os.environ.update(env, OMP_NUM_THREADS="1")
     os.chdir(cwd)
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=group_timeout))
+    timeout = timedelta(seconds=group_timeout)
+    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     try:
         # plain pickle: tensors travel as bytes, not as shared memory that dies with the worker
         value = pickle.dumps(fn(rank, *args))
@@ -74,9 +76,8 @@ def spawn(world: int, fn, *args, timeout: float = 600.0, group_timeout: float = 
     or if the workers outlive ``timeout`` seconds (they are killed).
     """
     ctx = worker_context()
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, results, group_timeout, dict(os.environ),
+    results, store = ctx.Queue(), host_store(group_timeout)
+    procs = [ctx.Process(target=_entry, args=(r, world, store.port, fn, args, results, group_timeout, dict(os.environ),
                                               os.getcwd()), daemon=True)
              for r in range(world)]
     for p in procs:
