@@ -188,6 +188,28 @@ def test_bf16_pipeline_and_event_timeline(nccl_world_of_one):
     assert starts == sorted(starts)
 
 
+def test_kfac_products_in_tf32_under_bf16(fp32_matmuls, nccl_world_of_one):
+    """A bf16 pipeline's K-FAC takes its products in TF32, an fp32 one's in fp32, and torch's setting
+    is as it was after each step; the bf16 run's loss is the fp32 run's within bf16's tolerance."""
+    import pipeloom
+    from pipeloom.nn import GPT, GPTConfig
+
+    config = GPTConfig.preset("tiny")
+    tokens, targets = make_batch(config, 8, 16)
+    losses = {}
+    for autocast in (None, torch.bfloat16):
+        torch.manual_seed(0)
+        pipe = pipeloom.Pipeline(GPT(config), "1f1b", pp=1, microbatches=4, autocast=autocast, optimizer="kfac",
+                                 kfac={"every": 1})
+        assert pipe.context.extras["kfac"].kfac.tf32 == (autocast is not None)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        for _ in range(3):
+            losses.setdefault(autocast, []).append(pipe.step(tokens, targets))
+            pipe.optimizer_step(opt)
+            assert torch.backends.cuda.matmul.allow_tf32 is False
+    assert all(abs(a - b) / abs(a) < 2e-2 for a, b in zip(losses[None], losses[torch.bfloat16]))
+
+
 @pytest.mark.parametrize("algorithm", ["vocab-1", "vocab-2"])
 def test_vocab_head_bf16_matches_torch_cross_entropy(algorithm):
     import torch.nn.functional as F

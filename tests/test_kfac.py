@@ -141,6 +141,48 @@ def test_preconditioned_update_is_the_kronecker_solve():
     close(before["fc2.weight"] - net.fc2.weight.detach(), kron_precondition(*expected["fc2"], grads["fc2"], 0.01))
 
 
+@pytest.mark.parametrize("tf32", [False, True])
+def test_tf32_covers_the_curvature_and_preconditioning_products_only(tf32):
+    """``tf32`` puts torch's CUDA matmul setting at TF32 for the curvature's and the preconditioning's
+    products, not the inversions', and puts it back after; without it the setting is left alone
+    (on the CPU it changes no number: the update is the Kronecker solve either way)."""
+    from torch.overrides import TorchFunctionMode
+
+    matmul = torch.backends.cuda.matmul
+    seen = []
+
+    class Products(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func.__name__ in ("__matmul__", "matmul", "cholesky_inverse"):
+                seen.append((func.__name__, matmul.fp32_precision))
+            return func(*args, **(kwargs or {}))
+
+    net = Net()
+    x, y = data(3)
+    expected, grads = reference(net, x, y)
+    before = {name: p.detach().clone() for name, p in net.named_parameters()}
+    opt = KFAC(net, torch.optim.SGD(net.parameters(), lr=1.0), damping=0.01, tf32=tf32)
+    was = matmul.fp32_precision
+    loss_fn(net(x), y).backward()
+    with Products():
+        opt.step()
+    assert matmul.fp32_precision == was
+    products = [setting for name, setting in seen if name != "cholesky_inverse"]
+    assert len(products) == 2 * 2 + 2 * 2  # each layer's two curvatures and its two preconditioning products
+    assert set(products) == {"tf32" if tf32 else was}
+    assert {setting for name, setting in seen if name == "cholesky_inverse"} == {was}
+    step1 = kron_precondition(*expected["fc1"], grads["fc1"], 0.01)
+    close(before["fc1.weight"] - net.fc1.weight.detach(), step1[:, :5])
+
+
+def test_a_16_bit_run_on_cuda_takes_tf32():
+    from pipeloom.optim.kfac import tf32_for
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert tf32_for(cuda, torch.bfloat16) and tf32_for(cuda, torch.float16)
+    assert not tf32_for(cuda, None) and not tf32_for(cpu, torch.bfloat16) and not tf32_for(cpu, None)
+
+
 def test_running_average_over_two_updates():
     net = Net()
     batches = [data(4), data(5)]

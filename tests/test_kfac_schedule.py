@@ -15,7 +15,7 @@ from pipeloom.schedule.kinds import COMPOUND
 from pipeloom.schedule.transforms.kfac import (KFAC_A, KFAC_G, KFAC_INV, KFAC_PRE, KFAC_SYNC_A, KFAC_SYNC_G,
                                                PIECES)
 from pipeloom.sim import ModelSpec, costs_from_model, kfac_costs, kfac_report, simulate, stage_layers, without_pieces
-from pipeloom.sim.formulas import KFAC_STATE_COPIES, kfac_capture_bytes, kfac_factor_bytes
+from pipeloom.sim.formulas import INVERSION_EFFICIENCY, KFAC_STATE_COPIES, kfac_capture_bytes, kfac_factor_bytes
 from pipeloom.sim.memory import peak_memory_bytes
 from pipeloom.sim.model import KFAC_UNITS_PER_LAYER, get_device
 from pipeloom.sim.specs import get_model
@@ -224,9 +224,16 @@ def test_piece_costs_follow_the_formulas():
     got = kfac_costs(spec, 32, 2, device)
     rows, h = 64, 64
     inputs, grads = [h + 1, h + 1, h + 1, 4 * h + 1], [3 * h, h, 4 * h, h]
-    fp32_ms = 1e3 / (19.5e12 * 0.5)  # K-FAC is fp32 work: the A100's 19.5 TFLOP/s without tensor cores, at 0.5
-    assert got["kfac_a"] == pytest.approx(fp32_ms * sum(2 * rows * d * d for d in inputs))
-    assert got["kfac_g"] == pytest.approx(fp32_ms * sum(2 * rows * d * d for d in grads))
+    # K-FAC is fp32 work: its products in TF32 (a bf16 run's KFAC(tf32=True)), the A100's 156 TFLOP/s at 0.5;
+    # its inversions without tensor cores (19.5 TFLOP/s) at INVERSION_EFFICIENCY of that
+    tf32_ms, fp32_ms = 1e3 / (156e12 * 0.5), 1e3 / (19.5e12 * 0.5)
+    assert got["kfac_a"] == pytest.approx(tf32_ms * sum(2 * rows * d * d for d in inputs))
+    assert got["kfac_g"] == pytest.approx(tf32_ms * sum(2 * rows * d * d for d in grads))
+    shapes = list(zip(inputs, grads))
+    assert got["kfac_pre"] == pytest.approx(tf32_ms * sum(2 * (g * g * a + g * a * a) for a, g in shapes))
+    assert got["kfac_inv"] == pytest.approx(fp32_ms * sum(d ** 3 for d in inputs + grads) / INVERSION_EFFICIENCY)
+    no_tf32 = kfac_costs(spec, 32, 2, "v100")  # products at the fp32 rate (15.7 TFLOP/s, at 0.4)
+    assert no_tf32["kfac_a"] == pytest.approx(1e3 / (15.7e12 * 0.4) * sum(2 * rows * d * d for d in inputs))
     assert got["kfac_sync_a"] == got["kfac_sync_g"] == 0  # one replica
     assert kfac_costs(spec, 32, 2, device, dp=4)["kfac_sync_a"] > 0
     costs = costs_from_model(spec, 2, 32, 2, device, kfac=True)

@@ -20,7 +20,7 @@ from pipeloom.builder import build_run, costs_of
 from pipeloom.cli.flags import spec_of
 from pipeloom.plan.command import run_spec
 from pipeloom.plan.evaluate import evaluate as plan_evaluate
-from pipeloom.sim.model import ModelSpec
+from pipeloom.sim.model import ModelSpec, get_device
 
 GiB = 2**30
 SMALL = ModelSpec("small", 8, 512, 8, 8192)
@@ -282,8 +282,12 @@ def test_kfac_memory_is_its_factors_inverses_and_captures():
     """A K-FAC plan holds, beyond the same layout's AdamW plan, 3 fp32 copies of each linear layer's
     factors (A: inputs + bias squared, G: outputs squared) for each layer of the rank, and at the peak
     the captures of a microbatch's forward (its inputs) and part of its backward's (output gradients)
-    waiting for their curvature pieces: gpt-125m (h 768, MLP 3072) on pp 2, 6 layers a rank."""
-    want = request(2, 80, 8, model="gpt-125m", seq=512, optimizer=("adamw", "kfac"), kfac_every=1)
+    waiting for their curvature pieces: gpt-125m (h 768, MLP 3072) on pp 2, 6 layers a rank, on A100s
+    whose K-FAC runs in fp32 (an fp32 run: pieces too long for the bubbles, each curvature right after
+    its producer; in TF32 some fit the bubbles, their captures held till then)."""
+    fp32 = replace(get_device("a100"), tf32_flops=None)
+    want = PlanRequest("gpt-125m", 512, 8, Cluster.of(fp32, 2, memory=80 * GiB), optimizer=("adamw", "kfac"),
+                       kfac_every=1)
     base = Candidate(2, 1, 1, "1f1b", 1, 1, 8, "none", "none", "none", "adamw")
     adamw, kfac = (Costing(want).evaluate(replace(base, optimizer=o)) for o in ("adamw", "kfac"))
     factors = (769**2 + 2304**2) + (769**2 + 768**2) + (769**2 + 3072**2) + (3073**2 + 768**2)

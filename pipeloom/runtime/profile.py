@@ -32,7 +32,8 @@ state per parameter come from one AdamW step on a layer, as ``pipeloom train``
 keeps it, and the optimizer step's time per parameter from clipping and
 AdamW steps on the profiled layer's parameters. K-FAC's pieces (curvature,
 inversion, preconditioning) are timed on the profiled layer's linear layers
-with :class:`~pipeloom.optim.kfac.KFAC` itself (:func:`kfac_ms`).
+with :class:`~pipeloom.optim.kfac.KFAC` itself (:func:`kfac_ms`), in TF32 where a
+pipeline's would be (bf16 on CUDA).
 
 The result is the JSON object of :mod:`pipeloom.sim.profile`.
 """
@@ -373,9 +374,9 @@ def kfac_ms(run: _Runner, sizes, seq: int) -> dict:
     curvature of one microbatch's inputs (``a``) and output gradients (``g``), then both factors'
     damped inverses (``inv``) and the preconditioning of the layer's gradients (``pre``); and
     ``shares``, each linear layer's share of ``a`` and ``g`` (at the largest size) and of ``inv``."""
-    from ..optim.kfac import KFAC
+    from ..optim.kfac import KFAC, tf32_for
 
-    kfac = KFAC(run.layer, None)
+    kfac = KFAC(run.layer, None, tf32=tf32_for(run.device, run.autocast))  # as the pipeline's
     names = list(kfac.layers)
     timed = run.timer
     curvature: dict[str, dict[str, float]] = {"a": {}, "g": {}}

@@ -206,8 +206,10 @@ def kfac_costs(model: ModelSpec | str, seq: int, microbatch_size: int, device: D
     ``kfac_sync_a``/``kfac_sync_g`` the fp32 all-reduce of the factors over the ``dp`` x ``sp``
     ranks holding the layer (0 with one); ``kfac_inv`` both factors' damped
     inverses (d³ FLOPs a factor, at :data:`INVERSION_EFFICIENCY` of the matmul rate);
-    ``kfac_pre`` the preconditioning ``G⁻¹·∇W·A⁻¹`` of the layer's gradients, every step. All of
-    it is fp32 matrix work (:mod:`pipeloom.optim.kfac`), at the device's fp32 rate."""
+    ``kfac_pre`` the preconditioning ``G⁻¹·∇W·A⁻¹`` of the layer's gradients, every step. It is fp32
+    matrix work (:mod:`pipeloom.optim.kfac`): the inversions at the device's fp32 rate, the products
+    (curvature, preconditioning) at its TF32 rate, as a 16-bit run on CUDA takes them (``KFAC(tf32=True)``;
+    the device presets' rates are a 16-bit run's), or fp32 where it has no TF32."""
     model, device = get_model(model), get_device(device)
     _positive(seq=seq, microbatch_size=microbatch_size, dp=dp, sp=sp)
     rows = microbatch_size * (seq // sp)
@@ -219,12 +221,12 @@ def kfac_costs(model: ModelSpec | str, seq: int, microbatch_size: int, device: D
         holders = dp * sp
         return sum(_collective_ms(device, 4 * d * d, holders, 2) for d in sides) if holders > 1 else 0.0
     return {
-        "kfac_a": device.ms(sum(2 * rows * d * d for d in inputs), fp32=True),
-        "kfac_g": device.ms(sum(2 * rows * d * d for d in grads), fp32=True),
+        "kfac_a": device.ms(sum(2 * rows * d * d for d in inputs), tf32=True),
+        "kfac_g": device.ms(sum(2 * rows * d * d for d in grads), tf32=True),
         "kfac_sync_a": sync(inputs),
         "kfac_sync_g": sync(grads),
         "kfac_inv": device.ms(sum(d ** 3 for d in inputs + grads), fp32=True) / INVERSION_EFFICIENCY,
-        "kfac_pre": device.ms(sum(2 * (g * g * a + g * a * a) for a, g in shapes), fp32=True),
+        "kfac_pre": device.ms(sum(2 * (g * g * a + g * a * a) for a, g in shapes), tf32=True),
     }
 
 

@@ -136,8 +136,10 @@ class Device:
     point-to-point bandwidth to the next pipeline rank and to host memory
     (bytes/s), ``efficiency``, the fraction of peak a transformer layer
     reaches (MFU-like; every FLOP count is divided by ``peak_flops * efficiency``),
-    ``memory_bandwidth`` (bytes/s), which times the optimizer step (None: not timed), and
-    ``fp32_flops``, dense fp32 FLOP/s without tensor cores, K-FAC's matrix work (None: ``peak_flops``)."""
+    ``memory_bandwidth`` (bytes/s), which times the optimizer step (None: not timed),
+    ``fp32_flops``, dense fp32 FLOP/s without tensor cores, K-FAC's inversions (None: ``peak_flops``), and
+    ``tf32_flops``, dense TF32 FLOP/s, K-FAC's products in a 16-bit run (None: the device has no TF32,
+    ``fp32_flops``)."""
 
     name: str
     peak_flops: float
@@ -147,21 +149,27 @@ class Device:
     efficiency: float = 0.5
     memory_bandwidth: float | None = None
     fp32_flops: float | None = None
+    tf32_flops: float | None = None
 
     def __post_init__(self):
         for field in ("peak_flops", "memory", "link_bandwidth", "host_bandwidth"):
             if not getattr(self, field) > 0:
                 raise PipeloomError(f"device {self.name!r}: {field} must be positive, got {getattr(self, field)!r}")
-        for field in ("memory_bandwidth", "fp32_flops"):
+        for field in ("memory_bandwidth", "fp32_flops", "tf32_flops"):
             value = getattr(self, field)
             if value is not None and not value > 0:
                 raise PipeloomError(f"device {self.name!r}: {field} must be positive or None, got {value!r}")
         if not 0 < self.efficiency <= 1:
             raise PipeloomError(f"device {self.name!r}: efficiency must be in (0, 1], got {self.efficiency!r}")
 
-    def ms(self, flops: float, fp32: bool = False) -> float:
-        """Milliseconds to run ``flops`` at the achievable rate (``fp32``: of fp32 work without tensor cores)."""
-        peak = (self.fp32_flops or self.peak_flops) if fp32 else self.peak_flops
+    def ms(self, flops: float, fp32: bool = False, tf32: bool = False) -> float:
+        """Milliseconds to run ``flops`` at the achievable rate (``fp32``: of fp32 work without tensor
+        cores; ``tf32``: of fp32 products in TF32, without it where the device has none)."""
+        peak = self.peak_flops
+        if tf32:
+            peak = self.tf32_flops or self.fp32_flops or peak
+        elif fp32:
+            peak = self.fp32_flops or peak
         return 1e3 * flops / (peak * self.efficiency)
 
 
@@ -179,9 +187,10 @@ CPU_MEMORY_BANDWIDTH = 7e9
 #: Memory Optimization"; H100: 46 GB/s, pinned copies of 512 MiB each way while
 #: both ways copy (offload's two streams), measured on an H100 (PCIe 5) for this
 #: project (54 GB/s one way alone; an H200 moved 55); ~10 GB/s for PCIe 3.
-#: fp32 without tensor cores (K-FAC's factors, inverses and preconditioning run
-#: in fp32): the datasheets' A100 19.5, H100 SXM 67, V100 15.7 TFLOP/s; on the
-#: H100 a gpt-350m layer's K-FAC pieces took 11-13x the bf16-rate formulas.
+#: fp32 without tensor cores (K-FAC's inversions): the datasheets' A100 19.5,
+#: H100 SXM 67, V100 15.7 TFLOP/s; on the H100 a gpt-350m layer's K-FAC pieces,
+#: all fp32 then, took 11-13x the bf16-rate formulas. TF32 (K-FAC's products in a
+#: bf16 run): dense A100 156, H100 SXM 495 TFLOP/s; the V100 has none.
 #: Memory bandwidth: the HBM datasheet figures (A100 80 GB 2.0 TB/s, H100 SXM
 #: 3.35, V100 0.9); the CPU's is what one thread's clipping and AdamW step
 #: achieve over :data:`~pipeloom.sim.model.OPTIMIZER_BYTES_PER_PARAM` on the development VM (about
@@ -191,13 +200,13 @@ DEVICES: dict[str, Device] = {
     for d in (
         # A100 SXM 80 GB: 312 TFLOP/s dense bf16. Efficiency 0.5 puts the
         # zero-bubble paper's four models within ~20% of their profiled T_F.
-        Device("a100", 312e12, 80 * _GiB, 50e9, 15e9, 0.5, 2.0e12, 19.5e12),
+        Device("a100", 312e12, 80 * _GiB, 50e9, 15e9, 0.5, 2.0e12, 19.5e12, 156e12),
         # H100 SXM 80 GB: 989 TFLOP/s dense bf16. Efficiency measured: one
         # layer's F, B and W (bench/gpu_layer.py, bf16, on an H200, the same
         # compute) of the zero-bubble 1.5B and 6.2B shapes and gpt-1.3b reach
         # 0.42-0.63 of peak, 0.53 over their summed time; the issue's H100
         # figures for the 6.2B layer (T_F 2.07 ms) give 0.62 for F.
-        Device("h100", 989e12, 80 * _GiB, 75e9, 46e9, 0.53, 3.35e12, 67e12),
+        Device("h100", 989e12, 80 * _GiB, 75e9, 46e9, 0.53, 3.35e12, 67e12, 495e12),
         # V100 SXM2 32 GB: 125 TFLOP/s fp16 tensor cores (no bf16 on V100).
         Device("v100", 125e12, 32 * _GiB, 25e9, 10e9, 0.4, 0.9e12, 15.7e12),
         # A small x86 VM (2 AVX-512 cores): ~0.26 TFLOP/s fp32 matmul measured

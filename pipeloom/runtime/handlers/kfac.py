@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import PipeloomError
-from ...optim.kfac import KFAC
+from ...optim.kfac import KFAC, tf32_for
 from ...schedule import BW, B, F, Kfac, lower, validate
 from ...schedule.ir import shifted
 from ...schedule.kinds import get
@@ -48,7 +48,8 @@ class KfacWork:
         group = context.mesh.replica_group if context.mesh.layout.replicas > 1 else None
         summed = "K-FAC's sum of the curvature over the data-parallel replicas"
         self.kfac = KFAC(stages, None, damping, decay, exclude=heads + unused, group=group,
-                         all_reduce=lambda tensor: context.channel.all_reduce(tensor, group, summed))
+                         all_reduce=lambda tensor: context.channel.all_reduce(tensor, group, summed),
+                         tf32=tf32_for(context.device, context.autocast))
         self.kfac.capturing = False
         # a captured output gradient carries 1 / (the microbatch's tokens over the sp group x microbatches):
         # its rows times this are the per-token gradients
