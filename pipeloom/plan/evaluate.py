@@ -51,7 +51,9 @@ STEADY_STEPS = (1, 2)
 @dataclass(frozen=True)
 class Plan:
     """A candidate costed: step time (ms), throughput, MFU, peak memory per rank (bytes) and the
-    bubble rate of its simulated schedule (a family without a flush: of its steady step); ``fits`` when every rank's peak is within the GPU memory."""
+    bubble rate of its simulated schedule (a family without a flush: of its steady step); ``fits`` when
+    every rank's peak is within the GPU memory. A family without a flush that does not fit is not
+    timed (:func:`evaluate`): its step is infinite, its throughput, MFU and bubble rate 0."""
 
     candidate: Candidate
     step_ms: float
@@ -465,7 +467,10 @@ def evaluate(request: PlanRequest, c: Candidate, stage_costs: Costs, build_sched
     :func:`schedule_of`); ``steady``: whether its family never flushes (by default as the techniques
     say: :meth:`~pipeloom.techniques.Technique.plan_steady`). A cycle of steps (:func:`cycled`) is
     built once, as ``train`` builds it, and its step is its mean: each rank's end over its steps, then
-    its tail (a family that never flushes: the last end, then the longest tail)."""
+    its tail (a family that never flushes: the last end, then the longest tail). A family that never
+    flushes is simulated for 2 steps first, which give its memory; where that does not fit, its 1 step
+    is neither built nor simulated (with offload, building it is most of the time) and the plan is
+    not timed (:class:`Plan`)."""
     if build_schedule is None:
         def build_schedule(c, steps=None):
             return schedule_of(request, c, stage_costs, steps)
@@ -475,7 +480,11 @@ def evaluate(request: PlanRequest, c: Candidate, stage_costs: Costs, build_sched
     reduce, update = allreduce_ms(request, c), optimizer_ms(request, c)
     tail = [a + o for a, o in zip(reduce, update)]
     if steady and not cycled(c):
-        one, result = (simulate(build_schedule(c, steps), stage_costs) for steps in STEADY_STEPS)
+        result = simulate(build_schedule(c, STEADY_STEPS[-1]), stage_costs)
+        memory = _peaks(request, c, result)
+        if max(memory) > request.cluster.gpu_memory:  # not timed: no plan takes its step
+            return Plan(c, math.inf, 0.0, 0.0, 0.0, memory, 0.0, max(reduce), max(update), False, result)
+        one = simulate(build_schedule(c, STEADY_STEPS[0]), stage_costs)
         # the steady step: two steps' time less one's, and no less than a rank's work in a step
         work = [two.busy - first.busy for two, first in zip(result.ranks, one.ranks)]
         steady = max(result.makespan - one.makespan, *work)
@@ -483,17 +492,22 @@ def evaluate(request: PlanRequest, c: Candidate, stage_costs: Costs, build_sched
         bubble = max(1 - busy / steady for busy in work)
     else:
         result = simulate(build_schedule(c), stage_costs)
+        memory = _peaks(request, c, result)
         # per step of the steps built (a cycle's: its makespan over them, as pipeloom simulate says)
         ends = [max(ends, default=0.0) / result.schedule.steps for ends in result.ends]
         step = max(ends) + max(tail) if steady else max(end + t for end, t in zip(ends, tail))
         bubble = result.bubble_rate
-    memory = peak_memory_bytes(request.model, result, request.seq, microbatch_size=c.microbatch_size, sp=c.sp,
-                               bytes_per_param=request.bytes_per_param,
-                               cast_bytes_per_param=request.cast_bytes_per_param, **_model_options(c))
     seconds = step / 1e3
     return Plan(c, step, request.global_batch * request.seq / seconds, request.global_batch / seconds,
                 model_flops(request) / seconds / (request.cluster.gpus * request.cluster.device.peak_flops), memory,
                 bubble, max(reduce), max(update), max(memory) <= request.cluster.gpu_memory, result)
+
+
+def _peaks(request: PlanRequest, c: Candidate, result: Result) -> list[float]:
+    """:func:`~pipeloom.sim.memory.peak_memory_bytes` of ``c``'s simulated ``result``."""
+    return peak_memory_bytes(request.model, result, request.seq, microbatch_size=c.microbatch_size, sp=c.sp,
+                             bytes_per_param=request.bytes_per_param,
+                             cast_bytes_per_param=request.cast_bytes_per_param, **_model_options(c))
 
 
 def model_flops(request: PlanRequest) -> float:
