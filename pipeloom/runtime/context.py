@@ -132,6 +132,11 @@ class Context:
             return self.versions.module(key, self.steps_done + i // self.schedule.microbatches)
         return None
 
+    def recomputes(self, stage: int) -> bool:
+        """Whether the call being run recomputes ``stage``: its F keeps only its input, its backward
+        runs the forward again (training calls of the stages in :attr:`recompute`)."""
+        return stage in self.recompute and self.step.training
+
     def autocasting(self) -> torch.autocast:
         """The mixed-precision region of the stages' forwards and the LM head's S passes
         (disabled without ``autocast``)."""

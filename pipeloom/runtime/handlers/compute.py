@@ -126,7 +126,7 @@ def _forward(action, context) -> None:
     if not training:
         del step.slots[s, i]  # nothing to keep for a backward
     loss_here = _ends_in_loss(context, s)
-    recompute = s in context.recompute and training
+    recompute = context.recomputes(s)
     if recompute:
         slot.rerun = Rerun.of(stage, slot.input, context.device)
     with context.autocasting(), torch.no_grad() if recompute else nullcontext():

@@ -82,7 +82,7 @@ class KfacWork:
         hooks its forward left capture the output gradients). A recomputing stage's F runs without
         autograd: it captures the inputs alone, and its backward's forward, run again, the gradients."""
         capturing = self.capturing(action)
-        recomputed = action.stage in self.context.recompute and self.context.step.training
+        recomputed = self.context.recomputes(action.stage)
         if action.kind == F:
             self.kfac.capturing = capturing and ("A" if recomputed else True)
         else:
