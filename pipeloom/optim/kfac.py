@@ -263,20 +263,20 @@ class KFAC:
         (layers with no inverses yet or no weight gradient are left as they are). ``weights``: by
         layer name, the (weight, bias or None) whose ``.grad`` to precondition instead of the layer's
         own parameters' (a step's weight version, PipeDream-2BW's)."""
-        for name in self.layers if names is None else names:
-            layer = self._layer(name)
-            w, b = weights[name] if weights else (layer.module.weight, layer.module.bias)
-            if not layer.inverses or w.grad is None:
-                continue
-            grad = w.grad.to(layer.dtype)
-            if b is not None:
-                grad_b = b.grad if b.grad is not None else torch.zeros_like(b)
-                grad = torch.cat([grad, grad_b.to(layer.dtype).unsqueeze(1)], dim=1)
-            with _tf32(self.tf32):
+        with _tf32(self.tf32):  # once for the call: its other operations are no products
+            for name in self.layers if names is None else names:
+                layer = self._layer(name)
+                w, b = weights[name] if weights else (layer.module.weight, layer.module.bias)
+                if not layer.inverses or w.grad is None:
+                    continue
+                grad = w.grad.to(layer.dtype)
+                if b is not None:
+                    grad_b = b.grad if b.grad is not None else torch.zeros_like(b)
+                    grad = torch.cat([grad, grad_b.to(layer.dtype).unsqueeze(1)], dim=1)
                 grad = layer.inverses["G"] @ grad @ layer.inverses["A"]
-            w.grad.copy_(grad[:, :w.shape[1]])
-            if b is not None and b.grad is not None:
-                b.grad.copy_(grad[:, -1])
+                w.grad.copy_(grad[:, :w.shape[1]])
+                if b is not None and b.grad is not None:
+                    b.grad.copy_(grad[:, -1])
 
     def step(self) -> None:
         """One plain training step: refresh the factors (if this step
