@@ -164,6 +164,18 @@ for _name in VOCAB_FIELDS:
     register_field(_name, per="rank")
 
 
+class _Deltas(dict):
+    """action -> ``delta(action)``, worked out on its first use."""
+
+    def __init__(self, delta):
+        super().__init__()
+        self.delta = delta
+
+    def __missing__(self, action):
+        found = self[action] = self.delta(action)
+        return found
+
+
 class StageCosts:
     """Costs resolved to one value per virtual stage (per rank for the fields
     given per rank), read as attributes (``costs.f[stage]``); kinds' actions
@@ -172,6 +184,7 @@ class StageCosts:
     def __init__(self, values: dict[str, tuple[float, ...]]):
         self.values = values
         self._deltas: tuple[dict, dict] = ({}, {})  # activation and host changes by (kind, stage, payload)
+        self._by_action = _Deltas(self.memory_delta)  # activation changes by action
 
     def __getattr__(self, name: str) -> tuple[float, ...]:
         try:
@@ -210,6 +223,10 @@ class StageCosts:
         """The action's change of its rank's activation memory (:func:`~.deps.memory_delta`)."""
         found = self._deltas[0].get((action[0], action[1], action[3]))
         return self._delta(action, "memory") if found is None else found
+
+    def memory_deltas(self, actions) -> list[float]:
+        """:meth:`memory_delta` of each of ``actions`` (kept per action: a list's are asked often)."""
+        return list(map(self._by_action.__getitem__, actions))
 
     def host_delta(self, action) -> float:
         """The action's change of its rank's host memory (its kind's ``host`` terms)."""

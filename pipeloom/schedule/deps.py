@@ -141,7 +141,13 @@ class _Program:
     an order that runs each after its inputs, each with the slots its start is
     the largest of. Slot ``q`` holds the end of the ``q``-th action of the ranks'
     lists laid end to end, slot ``n + q`` its arrival on another rank or through
-    a collective (end plus transfer), slot ``2n`` holds 0.0."""
+    a collective (end plus transfer), slot ``2n`` holds 0.0. A program derived
+    from another (:mod:`~.transforms.offload_program`) keeps the slots of the
+    actions it shares with it, gives the actions it adds slots past ``2n``
+    (their arrivals, never read, past those: ``size`` slots in all) and lists each rank's slots in list order in
+    ``layout``; a compiled one has no ``layout``: rank r's slots are ``bounds[r]``'s range."""
+
+    layout: list[list[int]] | None = None
 
     def __init__(self, schedule: Schedule):
         lists = schedule.ranks
@@ -253,6 +259,11 @@ class _Program:
         #: parallel lists, zipped by :meth:`run`: slot, inputs, key and side-stream inputs of each action
         self.steps = order, inputs_of, [key_at[slot] for slot in order], sides
         self.bounds = list(zip(offsets, offsets[1:]))
+        self.size = 2 * n + 1
+
+    def slots_of(self, rank: int) -> list[int] | range:
+        """Rank ``rank``'s slots in its list's order."""
+        return range(*self.bounds[rank]) if self.layout is None else self.layout[rank]
 
     def run(self, duration, transfer, waits):
         """:func:`asap`'s times under these costs."""
@@ -261,8 +272,8 @@ class _Program:
         for key in self.sent:
             delays[key] = transfer(self.timed[key])
         n = self.n
-        slots = [0.0] * (2 * n + 1)
-        starts = [0.0] * n
+        slots = [0.0] * self.size
+        starts = [0.0] * self.size
         get = slots.__getitem__
         for slot, inputs, key, waited in zip(*self.steps):
             start = max(map(get, inputs))
@@ -276,7 +287,10 @@ class _Program:
             starts[slot] = start
             slots[slot] = end = start + times[key]
             slots[slot + n] = end + delays[key]
-        return [starts[a:b] for a, b in self.bounds], [slots[a:b] for a, b in self.bounds]
+        if self.layout is None:
+            return [starts[a:b] for a, b in self.bounds], [slots[a:b] for a, b in self.bounds]
+        return ([list(map(starts.__getitem__, ids)) for ids in self.layout],
+                [list(map(slots.__getitem__, ids)) for ids in self.layout])
 
 
 #: id(schedule) -> (the kinds and input rules it was compiled under, a weak reference to it, its program)

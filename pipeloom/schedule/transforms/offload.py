@@ -75,6 +75,8 @@ from __future__ import annotations
 
 import bisect
 import math
+from itertools import accumulate
+from operator import itemgetter
 from dataclasses import replace
 from functools import cached_property
 from typing import NamedTuple
@@ -98,6 +100,7 @@ RELOAD_W = "RELOAD_W"
 OUT_STREAM, BACK_STREAM = "d2h", "h2d"
 POLICIES = ("none", "full", "selective")
 _NOISE = 1e-9  # relative: memory levels that differ by less are equal
+_CHANGE = itemgetter(1)
 
 register_field("offload")
 
@@ -355,7 +358,7 @@ class _Pairs:
 
     def _events(self, rank: int) -> list[tuple[float, float]]:
         """(time, change) of the rank's activation memory without offload."""
-        return _memory_events(self.schedule.ranks[rank], self.costs.memory_delta, self.starts[rank], self.ends[rank])
+        return _memory_events(self.schedule.ranks[rank], self.costs, self.starts[rank], self.ends[rank])
 
 
 class _Sweep:
@@ -548,9 +551,9 @@ def tightest(actions, pairs) -> list[Action]:
 
 def _profile(events: list[tuple[float, float]], grid: list[float]) -> list[float]:
     """A memory profile's level at each time of ``grid`` (which holds every event's time), after
-    the events up to it in time order (falls before rises at one instant)."""
+    the ``events`` (in time order, :func:`_memory_events`) up to it."""
     levels, level, k = [], 0.0, 0
-    ordered = sorted(events)
+    ordered = events
     for t in grid:
         while k < len(ordered) and ordered[k][0] <= t:
             level += ordered[k][1]
@@ -595,22 +598,18 @@ def _timed(schedule: Schedule, costs: StageCosts) -> tuple[list[float], float]:
     return _levels(schedule, costs, starts, ends), max((max(e, default=0.0) for e in ends), default=0.0)
 
 
-def _memory_events(actions, delta, starts, ends) -> list[tuple[float, float]]:
-    """(time, change) of one rank's activation memory on a timeline: a rise at its action's
-    start, a fall at its end (``delta``: an action's change)."""
-    return [(starts[k] if d > 0 else ends[k], d) for k, a in enumerate(actions) if (d := delta(a))]
+def _memory_events(actions, costs: StageCosts, starts, ends) -> list[tuple[float, float]]:
+    """(time, change) of one rank's activation memory on a timeline, in time order: a rise at its
+    action's start, a fall at its end (falls before rises at one instant)."""
+    events = [(start if d > 0 else end, d) for start, end, d in zip(starts, ends, costs.memory_deltas(actions)) if d]
+    events.sort()
+    return events
 
 
 def _levels(schedule: Schedule, costs: StageCosts, starts, ends) -> list[float]:
     """Each rank's activation peak on the timeline ``starts``, ``ends``."""
-    peaks = []
-    for rank, actions in enumerate(schedule.ranks):
-        level = peak = 0.0
-        for _, d in sorted(_memory_events(actions, costs.memory_delta, starts[rank], ends[rank])):
-            level += d
-            peak = max(peak, level)
-        peaks.append(peak)
-    return peaks
+    return [max(accumulate(map(_CHANGE, _memory_events(actions, costs, *times)), initial=0.0))
+            for actions, *times in zip(schedule.ranks, starts, ends)]
 
 
 def _eager(schedule: Schedule, pairs: _Pairs, costs: StageCosts) -> tuple[list[list[tuple]], Schedule]:
@@ -763,7 +762,7 @@ def _peak_times(actions, costs: StageCosts, starts, ends) -> list[float]:
     """The instants one rank's activation memory reaches its peak on a timeline."""
     level = peak = 0.0
     at: list[float] = []
-    for t, d in sorted(_memory_events(actions, costs.memory_delta, starts, ends)):
+    for t, d in _memory_events(actions, costs, starts, ends):
         level += d
         if level > peak + _slack(peak):
             peak, at = level, [t]

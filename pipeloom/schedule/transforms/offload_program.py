@@ -7,14 +7,17 @@ never change the inputs of the bare schedule's actions, so each attempt's
 program is the bare one's with the copies added (:func:`with_copies`), the
 same floats as compiling it gives (a test compares them). Likewise each W move
 it tries (:func:`~.offload._moved`) changes a few inputs of one rank's
-actions: its program is the one before the move, renumbered, with those
-changed (:func:`with_moved`).
+actions: its program is the one before the move with those changed
+(:func:`with_moved`). A derived program keeps the slots of the actions it
+shares with the one it comes from (the copies take slots of their own, each
+rank's order is its ``layout``), so deriving never renumbers the steps it keeps.
 """
 
 from __future__ import annotations
 
-from itertools import accumulate
-from operator import itemgetter
+import weakref
+from itertools import compress
+from operator import itemgetter, not_
 
 from .. import deps as _deps
 from ..ir import F, W, Action, Schedule
@@ -60,52 +63,63 @@ def _keep(schedule: Schedule, derive) -> None:
                                 program)
 
 
+#: compiled base program -> what :func:`_derive` reads of it and its schedule (:func:`_base_facts`)
+_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _base_facts(old, base: Schedule) -> tuple | None:
+    """What :func:`_derive` reads of ``base``'s compiled program ``old``, once per base: per rank
+    each action's index in its list, and each slot's step; None where copies cannot be derived
+    into it (its actions wait on side streams, run as compounds, or are Fs with payloads)."""
+    facts = _FACTS.get(old)
+    if facts is None:
+        derivable = old.layout is None and not any(old.steps[3]) and not any(
+            KINDS[kind].stream or kind in COMPOUND for kind in {a[0] for actions in base.ranks for a in actions}) and not any(
+            a[3] for actions in base.ranks for a in actions if a[0] == F)
+        facts = _FACTS[old] = (([{a: k for k, a in enumerate(actions)} for actions in base.ranks],
+                                dict(zip(old.steps[0], range(old.n)))) if derivable else None,)
+    return facts[0]
+
+
 def _derive(schedule: Schedule, base: Schedule):
     """The program of ``schedule`` from ``base``'s (see :func:`with_copies`), or None where it cannot
-    be derived: the base's steps renumbered, each copy's step right before the step of the base
-    action after it in its rank's list (after every base step where none is), and the closers of
-    the copied pairs and the paced Fs waiting for their copies."""
+    be derived: the base's steps and slots kept, each copy a slot of its own, its step right before
+    the step of the base action after it in its rank's list (after every base step where none is),
+    and the closers of the copied pairs and the paced Fs waiting for their copies."""
     old = _deps._program(base)
-    if any(old.steps[3]):  # the base waits on side streams already
+    facts = _base_facts(old, base)
+    if facts is None:
         return None
-    lists, n_old = schedule.ranks, old.n
-    offsets = list(accumulate(map(len, lists), initial=0))
-    n = offsets[-1]
-    zero = 2 * n
-    # the base's keys (distinct (kind, stage, payload), each timed by the last action of it in the
-    # lists, as compiling does), then the copies'
+    indexes, step_of = facts
+    n = old.n
+    zero, added = 2 * n, 0  # the copies so far
     timed = list(old.timed)
     copy_keys: dict[tuple, int] = {}
-    step_of = dict(zip(old.steps[0], range(n_old)))  # old slot -> its step
-    slots: list[int] = []  # old slot -> new slot
-    placed = []  # per copy: (the step it goes before (n_old: after every one), slot, inputs, key)
-    copied, reloads = {}, {}  # pair -> (slot, rank) of its copy to host, of its copy back
-    ranks = []  # per rank: the index of each base action in its list (where it has copies), its first old slot
-    at = 0
-    for r, (actions, was) in enumerate(zip(lists, base.ranks)):
-        found = [k for k, a in enumerate(actions) if a[0] in COPIES]
-        first, start = len(slots), 0
-        for k in found:
-            slots.extend(range(at + start, at + k))
-            start = k + 1
-        slots.extend(range(at + start, at + len(actions)))
-        if (len(slots) - first != len(was) or any(a[3] for a in was if a[0] == F)
-                or any(KINDS[kind].stream or kind in COMPOUND for kind in set(map(_KIND, was)))
-                or (tuple(a for a in actions if a[0] not in COPIES) if found else actions) != was):
-            return None  # a compound's parts wait for copies: compiling says which
-        index = {a: k for k, a in enumerate(was)} if found else {}
-        ranks.append((index, first))
+    layout = []  # per rank, its slots in list order
+    placed = []  # per copy: (the step it goes before (n: after every one), slot, inputs, key)
+    copied, reloads = {}, {}  # pair -> (slot, rank, base actions before it) of its copy to host, of its copy back
+    first = 2 * n + 1  # the first copy's slot
+    for r, (actions, was) in enumerate(zip(schedule.ranks, base.ranks)):
+        at, index = old.bounds[r][0], indexes[r]
+        copy = list(map(COPIES.__contains__, map(_KIND, actions)))
+        if tuple(compress(actions, map(not_, copy))) != was:
+            return None  # not the base with copies inserted
+        ids, start = [], 0  # start: the base index of the next base action
         stream = {True: zero, False: zero}  # the rank's last copy to host, back
-        for j, k in enumerate(found):
+        for j, k in enumerate(compress(range(len(actions)), copy)):
+            before = k - j  # the base actions before it
+            if before > start:
+                ids.extend(range(at + start, at + before))
+                start = before
             a = actions[k]
             kind, stage, microbatch, payload = a
             phase, out = COPIES[kind]
-            pair, before = (stage, microbatch, phase), k - j  # and the base actions before it
+            pair = stage, microbatch, phase
             if out:
                 opener = index.get((_OPENERS[phase], stage, microbatch, ()), before)
-                q = slots[first + opener] if opener < before else None
+                q = at + opener if opener < before else None
             else:
-                q, there = copied.get(pair, (None, r))
+                q, there, _ = copied.get(pair, (None, r, 0))
                 q = q if there == r else None
             if q is None:
                 return None  # its input comes later in the list or from another rank: compiling says so
@@ -113,28 +127,31 @@ def _derive(schedule: Schedule, base: Schedule):
             if key is None:
                 key = copy_keys[kind, stage, payload] = len(timed)
                 timed.append(a)
-            timed[key] = a
-            slot = at + k
-            placed.append((step_of[first + before] if before < len(was) else n_old, slot,
-                           (slots[first + before - 1] if before else zero, stream[out], q), key))
+            slot = first + added if added < n else _added_slot(n, added)
+            added += 1
+            ids.append(slot)
+            placed.append((step_of[at + before] if before < len(was) else n, slot,
+                           (at + before - 1 if before else zero, stream[out], q), key))
             stream[out] = slot
-            (copied if out else reloads)[pair] = slot, r
-        at += len(actions)
-    get = [*slots, *[s + n for s in slots], zero].__getitem__  # old slot -> new slot (an arrival: + n)
-    sides: list = [None] * n_old
+            (copied if out else reloads)[pair] = slot, r, before
+        ids.extend(range(at + start, at + len(was)))
+        layout.append(ids)
+    sides = list(old.steps[3])
     waiting = [(PHASES[pair[2]].before, pair[:2], reload) for pair, reload in reloads.items()]  # the closers
     for pair, waited in paced(schedule).items():  # the paced Fs
         if (*waited, 0) not in copied:
             return None
         waiting.append(((F,), pair, copied[(*waited, 0)]))
-    for kinds, (stage, microbatch), (q, r) in waiting:
-        index, first = ranks[r]
-        k = next((index[kind, stage, microbatch, ()] for kind in kinds if (kind, stage, microbatch, ()) in index), None)
-        if k is None or slots[first + k] < q:
+    for kinds, (stage, microbatch), (q, r, before) in waiting:
+        index = indexes[r]
+        for kind in kinds:
+            k = index.get((kind, stage, microbatch, ()))
+            if k is not None:
+                break
+        if k is None or k < before:
             return None  # its copy comes later in the list or runs on another rank: compiling says so
-        sides[step_of[first + k]] = r, (zero, q)
-    base_steps = ([slots[s] for s in old.steps[0]], [tuple(map(get, inputs)) for inputs in old.steps[1]],
-                  old.steps[2], sides)
+        sides[step_of[old.bounds[r][0] + k]] = r, (zero, q)
+    base_steps = (*old.steps[:3], sides)
     steps, start = ([], [], [], []), 0
     for end, slot, inputs, key in sorted(placed):
         if end > start:  # the base steps up to the one the copy goes before
@@ -147,21 +164,22 @@ def _derive(schedule: Schedule, base: Schedule):
         steps[3].append(None)
     for step, was in zip(steps, base_steps):
         step += was[start:]
-    program = object.__new__(_deps._Program)
-    program.n = n
-    program.timed = timed
-    program.sent = old.sent  # the copies' results never cross ranks
-    program.steps = steps
-    program.bounds = list(zip(offsets, offsets[1:]))
-    return program
+    size = _added_slot(n, added - 1) + n + 1 if added else old.size
+    return _made(n, size, timed, old.sent, steps, layout)  # the copies' results never cross ranks
+
+
+def _added_slot(n: int, j: int) -> int:
+    """The slot of the ``j``-th action a program of ``n`` compiled slots adds: past ``2n`` (zero's),
+    in blocks of ``n`` with a gap of ``n`` after each, which the block's arrivals (slot + n, never
+    read) take."""
+    return 2 * n + 1 + 2 * n * (j // n) + j % n
 
 
 def _derive_moved(schedule: Schedule, current: Schedule, pair: tuple[int, int]):
     """The program of ``schedule`` from ``current``'s (see :func:`with_moved`), or None where it cannot
-    be derived: each slot renumbered to its action's place in ``schedule``; on the W's rank, each
-    action's clock (and a copy's stream) read again from its list, the W no longer waiting for its
-    dropped copy back; the W run right after the action before it (its B, which its other inputs
-    precede)."""
+    be derived: the slots kept; on the W's rank, each action's clock (and a copy's stream) read again
+    from its list, the W no longer waiting for its dropped copy back, the dropped copies' steps gone;
+    the W run right after the action before it (its B, which its other inputs precede)."""
     old = _deps._program(current)
     rank = schedule.placement[pair[0]]
     was, actions = current.ranks[rank], schedule.ranks[rank]
@@ -170,16 +188,12 @@ def _derive_moved(schedule: Schedule, current: Schedule, pair: tuple[int, int]):
     if gone and gone != set(copies((*pair, 1))) or len(actions) + len(gone) != len(was) or any(
             a is not b for r, (a, b) in enumerate(zip(current.ranks, schedule.ranks)) if r != rank):
         return None
-    first, last = old.bounds[rank]
-    n = old.n - len(gone)
-    zero = 2 * n
-    place = {a: first + k for k, a in enumerate(actions)}  # each action of the rank -> its new slot
-    slots = [*range(first), *(place.get(a, -1) for a in was), *range(last - len(gone), n)]
-    new_of = [*slots, *(s + n if s >= 0 else -1 for s in slots), zero]
-    get = new_of.__getitem__
-    heads = {}  # new slot -> its clock (and stream) inputs, on the W's rank
+    zero = 2 * old.n
+    slot_of = dict(zip(was, old.slots_of(rank)))
+    ids = [slot_of[a] for a in actions]
+    heads = {}  # slot -> its clock (and stream) inputs, on the W's rank
     clock, stream = zero, {}
-    for slot, a in enumerate(actions, first):
+    for slot, a in zip(ids, actions):
         side = KINDS[a.kind].stream
         if side:
             heads[slot] = clock, stream.get(side, zero)
@@ -187,32 +201,29 @@ def _derive_moved(schedule: Schedule, current: Schedule, pair: tuple[int, int]):
         else:
             heads[slot] = (clock,)
             clock = slot
-    slot_of, inputs_of, keys_of, sides = old.steps
-    order = [new_of[slot] for slot in slot_of]
-    inputs_of = [tuple(map(get, inputs)) for inputs in inputs_of]
-    sides = [waited and (waited[0], tuple(map(get, waited[1]))) for waited in sides]
-    step_of = dict(zip(order, range(len(order))))  # new slot -> its step
+    steps = order, inputs_of, _, sides = tuple(map(list, old.steps))
+    step_of = dict(zip(order, range(len(order))))
     for slot, head in heads.items():  # the rank's clock (and stream) read again
         k = step_of[slot]
         inputs_of[k] = (*head, *inputs_of[k][len(head):])
-    steps = order, inputs_of, list(keys_of), sides
-    for _ in gone:  # the dropped copies' steps
-        k = order.index(-1)
+    for k in sorted((step_of[slot_of[a]] for a in gone), reverse=True):  # the dropped copies' steps
         for step in steps:
             del step[k]
-    w_slot, k = place[w], order.index(place[w])
-    before = heads[w_slot][0]  # the action before the moved W (its B, which its other inputs precede)
-    if sides[k] and not gone or not all(first <= q <= before for q in inputs_of[k]):
+    w_slot = slot_of[w]
+    k, before = order.index(w_slot), heads[w_slot][0]  # the action before the moved W (its B)
+    if sides[k] and not gone or not set(inputs_of[k]).issubset(ids[:ids.index(before) + 1]):
         return None  # it waits on a side stream, or for an input that may come later in the order
     at = order.index(before) + 1
     for step in steps:
         step.insert(at, step.pop(k))
     sides[at] = None
+    layout = [ids if r == rank else old.slots_of(r) for r in range(len(schedule.ranks))]
+    return _made(old.n, old.size, old.timed, old.sent, steps, layout)
+
+
+def _made(n: int, size: int, timed: list, sent: list, steps: tuple, layout: list):
+    """A derived :class:`~..deps._Program` of these parts."""
     program = object.__new__(_deps._Program)
-    program.n = n
-    program.timed = old.timed
-    program.sent = old.sent
-    program.steps = steps
-    program.bounds = [(a - len(gone) * (r > rank), b - len(gone) * (r >= rank))
-                      for r, (a, b) in enumerate(old.bounds)]
+    program.n, program.size, program.timed, program.sent, program.steps = n, size, timed, sent, steps
+    program.bounds, program.layout = None, layout
     return program
