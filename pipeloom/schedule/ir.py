@@ -101,8 +101,9 @@ def parts(action: Action) -> tuple[Action, ...]:
 
 def shifted(action: Action, by: int) -> Action:
     """``action`` with its microbatch, and a compound action's parts', ``by`` later (a later step's)."""
-    if action.kind not in COMPOUND:
-        return action._replace(microbatch=action.microbatch + by)
+    kind, stage, microbatch, payload = action
+    if kind not in COMPOUND:
+        return Action.from_fields((kind, stage, microbatch + by, payload))
     return Action.compound(action.kind, [part._replace(microbatch=part.microbatch + by) for part in parts(action)])
 
 

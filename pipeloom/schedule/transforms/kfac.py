@@ -327,8 +327,7 @@ def _unroll(base: Schedule, k: int, placed: list[_Rank]) -> Schedule:
         lists = []
         for copy in range(k):
             shift = copy * per_copy
-            moved = [a._replace(microbatch=a.microbatch + copy * base.steps) if a.kind == KFAC_PRE
-                     else shifted(a, shift) for a in actions]
+            moved = [shifted(a, copy * base.steps if a.kind == KFAC_PRE else shift) for a in actions]
             extra = [(index, order, a) for c, index, order, a in mine.placed if c == copy]
             if copy == 0:  # before any piece a gap puts at the same index
                 extra += [(mine.after_producer(p.action), (-1, n), p.action) for n, p in enumerate(mine.inline)]
