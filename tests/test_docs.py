@@ -50,8 +50,10 @@ def _blocks(page: Path):
 
 
 def _slow(runs) -> bool:
-    """Whether a block runs a worker: a training run, sampling or a profile (a minute or so each)."""
-    return any(re.match(r"pipeloom (generate|profile)|pipeloom train(?!.*--dry-run)", command) for command, _ in runs)
+    """Whether a block runs a worker (a training run, sampling or a profile: a minute or so each) or
+    a K-FAC plan search (each layout simulated over its refresh cycle: seconds a layout)."""
+    return any(re.match(r"pipeloom (generate|profile)|pipeloom train(?!.*--dry-run)|pipeloom plan .*--optimizer (kfac|any)",
+                        command) for command, _ in runs)
 
 
 def _timed(command: str) -> bool:

@@ -486,8 +486,8 @@ def test_the_placement_times_copies_as_the_compiled_program_does(name, policy, c
 @pytest.mark.parametrize("name,chunks", [("zb-v", 2), ("zb-h1", 1)])
 def test_each_move_is_timed_as_the_compiled_program_does(name, chunks, monkeypatch):
     """Each W the placement tries to move is timed with a program derived from the schedule's
-    before the move (not compiled again): the same starts, ends and copy waits as compiling it, on
-    any costs (the standard setting with blockwise attention: Ws move with their copies and without)."""
+    before the move (not compiled again), resumed from that one's timeline at the first step the
+    move changes: the same starts, ends and copy waits as compiling it, on any costs (the standard setting with blockwise attention: Ws move with their copies and without)."""
     from pipeloom.schedule import deps
     from pipeloom.schedule.transforms import offload_program
 
@@ -500,12 +500,16 @@ def test_each_move_is_timed_as_the_compiled_program_does(name, chunks, monkeypat
         return lambda a: times.setdefault((tag, a.kind, a.stage, a.payload), rng.random())
 
     def compared(schedule, current, pair):
-        derived, compiled = derive(schedule, current, pair), deps._Program(schedule)
-        assert derived is not None
+        derived, compiled, before = derive(schedule, current, pair), deps._Program(schedule), deps._program(current)
+        assert derived is not None and derived.origin[0]() is before
         for duration, transfer in ((per_stage.duration, per_stage.transfer), (drawn("d"), drawn("t"))):
             waits = [[0.0] * schedule.pp for _ in range(2)]
-            assert derived.run(duration, transfer, waits[0]) == compiled.run(duration, transfer, waits[1])
+            times = compiled.run(duration, transfer, waits[1])
+            assert derived.run(duration, transfer, waits[0]) == times
             assert waits[0] == waits[1]
+            # resumed from the timeline before the move, at its first changed step: the same times
+            resume = (*before.timeline(duration, transfer), derived.origin[1])
+            assert derived.lists(*derived.timeline(duration, transfer, resume=resume)) == times
         rank = schedule.placement[pair[0]]
         tried.append(len(current.ranks[rank]) - len(schedule.ranks[rank]))  # the copies dropped
         return derived

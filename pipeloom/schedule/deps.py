@@ -148,6 +148,9 @@ class _Program:
     ``layout``; a compiled one has no ``layout``: rank r's slots are ``bounds[r]``'s range."""
 
     layout: list[list[int]] | None = None
+    #: (a weak reference to the program this one was derived from, its first step that differs
+    #: from that one's), if any
+    origin: tuple[weakref.ref, int] | None = None
 
     def __init__(self, schedule: Schedule):
         lists = schedule.ranks
@@ -267,15 +270,24 @@ class _Program:
 
     def run(self, duration, transfer, waits):
         """:func:`asap`'s times under these costs."""
+        return self.lists(*self.timeline(duration, transfer, waits))
+
+    def timeline(self, duration, transfer, waits=None, resume=None) -> tuple[list[float], list[float]]:
+        """Each slot's value and each action's start (by its slot) under these costs. ``resume``:
+        ``(slots, starts, step)`` of the timeline under the same costs of a program whose steps
+        before ``step`` are this one's (:attr:`origin`'s): those steps are not run again (``waits``
+        then gathers what the steps from ``step`` on wait)."""
         times = [duration(action) for action in self.timed]
         delays = [0.0] * len(times)  # read only for the keys in self.sent
         for key in self.sent:
             delays[key] = transfer(self.timed[key])
         n = self.n
-        slots = [0.0] * self.size
-        starts = [0.0] * self.size
+        if resume is None:
+            slots, starts, first = [0.0] * self.size, [0.0] * self.size, 0
+        else:
+            slots, starts, first = list(resume[0]), list(resume[1]), resume[2]
         get = slots.__getitem__
-        for slot, inputs, key, waited in zip(*self.steps):
+        for slot, inputs, key, waited in zip(*(step[first:] if first else step for step in self.steps)):
             start = max(map(get, inputs))
             if waited:
                 r, side = waited
@@ -287,6 +299,10 @@ class _Program:
             starts[slot] = start
             slots[slot] = end = start + times[key]
             slots[slot + n] = end + delays[key]
+        return slots, starts
+
+    def lists(self, slots: list[float], starts: list[float]) -> tuple[list[list[float]], list[list[float]]]:
+        """Per rank, the starts and ends of its actions in list order, from a :meth:`timeline`."""
         if self.layout is None:
             return [starts[a:b] for a, b in self.bounds], [slots[a:b] for a, b in self.bounds]
         return ([list(map(starts.__getitem__, ids)) for ids in self.layout],

@@ -83,7 +83,7 @@ from typing import NamedTuple
 
 from ...errors import PipeloomError, ScheduleError
 from ..costs import Costs, StageCosts, register_field
-from ..deps import asap
+from ..deps import _program, asap
 from ..ir import BW, B, F, W, Action, Schedule, parts
 from ..kinds import KINDS, Kind, register, register_inputs
 from . import insert
@@ -722,7 +722,7 @@ def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ra
     span = pairs.span
     target = 0.0 if ratio is None else (1 - ratio) * pairs.peak
     current, moved, tried, refused = offloaded, {}, dict.fromkeys(short, 0), set()
-    timeline = asap(current, costs.duration, costs.transfer)
+    timeline, kept = _resumed(current, costs, None)
     peaks = _levels(current, costs, *timeline)
     best = max(peaks), current, {}  # the largest peak, and the fewest moves that reach it
     while max(peaks) > target + _slack(target):
@@ -737,14 +737,14 @@ def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ra
         trial = replace(current, ranks=tuple(_move_w(actions, pair) if r == rank else actions
                                              for r, actions in enumerate(current.ranks)))
         with_moved(trial, current, pair)
-        times = asap(trial, costs.duration, costs.transfer)
+        times, resumed = _resumed(trial, costs, kept)
         levels = _levels(trial, costs, *times)
         fewer = (levels[rank] < peaks[rank] - _slack(peaks[rank]) or levels[rank] <= peaks[rank] + _slack(peaks[rank])
                  and len(_peak_times(trial.ranks[rank], costs, *(t[rank] for t in times))) < len(at))
         step = max((max(e, default=0.0) for e in times[1]), default=0.0)
         if (fewer and span - _slack(span) <= step <= (1 + STEP_COST) * span
                 and all(new <= old + _slack(old) for r, (new, old) in enumerate(zip(levels, peaks)) if r != rank)):
-            current, timeline, peaks = trial, times, levels
+            current, timeline, peaks, kept = trial, times, levels, resumed
             moved[pair] = pairs.schedule.ranks[rank].index(Action(W, *pair))
             if max(peaks) < best[0] - _slack(best[0]):
                 best = max(peaks), current, dict(moved)
@@ -756,6 +756,17 @@ def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ra
     record = {**current.options["offload"], "moved": sorted([*pair, k, _follower(pairs.schedule, pair, k)]
                                                             for pair, k in moved.items())}
     return replace(current, options={**current.options, "offload": record})
+
+
+def _resumed(schedule: Schedule, costs: StageCosts, kept: tuple | None) -> tuple[tuple, tuple]:
+    """:func:`~..deps.asap`'s times of ``schedule``, and (its program, that program's timeline) for
+    the next call; ``kept``, such a pair of the program ``schedule``'s was derived from
+    (:func:`~.offload_program.with_moved`), is resumed at the first step that differs."""
+    program = _program(schedule)
+    origin = program.origin
+    resume = (*kept[1], origin[1]) if kept is not None and origin is not None and origin[0]() is kept[0] else None
+    timeline = program.timeline(costs.duration, costs.transfer, resume=resume)
+    return program.lists(*timeline), (program, timeline)
 
 
 def _peak_times(actions, costs: StageCosts, starts, ends) -> list[float]:

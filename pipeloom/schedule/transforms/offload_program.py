@@ -218,7 +218,9 @@ def _derive_moved(schedule: Schedule, current: Schedule, pair: tuple[int, int]):
         step.insert(at, step.pop(k))
     sides[at] = None
     layout = [ids if r == rank else old.slots_of(r) for r in range(len(schedule.ranks))]
-    return _made(old.n, old.size, old.timed, old.sent, steps, layout)
+    program = _made(old.n, old.size, old.timed, old.sent, steps, layout)
+    program.origin = weakref.ref(old), at  # the steps before the W's are old's (the rank's list is, up to its B)
+    return program
 
 
 def _made(n: int, size: int, timed: list, sent: list, steps: tuple, layout: list):
