@@ -144,8 +144,9 @@ class _Program:
     a collective (end plus transfer), slot ``2n`` holds 0.0. A program derived
     from another (:mod:`~.transforms.offload_program`) keeps the slots of the
     actions it shares with it, gives the actions it adds slots past ``2n``
-    (their arrivals, never read, past those: ``size`` slots in all) and lists each rank's slots in list order in
-    ``layout``; a compiled one has no ``layout``: rank r's slots are ``bounds[r]``'s range."""
+    (their arrivals, never read, past those: ``size`` slots in all) and lists
+    each rank's slots in list order in ``layout``; a compiled one has no
+    ``layout``: rank r's slots are ``bounds[r]``'s range."""
 
     layout: list[list[int]] | None = None
     #: (a weak reference to the program this one was derived from, its first step that differs

@@ -75,10 +75,10 @@ from __future__ import annotations
 
 import bisect
 import math
-from itertools import accumulate
-from operator import itemgetter
 from dataclasses import replace
 from functools import cached_property
+from itertools import accumulate
+from operator import itemgetter
 from typing import NamedTuple
 
 from ...errors import PipeloomError, ScheduleError
