@@ -98,7 +98,6 @@ def _derive(schedule: Schedule, base: Schedule):
     layout = []  # per rank, its slots in list order
     placed = []  # per copy: (the step it goes before (n: after every one), slot, inputs, key)
     copied, reloads = {}, {}  # pair -> (slot, rank, base actions before it) of its copy to host, of its copy back
-    first = 2 * n + 1  # the first copy's slot
     for r, (actions, was) in enumerate(zip(schedule.ranks, base.ranks)):
         at, index = old.bounds[r][0], indexes[r]
         copy = list(map(COPIES.__contains__, map(_KIND, actions)))
@@ -127,7 +126,7 @@ def _derive(schedule: Schedule, base: Schedule):
             if key is None:
                 key = copy_keys[kind, stage, payload] = len(timed)
                 timed.append(a)
-            slot = first + added if added < n else _added_slot(n, added)
+            slot = _added_slot(n, added)
             added += 1
             ids.append(slot)
             placed.append((step_of[at + before] if before < len(was) else n, slot,
