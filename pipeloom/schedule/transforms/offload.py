@@ -51,7 +51,7 @@ Policies (:class:`Offload`), per rank:
 - ``full``: the lowest peak that sweep reaches, then every other pair that
   still fits (:attr:`_Sweep.lowest`); also for selective where the streams
   cannot reach (1 - r). Where it stops short, the eager placement (each
-  OFFLOAD right after its F, the stream left to order the copies,
+  OFFLOAD right after its F, each RELOAD as late as the stream back allows,
   :func:`_eager`) is tried too, and the rank keeps the lower simulated peak;
   then the eager copies with paced Fs (:func:`_paced`: full keeps the
   tightest pace within its cost, selective the loosest that reaches (1 - r));
@@ -231,9 +231,9 @@ def _pairs_of(schedule: Schedule, costs: Costs | None) -> _Pairs:
 
 def _fallen_back(schedule: Schedule, pairs: _Pairs, costs: StageCosts, timed: list, short: set,
                  ratio: float | None) -> Schedule:
-    """Where the timetable stops short (full, or selective beyond the stream), the copies of each
-    pair right after its F, the copy stream left to order them (:func:`_eager`), are tried too: the
-    rank keeps whichever peaks lower (its copies touch no other rank); then paced Fs (:func:`_paced`)."""
+    """Where the timetable stops short (full, or selective beyond the stream), the eager copies
+    (each pair's copy to host right after its F, :func:`_eager`) are tried too: the rank keeps
+    whichever peaks lower (its copies touch no other rank); then paced Fs (:func:`_paced`)."""
     eager, eagerly = _eager(schedule, pairs, costs)
     assembled = (_assemble(schedule, pairs, timed), eagerly)
     peaks = [_peaks(each, costs) for each in assembled]
@@ -291,16 +291,6 @@ class _Pairs:
     def gap(self, pair) -> tuple[float, float]:
         """End of the action that opens the pair (F; B) and start of the one that closes it (its backward; W)."""
         return self.gaps[pair]
-
-    def reload_at(self, pair) -> int:
-        """Where an eager RELOAD goes first: before the latest action that leaves its copy time to
-        finish before the backward, and at least one action after its F."""
-        rank, f, b = self.where[pair]
-        latest = self.gap(pair)[1] - self.copy(pair)
-        ends, k = self.ends[rank], b - 1
-        while k > f + 1 and ends[k - 1] > latest:
-            k -= 1
-        return k
 
     def eligible(self) -> list[tuple[int, int, int]]:
         """Pairs that move memory, whose gap holds both copies (any gap when copies are free) with
@@ -505,8 +495,8 @@ def _forwards(action: Action) -> list[Action]:
 def copyable(actions) -> list[tuple[int, int, int]]:
     """The pairs of one rank's list, before offload, that a policy may copy: those with at
     least two actions between the actions that open and close them (the copy to host goes
-    right after the first, the one back at least one action later,
-    :meth:`_Pairs.reload_at`), whatever the costs."""
+    right after the first, the one back at least one action later: :meth:`_Pairs.eligible`),
+    whatever the costs."""
     return [pair for pair, f, b in spans(actions) if b - f > 2]
 
 
@@ -606,45 +596,67 @@ def _memory_events(actions, costs: StageCosts, starts, ends) -> list[tuple[float
     return events
 
 
-def _levels(schedule: Schedule, costs: StageCosts, starts, ends) -> list[float]:
-    """Each rank's activation peak on the timeline ``starts``, ``ends``."""
-    return [max(accumulate(map(_CHANGE, _memory_events(actions, costs, *times)), initial=0.0))
-            for actions, *times in zip(schedule.ranks, starts, ends)]
+def _levels(schedule: Schedule, costs: StageCosts, starts, ends, before: tuple | None = None) -> list[float]:
+    """Each rank's activation peak on the timeline ``starts``, ``ends``; ``before``: (lists, peaks,
+    starts, ends) of another timeline, whose peak a rank keeps where its list and times are the same."""
+    if before is None:
+        return [_level(actions, costs, *times) for actions, *times in zip(schedule.ranks, starts, ends)]
+    return [peak if actions is was and [start, end] == old else _level(actions, costs, start, end)
+            for actions, start, end, was, peak, *old in zip(schedule.ranks, starts, ends, *before)]
+
+
+def _level(actions, costs: StageCosts, starts, ends) -> float:
+    """One rank's activation peak on a timeline."""
+    return max(accumulate(map(_CHANGE, _memory_events(actions, costs, starts, ends)), initial=0.0))
 
 
 def _eager(schedule: Schedule, pairs: _Pairs, costs: StageCosts) -> tuple[list[list[tuple]], Schedule]:
     """Each rank's copies placed as the list goes rather than on a timetable (and the schedule with
-    them, :func:`_assemble`'s): every eligible F pair's
-    OFFLOAD right after its F and its RELOAD where its copy would end just before its backward;
-    while the stream makes backwards wait, each waiting RELOAD moves earlier by its wait (up to
-    :data:`_MOVES` times), then its pair is left out. What B keeps for W is left to the timetable:
-    eager copies of it crowd the stream the warm-up's Fs need (v-half at seq 32768 without
-    recomputation: full's cut fell from 2.5x to 2.0x). The entries are kept on ``pairs``: another
-    policy's fallback places them alike."""
-    if pairs.eager is not None:
-        return pairs.eager, _assemble(schedule, pairs, pairs.eager)
-    issue = {pair: pairs.reload_at(pair) for pair in pairs.eligible() if pair[2] == 0}
-    moves = dict.fromkeys(issue, 0)
+    them, :func:`_assemble`'s): every eligible F pair's OFFLOAD right after its F, the stream left
+    to order them, and its RELOAD as late as the copy stream back allows with no backward waiting
+    (:func:`_reloads_back_in_time`). What B keeps for W is left to the timetable: eager copies of
+    it crowd the stream the warm-up's Fs need (v-half at seq 32768 without recomputation: full's
+    cut fell from 2.5x to 2.0x). The entries are kept on ``pairs``: another policy's fallback
+    places them alike."""
+    if pairs.eager is None:
+        by_rank: list[list] = [[] for _ in schedule.ranks]
+        for pair in pairs.eligible():
+            if pair[2] == 0:
+                by_rank[pairs.where[pair][0]].append(pair)
+        pairs.eager = [_reloads_back_in_time(pairs, r, eligible, costs) for r, eligible in enumerate(by_rank)]
+    return pairs.eager, _assemble(schedule, pairs, pairs.eager)
+
+
+def _reloads_back_in_time(pairs: _Pairs, rank: int, eligible: list, costs: StageCosts) -> list[tuple]:
+    """One rank's eager copy entries (:func:`~. insert`'s): each pair's OFFLOAD right after its F,
+    the stream running them in list order; its RELOAD's latest start worked out backwards from the
+    last backward, each ending by its backward's start and by the next RELOAD's latest start, and
+    issued after the last compute action that ends by it. The stream runs them in that order, so
+    none starts later than that and no backward waits: the rank's compute keeps its times
+    without copies. A pair whose RELOAD would have to start before its OFFLOAD ends is left out,
+    and the rest placed again (their OFFLOADs then end sooner), until none is."""
+    starts, ends, issues, where = pairs.starts[rank], pairs.ends[rank], pairs.issues[rank], pairs.where
+    kept = sorted(eligible, key=lambda p: (where[p][1], p))  # by their Fs
     while True:
-        entries = _issued(schedule, pairs, issue)
-        assembled = _assemble(schedule, pairs, entries)
-        late = _late_reloads(assembled, costs)
-        if not late:
-            pairs.eager = entries
-            return entries, assembled
-        for pair, delay in late.items():
-            rank, f, _ = pairs.where[pair]
-            k, when = issue[pair], pairs.ends[rank][issue[pair] - 1] - delay
-            while k > f + 1 and pairs.ends[rank][k - 1] > when:
-                k -= 1
-            if k < issue[pair] and moves[pair] < _MOVES:
-                issue[pair], moves[pair] = k, moves[pair] + 1
-            else:
-                del issue[pair]
+        free, away = 0.0, {}  # the stream to host's last end; pair -> the end of its OFFLOAD
+        for pair in kept:
+            free = away[pair] = max(ends[where[pair][1]], free) + costs.duration(copies(pair)[0])
+        entries, latest, left = [], math.inf, set()  # latest: the next RELOAD's latest start
+        for order, pair in enumerate(sorted(kept, key=lambda p: (starts[where[p][2]], p), reverse=True)):
+            out, back = copies(pair)
+            by = min(starts[where[pair][2]], latest)
+            start = by - costs.duration(back) - _slack(by)  # the slack: its end lands by ``by`` in floats too
+            issued = issues[bisect.bisect_right(issues, (start, math.inf)) - 1][1]
+            if start < away[pair] or ends[issued] <= away[pair]:
+                left.add(pair)  # it would be back before any action ran while it was away
+                continue
+            latest = start
+            entries += [(where[pair][1] + 1, 0, 0, pair, out), (issued + 1, 1, -order, pair, back)]
+        if not left:
+            return entries
+        kept = [pair for pair in kept if pair not in left]
 
 
-#: How many times an eager RELOAD moves earlier while its backward waits before its pair is left out.
-_MOVES = 3
 #: Paces tried (:func:`_paced`): an F waits until at most this many of its rank's earlier offloads are unfinished.
 PACES = (1, 2)
 #: The most time pacing may add to the step (a fraction of the unpaced step).
@@ -718,7 +730,7 @@ def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ra
     largest peak. The moves are recorded as ``options["offload"]["moved"]`` (``[stage,
     microbatch, index, follower]``: the W's index in its rank's list without copies, and
     :func:`_follower`, for :func:`unmoved`)."""
-    from .offload_program import with_moved  # it reads this module's kinds
+    from .offload_program import with_moved, with_program_of  # it reads this module's kinds
     span = pairs.span
     target = 0.0 if ratio is None else (1 - ratio) * pairs.peak
     current, moved, tried, refused = offloaded, {}, dict.fromkeys(short, 0), set()
@@ -738,7 +750,7 @@ def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ra
                                              for r, actions in enumerate(current.ranks)))
         with_moved(trial, current, pair)
         times, resumed = _resumed(trial, costs, kept)
-        levels = _levels(trial, costs, *times)
+        levels = _levels(trial, costs, *times, before=(current.ranks, peaks, *timeline))
         fewer = (levels[rank] < peaks[rank] - _slack(peaks[rank]) or levels[rank] <= peaks[rank] + _slack(peaks[rank])
                  and len(_peak_times(trial.ranks[rank], costs, *(t[rank] for t in times))) < len(at))
         step = max((max(e, default=0.0) for e in times[1]), default=0.0)
@@ -755,7 +767,9 @@ def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ra
         return offloaded
     record = {**current.options["offload"], "moved": sorted([*pair, k, _follower(pairs.schedule, pair, k)]
                                                             for pair, k in moved.items())}
-    return replace(current, options={**current.options, "offload": record})
+    recorded = replace(current, options={**current.options, "offload": record})
+    with_program_of(recorded, current)  # the record changes no input
+    return recorded
 
 
 def _resumed(schedule: Schedule, costs: StageCosts, kept: tuple | None) -> tuple[tuple, tuple]:
@@ -858,39 +872,6 @@ def _waits(ranks, entries: list[list[tuple]], paced: set, pace: int) -> list[lis
             if (a.stage, a.microbatch) in copied:
                 done.append((a.stage, a.microbatch))
     return waits
-
-
-def _issued(schedule: Schedule, pairs: _Pairs, issue: dict) -> list[list[tuple]]:
-    """Per rank, each pair's copy to host after the action that opens it and its copy back before
-    the action at index ``issue[pair]`` (copies back ahead of copies to host at one point, but
-    after their own pair's)."""
-    entries: list[list[tuple]] = [[] for _ in schedule.ranks]
-    for pair, k in issue.items():
-        rank, f, _ = pairs.where[pair]
-        out, home = copies(pair)
-        entries[rank].append((f + 1, 1, pair, out))
-        entries[rank].append((k, 2 if k == f + 1 else 0, pair, home))
-    return entries
-
-
-def _late_reloads(schedule: Schedule, costs: StageCosts) -> dict[tuple[int, int, int], float]:
-    """Pairs whose closing action (backward; W) waits for its copy back on the simulated timeline, and how long."""
-    starts, ends = asap(schedule, costs.duration, costs.transfer)
-    late = {}
-    for rank, actions in enumerate(schedule.ranks):
-        reloaded, previous = {}, 0.0
-        for k, a in enumerate(actions):
-            if a.kind in COPIES:
-                if not COPIES[a.kind][1]:
-                    reloaded[pair_of(a)] = ends[rank][k]
-                continue
-            for part in parts(a):
-                pair = (part.stage, part.microbatch, _CLOSES.get(part.kind))
-                if pair in reloaded and reloaded[pair] > previous + 1e-12:
-                    if math.isclose(starts[rank][k], reloaded[pair]):
-                        late[pair] = reloaded[pair] - previous
-            previous = ends[rank][k]
-    return late
 
 
 # -- the kinds and their dependencies ---------------------------------------------

@@ -49,6 +49,12 @@ def with_moved(schedule: Schedule, current: Schedule, pair: tuple[int, int]) -> 
     _keep(schedule, lambda: _derive_moved(schedule, current, pair))
 
 
+def with_program_of(schedule: Schedule, same: Schedule) -> None:
+    """Give ``schedule`` the timing program of ``same``, whose lists and inputs it has (only options
+    no input rule reads differ)."""
+    _keep(schedule, lambda: _deps._program(same))
+
+
 def _keep(schedule: Schedule, derive) -> None:
     """``derive()`` kept as ``schedule``'s timing program unless it has one under the registered kinds
     and rules already or ``derive()`` is None (then it is compiled on its first use)."""
