@@ -373,15 +373,16 @@ class _Sweep:
         pairs, grid, gaps, candidates = self.pairs, self.grid, self.pairs.gaps, self.candidates
         stream, chosen = stream or self.pairs.stream(), {}
         ends = [0.0] * (len(grid) + 1)  # the savings that end at each instant
-        saved, k = 0.0, 0
+        saved, k, count, reaches, limit = 0.0, 0, len(candidates), self.reach, target + _slack(self.peak)
         live = []  # (-reach, order, pair) of the pairs in flight: the furthest reaching first, then by order
         for i, t in enumerate(grid):
             saved -= ends[i]
-            while k < len(candidates) and gaps[candidates[k]][0] < t:
-                bisect.insort(live, (-self.reach[k], k, candidates[k]))
+            while k < count and gaps[candidates[k]][0] < t:
+                bisect.insort(live, (-reaches[k], k, candidates[k]))
                 k += 1
-            live = [entry for entry in live if gaps[entry[2]][1] > t]
-            while self.base[i] - saved > target + _slack(self.peak):
+            while live and -live[-1][0] <= i:
+                live.pop()  # surely back by now (those that reach least come last)
+            while self.base[i] - saved > limit:
                 best = None  # (-end, order, pair, placed): the pair off the furthest ahead, the first on ties
                 for reach, order, pair in live:
                     if -reach <= i or best is not None and (reach, order) > best[:2]:
