@@ -269,6 +269,19 @@ class _Pairs:
         self.sweeps: dict[int, _Sweep] = {}
         #: the eager copies' entries, once placed (:func:`_eager`)
         self.eager: list[list[tuple]] | None = None
+        #: id of a rank's copy entries -> (them, the rank's list with them: :meth:`listed`)
+        self.lists: dict[int, tuple[list, tuple]] = {}
+        #: what deriving timing programs found of each rank's list
+        #: (:func:`~.offload_program.with_copies`), kept for the placements tried next
+        self.derived: dict = {}
+
+    def listed(self, rank: int, entries: list[tuple]) -> tuple[Action, ...]:
+        """``rank``'s list with its copy ``entries`` (:func:`~. insert`'s) in it, the same object for
+        the same entries (so that what timing it found is kept: :attr:`derived`)."""
+        known = self.lists.get(id(entries))
+        if known is None or known[0] is not entries:
+            known = self.lists[id(entries)] = entries, insert((self.schedule.ranks[rank],), (entries,))[0]
+        return known[1]
 
     def copy(self, pair) -> float:
         """The time of each of the pair's copies."""
@@ -570,11 +583,11 @@ def _assemble(schedule: Schedule, pairs: _Pairs, entries: list[list[tuple]], wai
     """The schedule with each rank's copy ``entries`` (:func:`~. insert`'s) in its list, and the
     Fs' ``waits`` (:func:`_waits`) if any, timed by the bare schedule's program."""
     from .offload_program import with_copies  # it reads this module's kinds
-    result = replace(schedule, ranks=insert(schedule.ranks, entries))
+    result = replace(schedule, ranks=tuple(pairs.listed(r, listed) for r, listed in enumerate(entries)))
     if waits:
         result = replace(result, options={**result.options,
                                           "offload": {**result.options["offload"], "waits": waits}})
-    with_copies(result, pairs.schedule)
+    with_copies(result, pairs.schedule, pairs.derived)
     return result
 
 
@@ -721,7 +734,7 @@ def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ra
     a W deferred past its B holds what B keeps for it (``m_w``), and in a cool-down the copy
     streams may have no room to take it away. Greedy, while the largest peak is above the target
     (selective: (1 - ``ratio``) of the largest peak without copies; full: none): the rank with
-    the largest peak moves a W held at it (:func:`_held_w`; its copies dropped if it had any,
+    the largest peak moves a W held at it (:func:`_held_ws`; its copies dropped if it had any,
     :func:`_move_w`); the whole schedule is simulated (its program derived from the one before the
     move: :func:`~.offload_program.with_moved`) and the move kept where that rank's peak
     falls or is reached fewer times, no other rank's rises, and the step stays within
@@ -738,12 +751,16 @@ def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ra
     timeline, kept = _resumed(current, costs, None)
     peaks = _levels(current, costs, *timeline)
     best = max(peaks), current, {}  # the largest peak, and the fewest moves that reach it
+    held = None  # (rank, its peak's instants, its held Ws best first) of the current schedule
     while max(peaks) > target + _slack(target):
         rank = peaks.index(max(peaks))
         if tried.get(rank, W_TRIES) >= W_TRIES:
             break
-        at = _peak_times(current.ranks[rank], costs, *(times[rank] for times in timeline))
-        pair = _held_w(current.ranks[rank], *(times[rank] for times in timeline), at, refused)
+        if held is None or held[0] != rank:
+            at = _peak_times(current.ranks[rank], costs, *(times[rank] for times in timeline))
+            held = rank, at, _held_ws(current.ranks[rank], *(times[rank] for times in timeline), at)
+        at = held[1]
+        pair = next((pair for pair in held[2] if pair not in refused), None)
         if pair is None:
             break
         tried[rank] += 1
@@ -757,7 +774,7 @@ def _moved(offloaded: Schedule, pairs: _Pairs, costs: StageCosts, short: set, ra
         step = max((max(e, default=0.0) for e in times[1]), default=0.0)
         if (fewer and span - _slack(span) <= step <= (1 + STEP_COST) * span
                 and all(new <= old + _slack(old) for r, (new, old) in enumerate(zip(levels, peaks)) if r != rank)):
-            current, timeline, peaks, kept = trial, times, levels, resumed
+            current, timeline, peaks, kept, held = trial, times, levels, resumed, None
             moved[pair] = pairs.schedule.ranks[rank].index(Action(W, *pair))
             if max(peaks) < best[0] - _slack(best[0]):
                 best = max(peaks), current, dict(moved)
@@ -797,12 +814,12 @@ def _peak_times(actions, costs: StageCosts, starts, ends) -> list[float]:
     return at
 
 
-def _held_w(actions, starts, ends, at: list[float], refused: set) -> tuple[int, int] | None:
-    """The (stage, microbatch) of a W in ``actions`` (not in ``refused``) that holds what its B kept
-    at instants ``at`` (from its B's start, not on host then, not yet running): the one held at most
-    of them, then the one whose rank idles the longest between its B's end and its start (moving it
-    costs least); None where none is held."""
-    opened, away, busy, best = {}, {}, [0.0], None
+def _held_ws(actions, starts, ends, at: list[float]) -> list[tuple[int, int]]:
+    """The (stage, microbatch) of each W in ``actions`` that holds what its B kept at instants
+    ``at`` (from its B's start, not on host then, not yet running), best to move first: the one held
+    at most of them, then the one whose rank idles the longest between its B's end and its start
+    (moving it costs least), then the first in the list."""
+    opened, away, busy, found = {}, {}, [0.0], []
     for k, a in enumerate(actions):
         busy.append(busy[-1] + (0.0 if KINDS[a.kind].stream else ends[k] - starts[k]))
         if a.kind in (OFFLOAD_W, RELOAD_W):
@@ -810,14 +827,17 @@ def _held_w(actions, starts, ends, at: list[float], refused: set) -> tuple[int, 
         for part in parts(a):
             if part.kind == B:
                 opened[part.stage, part.microbatch] = k
-        if a.kind != W or (pair := (a.stage, a.microbatch)) in refused or pair not in opened:
+        if a.kind != W or (pair := (a.stage, a.microbatch)) not in opened:
             continue
         b, off = opened[pair], away.get(pair, ())
         held = sum(starts[b] <= t < starts[k] and not (len(off) == 2 and off[0] <= t < off[1]) for t in at)
-        key = held, starts[k] - ends[b] - (busy[k] - busy[b + 1])
-        if held and (best is None or key > best[0]):
-            best = key, pair
-    return best and best[1]
+        if held:
+            found.append(((held, starts[k] - ends[b] - (busy[k] - busy[b + 1])), pair))
+    found.sort(key=_KEY_OF, reverse=True)  # stable: equal keys keep the list's order
+    return [pair for _, pair in found]
+
+
+_KEY_OF = itemgetter(0)
 
 
 def _move_w(actions, pair) -> tuple[Action, ...]:

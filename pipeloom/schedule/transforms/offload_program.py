@@ -29,7 +29,7 @@ _KIND = itemgetter(0)
 _OPENERS = tuple(phase.after[0] for phase in PHASES)
 
 
-def with_copies(schedule: Schedule, base: Schedule) -> None:
+def with_copies(schedule: Schedule, base: Schedule, known: dict | None = None) -> None:
     """Give ``schedule`` (``base`` with copies inserted by :func:`_insert`) the timing program
     (:func:`~..deps.asap`'s) derived from ``base``'s: each base action keeps its inputs (the copies,
     on a side stream, never advance a rank's clock), each copy waits for its rank's clock at its
@@ -38,8 +38,9 @@ def with_copies(schedule: Schedule, base: Schedule) -> None:
     too, and each paced F for the OFFLOAD it waits for; the order runs each
     copy as its rank's list reaches it. What compiling ``schedule`` gives, in a fraction of its
     time (the placement times each of its attempts); anything else, and the program is compiled
-    as usual."""
-    _keep(schedule, lambda: _derive(schedule, base))
+    as usual. ``known``: what was derived of each rank's list before (the same list objects, of
+    ``base``), kept there for the next call."""
+    _keep(schedule, lambda: _derive(schedule, base, known))
 
 
 def with_moved(schedule: Schedule, current: Schedule, pair: tuple[int, int]) -> None:
@@ -75,72 +76,47 @@ _FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _base_facts(old, base: Schedule) -> tuple | None:
     """What :func:`_derive` reads of ``base``'s compiled program ``old``, once per base: per rank
-    each action's index in its list, and each slot's step; None where copies cannot be derived
-    into it (its actions wait on side streams, run as compounds, or are Fs with payloads)."""
+    each action's index in its list, each slot's step, and the timed actions with the copies' keys
+    after the base's ((kind, stage) -> key); None where copies cannot be derived into it (its
+    actions wait on side streams, run as compounds, or are Fs with payloads)."""
     facts = _FACTS.get(old)
     if facts is None:
         derivable = old.layout is None and not any(old.steps[3]) and not any(
             KINDS[kind].stream or kind in COMPOUND for kind in {a[0] for actions in base.ranks for a in actions}) and not any(
             a[3] for actions in base.ranks for a in actions if a[0] == F)
+        copied = [Action(kind, stage, 0) for kind in COPIES for stage in range(base.stages)]
         facts = _FACTS[old] = (([{a: k for k, a in enumerate(actions)} for actions in base.ranks],
-                                dict(zip(old.steps[0], range(old.n)))) if derivable else None,)
+                                dict(zip(old.steps[0], range(old.n))), [*old.timed, *copied],
+                                {a[:2]: len(old.timed) + j for j, a in enumerate(copied)}) if derivable else None,)
     return facts[0]
 
 
-def _derive(schedule: Schedule, base: Schedule):
+def _derive(schedule: Schedule, base: Schedule, known: dict | None = None):
     """The program of ``schedule`` from ``base``'s (see :func:`with_copies`), or None where it cannot
-    be derived: the base's steps and slots kept, each copy a slot of its own, its step right before
-    the step of the base action after it in its rank's list (after every base step where none is),
-    and the closers of the copied pairs and the paced Fs waiting for their copies."""
+    be derived: the base's steps and slots kept, each copy a slot of its own (rank r's past those
+    any rank before it may take: :func:`_added_slot`), its step right before the step of the base
+    action after it in its rank's list (after every base step where none is), and the closers of
+    the copied pairs and the paced Fs waiting for their copies. Each rank's part is
+    :func:`_rank_part`, kept in ``known`` (if given) by its list."""
+    known = {} if known is None else known
     old = _deps._program(base)
     facts = _base_facts(old, base)
     if facts is None:
         return None
-    indexes, step_of = facts
+    indexes, step_of, timed, keys = facts
     n = old.n
-    zero, added = 2 * n, 0  # the copies so far
-    timed = list(old.timed)
-    copy_keys: dict[tuple, int] = {}
-    layout = []  # per rank, its slots in list order
-    placed = []  # per copy: (the step it goes before (n: after every one), slot, inputs, key)
-    copied, reloads = {}, {}  # pair -> (slot, rank, base actions before it) of its copy to host, of its copy back
+    parts, copied, reloads = [], {}, {}
     for r, (actions, was) in enumerate(zip(schedule.ranks, base.ranks)):
-        at, index = old.bounds[r][0], indexes[r]
-        copy = list(map(COPIES.__contains__, map(_KIND, actions)))
-        if tuple(compress(actions, map(not_, copy))) != was:
-            return None  # not the base with copies inserted
-        ids, start = [], 0  # start: the base index of the next base action
-        stream = {True: zero, False: zero}  # the rank's last copy to host, back
-        for j, k in enumerate(compress(range(len(actions)), copy)):
-            before = k - j  # the base actions before it
-            if before > start:
-                ids.extend(range(at + start, at + before))
-                start = before
-            a = actions[k]
-            kind, stage, microbatch, payload = a
-            phase, out = COPIES[kind]
-            pair = stage, microbatch, phase
-            if out:
-                opener = index.get((_OPENERS[phase], stage, microbatch, ()), before)
-                q = at + opener if opener < before else None
-            else:
-                q, there, _ = copied.get(pair, (None, r, 0))
-                q = q if there == r else None
-            if q is None:
-                return None  # its input comes later in the list or from another rank: compiling says so
-            key = copy_keys.get((kind, stage, payload))
-            if key is None:
-                key = copy_keys[kind, stage, payload] = len(timed)
-                timed.append(a)
-            slot = _added_slot(n, added)
-            added += 1
-            ids.append(slot)
-            placed.append((step_of[at + before] if before < len(was) else n, slot,
-                           (at + before - 1 if before else zero, stream[out], q), key))
-            stream[out] = slot
-            (copied if out else reloads)[pair] = slot, r, before
-        ids.extend(range(at + start, at + len(was)))
-        layout.append(ids)
+        entry = known.get(id(actions))
+        if entry is None or entry[0] is not actions:
+            entry = known[id(actions)] = actions, _rank_part(r, actions, was, old, indexes[r], step_of, keys)
+        part = entry[1]
+        if part is None:
+            return None
+        parts.append(part)
+        copied.update(part[2])
+        reloads.update(part[3])
+    zero = 2 * n
     sides = list(old.steps[3])
     waiting = [(PHASES[pair[2]].before, pair[:2], reload) for pair, reload in reloads.items()]  # the closers
     for pair, waited in paced(schedule).items():  # the paced Fs
@@ -158,7 +134,7 @@ def _derive(schedule: Schedule, base: Schedule):
         sides[step_of[old.bounds[r][0] + k]] = r, (zero, q)
     base_steps = (*old.steps[:3], sides)
     steps, start = ([], [], [], []), 0
-    for end, slot, inputs, key in sorted(placed):
+    for end, slot, inputs, key in sorted(placed for part in parts for placed in part[1]):
         if end > start:  # the base steps up to the one the copy goes before
             for step, was in zip(steps, base_steps):
                 step += was[start:end]
@@ -169,8 +145,47 @@ def _derive(schedule: Schedule, base: Schedule):
         steps[3].append(None)
     for step, was in zip(steps, base_steps):
         step += was[start:]
-    size = _added_slot(n, added - 1) + n + 1 if added else old.size
-    return _made(n, size, timed, old.sent, steps, layout)  # the copies' results never cross ranks
+    last = max((part[4] for part in parts if part[4] is not None), default=None)
+    size = old.size if last is None else last + n + 1
+    return _made(n, size, timed, old.sent, steps, [part[0] for part in parts])  # copies' results never cross ranks
+
+
+def _rank_part(r: int, actions, was, old, index: dict, step_of: dict, keys: dict) -> tuple | None:
+    """What rank ``r``'s list ``actions`` (its base list ``was`` with copies inserted) adds to the
+    base's program ``old``: its slots in list order; per copy (the step it goes before, its slot,
+    its inputs, its key); pair -> (slot, r, base actions before it) of its copies to host and
+    back; its copies' last slot (None: none); or None where its copies cannot be derived."""
+    n = old.n
+    at, zero = old.bounds[r][0], 2 * n
+    copy = list(map(COPIES.__contains__, map(_KIND, actions)))
+    if tuple(compress(actions, map(not_, copy))) != was:
+        return None  # not the base with copies inserted
+    ids, placed, start, slot = [], [], 0, None  # start: the base index of the next base action
+    copied, reloads = {}, {}
+    stream = {True: zero, False: zero}  # the rank's last copy to host, back
+    for j, k in enumerate(compress(range(len(actions)), copy)):
+        before = k - j  # the base actions before it
+        if before > start:
+            ids.extend(range(at + start, at + before))
+            start = before
+        kind, stage, microbatch, payload = actions[k]
+        phase, out = COPIES[kind]
+        pair = stage, microbatch, phase
+        if out:
+            opener = index.get((_OPENERS[phase], stage, microbatch, ()), before)
+            q = at + opener if opener < before else None
+        else:
+            q = copied.get(pair, (None,))[0]
+        if q is None:
+            return None  # its input comes later in the list or from another rank: compiling says so
+        slot = _added_slot(n, 2 * at + j)  # a plain base action opens at most one pair: two copies
+        ids.append(slot)
+        placed.append((step_of[at + before] if before < len(was) else n, slot,
+                       (at + before - 1 if before else zero, stream[out], q), keys[kind, stage]))
+        stream[out] = slot
+        (copied if out else reloads)[pair] = slot, r, before
+    ids.extend(range(at + start, at + len(was)))
+    return ids, placed, copied, reloads, slot
 
 
 def _added_slot(n: int, j: int) -> int:
