@@ -11,6 +11,9 @@ actions: its program is the one before the move with those changed
 (:func:`with_moved`). A derived program keeps the slots of the actions it
 shares with the one it comes from (the copies take slots of their own, each
 rank's order is its ``layout``), so deriving never renumbers the steps it keeps.
+What one rank's copies add is worked out once per list of that rank: the
+placement's attempts mix the same ranks' lists (the timetable's, the eager
+ones, paced or not), and each rank's copies have slots no other rank's take.
 """
 
 from __future__ import annotations
