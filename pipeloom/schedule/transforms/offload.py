@@ -100,7 +100,7 @@ RELOAD_W = "RELOAD_W"
 OUT_STREAM, BACK_STREAM = "d2h", "h2d"
 POLICIES = ("none", "full", "selective")
 _NOISE = 1e-9  # relative: memory levels that differ by less are equal
-_CHANGE = itemgetter(1)
+_FIRST, _CHANGE = itemgetter(0), itemgetter(1)
 
 register_field("offload")
 
@@ -647,8 +647,9 @@ def _reloads_back_in_time(pairs: _Pairs, rank: int, eligible: list, costs: Stage
     last backward, each ending by its backward's start and by the next RELOAD's latest start, and
     issued after the last compute action that ends by it. The stream runs them in that order, so
     none starts later than that and no backward waits: the rank's compute keeps its times
-    without copies. A pair whose RELOAD would have to start before its OFFLOAD ends is left out,
-    and the rest placed again (their OFFLOADs then end sooner), until none is."""
+    without copies. A pair whose RELOAD would have to start before its OFFLOAD ends, or be issued
+    before any compute action ran while the pair was away (as :meth:`_Pairs._fit` leaves such a
+    pair), is left out, and the rest placed again (their OFFLOADs then end sooner), until none is."""
     starts, ends, issues, where = pairs.starts[rank], pairs.ends[rank], pairs.issues[rank], pairs.where
     kept = sorted(eligible, key=lambda p: (where[p][1], p))  # by their Fs
     while True:
@@ -833,11 +834,8 @@ def _held_ws(actions, starts, ends, at: list[float]) -> list[tuple[int, int]]:
         held = sum(starts[b] <= t < starts[k] and not (len(off) == 2 and off[0] <= t < off[1]) for t in at)
         if held:
             found.append(((held, starts[k] - ends[b] - (busy[k] - busy[b + 1])), pair))
-    found.sort(key=_KEY_OF, reverse=True)  # stable: equal keys keep the list's order
+    found.sort(key=_FIRST, reverse=True)  # stable: equal keys keep the list's order
     return [pair for _, pair in found]
-
-
-_KEY_OF = itemgetter(0)
 
 
 def _move_w(actions, pair) -> tuple[Action, ...]:
