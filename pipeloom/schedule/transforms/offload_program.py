@@ -167,6 +167,8 @@ def _rank_part(r: int, actions, was, old, index: dict, step_of: dict, keys: dict
     copied, reloads = {}, {}
     stream = {True: zero, False: zero}  # the rank's last copy to host, back
     for j, k in enumerate(compress(range(len(actions)), copy)):
+        if j >= 2 * len(was):
+            return None  # more copies than pairs its actions open: the slots below would not be its own
         before = k - j  # the base actions before it
         if before > start:
             ids.extend(range(at + start, at + before))
