@@ -9,7 +9,8 @@ from pipeloom.schedule import Kfac, Offload, build
 from pipeloom.schedule import deps as deps_module
 from pipeloom.schedule.costs import COST_FIELDS, Costs
 from pipeloom.schedule.deps import Dependencies, asap
-from pipeloom.schedule.kinds import get
+from pipeloom.schedule.ir import B, F, W
+from pipeloom.schedule.kinds import INPUT_RULES, get, register_inputs
 
 CASES = [
     ("1f1b", 4, 8, {}),
@@ -90,6 +91,38 @@ def test_compiled_timing_is_the_longest_path(name, pp, m, options):
         waits = [0.0] * schedule.pp
         starts, ends = asap(schedule, costs.duration, costs.transfer, waits)
         assert (starts, ends, waits) == longest_path(schedule, costs.duration, costs.transfer)
+
+
+@pytest.mark.parametrize("name,pp,m,options", CASES)
+def test_an_input_rule_adds_only_to_the_kinds_it_declares(name, pp, m, options):
+    """A technique's input rules registered with ``kinds`` (asked only for those kinds' actions)
+    add nothing to any other action: asking them of every action finds no input left out."""
+    schedule = build(name, pp, m, **options)
+    deps = Dependencies(schedule)
+    declared = [(factory.kinds, rule) for factory in INPUT_RULES if factory.kinds is not None
+                and (rule := factory(schedule)) is not None]
+    for action in (a for actions in schedule.ranks for a in actions):
+        for kinds, rule in declared:
+            assert action.kind in kinds or not rule(action, deps), (action, kinds)
+
+
+def test_a_rule_is_asked_for_the_kinds_it_declares_only():
+    """``register_inputs(kinds=...)``: the dependencies ask its rules of those kinds' actions and of
+    no other; registered bare, of every action."""
+    schedule = build("zb-h1", 2, 4)
+    asked = {"some": set(), "every": set()}
+
+    def factory(of):
+        return lambda schedule: lambda action, deps: asked[of].add(action.kind) or ()
+    added = [register_inputs(kinds=(W,))(factory("some")), register_inputs(factory("every"))]
+    try:
+        deps = Dependencies(schedule)
+        for action in (a for actions in schedule.ranks for a in actions):
+            deps(action)
+    finally:
+        for rule in added:
+            INPUT_RULES.remove(rule)
+    assert asked == {"some": {W}, "every": {F, B, W}}
 
 
 def test_the_compiled_program_goes_with_its_schedule():

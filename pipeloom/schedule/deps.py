@@ -48,7 +48,10 @@ class Dependencies:
         self._facts: dict = {}
         self._every: dict[tuple[str, int], tuple[Action, ...]] = {}
         self._needs = {name: _parts_need if kind.compound else kind.needs for name, kind in KINDS.items()}
-        self.rules = [rule for factory in INPUT_RULES if (rule := factory(schedule)) is not None]
+        made = [(rule, getattr(factory, "kinds", None)) for factory in INPUT_RULES
+                if (rule := factory(schedule)) is not None]
+        #: per kind, the input rules that may add to its actions (:func:`~.kinds.register_inputs`)
+        self.rules = {name: tuple(rule for rule, kinds in made if kinds is None or name in kinds) for name in KINDS}
 
     def __call__(self, action: Action, plain: bool = False) -> tuple[Action, ...]:
         """The actions ``action`` consumes: a compound action stands for each of its parts
@@ -57,7 +60,7 @@ class Dependencies:
         if needs is None:
             get(action.kind)  # raises, naming the registered kinds
         found = needs(action, self)
-        for rule in self.rules:
+        for rule in self.rules[action.kind]:
             extra = rule(action, self)
             if extra:
                 found = found + extra
@@ -204,7 +207,7 @@ class _Program:
                 if needs is None:
                     get(kind)  # raises, naming the registered kinds
                 found = needs(action, deps_of)
-                for rule in rules:
+                for rule in rules[kind]:
                     extra = rule(action, deps_of)
                     if extra:
                         found = found + extra

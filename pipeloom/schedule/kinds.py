@@ -28,7 +28,7 @@ of them, so the rules' arguments are named in words, not in types.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 from ..errors import ScheduleError
 
@@ -126,7 +126,8 @@ KINDS: dict[str, Kind] = {}
 #: The names of the compound kinds.
 COMPOUND: set[str] = set()
 #: Factories of extra input rules: ``factory(schedule)`` gives a rule adding
-#: inputs to other kinds' actions in that schedule, or None where it does not apply.
+#: inputs to other kinds' actions in that schedule, or None where it does not apply;
+#: ``factory.kinds``: the kinds whose actions its rules add to (None: any).
 INPUT_RULES: list[Callable[..., Rule | None]] = []
 _BY_CODE: dict[str, str] = {}
 
@@ -142,10 +143,15 @@ def register(kind: Kind) -> Kind:
     return kind
 
 
-def register_inputs(factory: Callable[..., Rule | None]) -> Callable:
-    """Add a factory of input rules (see :data:`INPUT_RULES`); usable as a decorator."""
-    INPUT_RULES.append(factory)
-    return factory
+def register_inputs(factory: Callable[..., Rule | None] | None = None, *, kinds: Iterable[str] | None = None):
+    """Add a factory of input rules (see :data:`INPUT_RULES`); usable as a decorator, bare or
+    with ``kinds``: the only kinds whose actions its rules add inputs to (the dependencies ask
+    them of no other, so an action of a technique's own kind costs no call)."""
+    def add(factory):
+        factory.kinds = None if kinds is None else frozenset(kinds)
+        INPUT_RULES.append(factory)
+        return factory
+    return add if factory is None else add(factory)
 
 
 def get(name: str) -> Kind:

@@ -370,7 +370,7 @@ def _pre_needs(action, deps):
     return found
 
 
-@register_inputs
+@register_inputs(kinds=(F,))
 def _flush(schedule: Schedule):
     """Synchronous families flush between the cycle's copies: stage 0's first forward of a copy
     after every stage's preconditioning of the copy before."""

@@ -912,7 +912,7 @@ def paced(schedule: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
     return {(s, i): (t, j) for s, i, t, j in (schedule.options.get("offload") or {}).get("waits", ())}
 
 
-@register_inputs
+@register_inputs(kinds=(F, *_CLOSES))
 def _copy_inputs(schedule: Schedule):
     """In offloaded schedules, the action that closes a copied pair (its backward; W) after the
     pair's copy back, and a paced F after the OFFLOAD it waits for."""

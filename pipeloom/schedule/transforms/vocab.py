@@ -281,7 +281,7 @@ def _if_needs(action, deps):
     return ()
 
 
-@register_inputs
+@register_inputs(kinds=(F, B, BW))
 def _pipeline_inputs(schedule: Schedule):
     """Stage 0's F(i) after every rank's IF(i); the last stage's backward of i after
     the gate (R, or C for vocab-2) of its rank: in schedules with vocabulary passes."""
