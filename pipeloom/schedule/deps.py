@@ -327,9 +327,17 @@ def _program(schedule: Schedule) -> _Program:
     key = id(schedule)
     entry = _programs.get(key)
     if entry is None or entry[0] != registry:
-        entry = _programs[key] = (registry, weakref.ref(schedule, lambda _: _programs.pop(key, None)),
-                                  _Program(schedule))
+        return _remember(schedule, registry, _Program(schedule))
     return entry[2]
+
+
+def _remember(schedule: Schedule, registry: tuple, program: _Program) -> _Program:
+    """Keep ``program`` as ``schedule``'s (compiled under ``registry``) while the schedule lives. The
+    entry's callback holds the cache's own ``pop``: a schedule that dies as the interpreter exits,
+    after this module's names are gone, still drops its entry."""
+    key, pop = id(schedule), _programs.pop
+    _programs[key] = (registry, weakref.ref(schedule, lambda _: pop(key, None)), program)
+    return program
 
 
 def _local_order_error(schedule: Schedule, rank: int, k: int, action: Action, dep: Action) -> None:

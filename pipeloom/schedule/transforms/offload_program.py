@@ -68,9 +68,7 @@ def _keep(schedule: Schedule, derive) -> None:
         return
     program = derive()
     if program is not None:
-        key = id(schedule)
-        _deps._programs[key] = (registry, _deps.weakref.ref(schedule, lambda _: _deps._programs.pop(key, None)),
-                                program)
+        _deps._remember(schedule, registry, program)
 
 
 #: compiled base program -> what :func:`_derive` reads of it and its schedule (:func:`_base_facts`)
