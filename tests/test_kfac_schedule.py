@@ -12,6 +12,7 @@ from pipeloom.schedule import FAMILIES, Action, Costs, Kfac, Schedule, build, va
 from pipeloom.schedule.deps import Dependencies
 from pipeloom.schedule.ir import parts
 from pipeloom.schedule.kinds import COMPOUND
+from pipeloom.schedule.transforms.kfac import KFAC_PRE
 from pipeloom.schedule.transforms.kfac import (KFAC_A, KFAC_G, KFAC_INV, KFAC_PRE, KFAC_SYNC_A, KFAC_SYNC_G,
                                                PIECES)
 from pipeloom.sim import ModelSpec, costs_from_model, kfac_costs, kfac_report, simulate, stage_layers, without_pieces
@@ -213,8 +214,21 @@ def test_json_round_trip_keeps_the_pieces():
 def test_bad_settings_are_named():
     with pytest.raises(PipeloomError, match="every=0"):
         Kfac(every=0)
-    with pytest.raises(PipeloomError, match="units"):
-        build("1f1b", 2, 4, transforms=[Kfac(units=[1, 2, 3])])
+    for units in ([1, 2, 3], [1, -1], [True, 1], 1.5):
+        with pytest.raises(PipeloomError, match=r"units=.* must be a whole number >= 0 per stage"):
+            build("1f1b", 2, 4, transforms=[Kfac(units=units)])
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "v-half"])
+def test_a_stage_without_units_only_preconditions(name):
+    """A stage with no linear layer (redis's last stage with a large vocabulary) has no piece to place:
+    only its preconditioning each step, which the other stages' pieces and the flush still follow."""
+    schedule = build(name, 2, 4, costs=_costs(2, 2 if name == "v-half" else 1),
+                     transforms=[Kfac(units=[2, 0, 1, 0] if name == "v-half" else [2, 0])])
+    empty = {1, 3} if name == "v-half" else {1}
+    kinds = {(a.stage, a.kind) for actions in schedule.ranks for a in actions if a.kind in Kfac.kinds}
+    assert {kind for s, kind in kinds if s in empty} == {KFAC_PRE}
+    assert {kind for s, kind in kinds if s == 0} == set(Kfac.kinds)
     with pytest.raises(ScheduleError, match="K-FAC work already"):
         Kfac().apply(build("1f1b", 2, 4, transforms=[Kfac()]))
 

@@ -115,12 +115,15 @@ class KFAC:
     waits with a timeout), else ``torch.distributed.all_reduce``. ``base``
     None: no :meth:`step`; a pipeline runs the pieces and the caller steps its
     own optimizer. ``tf32``: the curvature's and preconditioning's products in
-    TF32 on CUDA (see the module's conventions).
+    TF32 on CUDA (see the module's conventions). ``some``: the model must hold
+    a linear layer to manage (False: a pipeline rank whose stages hold only
+    an excluded LM head manages none, and its pieces do nothing).
     """
 
     def __init__(self, model: nn.Module, base: torch.optim.Optimizer | None, damping: float = 1e-3, decay: float = 0.95,
                  update_every: int = 1, invert_every: int = 1, exclude=(), grad_scale: float | None = None,
-                 group: dist.ProcessGroup | None = None, delay: int = 0, all_reduce=None, tf32: bool = False):
+                 group: dist.ProcessGroup | None = None, delay: int = 0, all_reduce=None, tf32: bool = False,
+                 some: bool = True):
         if not damping >= 0:
             raise PipeloomError(f"KFAC: damping {damping} is negative; use a value >= 0 (e.g. 1e-3)")
         if not 0 <= decay < 1:
@@ -137,7 +140,7 @@ class KFAC:
         self.base, self.damping, self.decay, self.grad_scale, self.group = base, damping, decay, grad_scale, group
         self.all_reduce, self.tf32 = all_reduce, tf32
         self.update_every, self.invert_every, self.delay = update_every, invert_every, delay
-        self.layers = self._managed_layers(model, set(exclude))
+        self.layers = self._managed_layers(model, set(exclude), some)
         if base is not None:
             self._check_base()
         for layer in self.layers.values():
@@ -150,7 +153,7 @@ class KFAC:
         self.steps = 0
 
     @staticmethod
-    def _managed_layers(model: nn.Module, exclude: set[str]) -> dict[str, KFACLayer]:
+    def _managed_layers(model: nn.Module, exclude: set[str], some: bool) -> dict[str, KFACLayer]:
         modules = dict(model.named_modules())
         linear = [name for name, m in modules.items() if isinstance(m, nn.Linear)]
         unknown = sorted(exclude - set(linear))
@@ -160,7 +163,7 @@ class KFAC:
         tied = {id(m.weight) for m in modules.values() if isinstance(m, nn.Embedding)}
         layers = {name: KFACLayer(modules[name]) for name in linear if name not in exclude
                   and id(modules[name].weight) not in tied and modules[name].weight.requires_grad}
-        if not layers:
+        if not layers and some:
             raise PipeloomError(f"KFAC: model {type(model).__name__} has no linear layer to precondition "
                                 f"(linear layers {linear}, excluded {sorted(exclude)}); K-FAC needs at least one "
                                 "nn.Linear with a trainable, untied weight")

@@ -49,7 +49,7 @@ class KfacWork:
         summed = "K-FAC's sum of the curvature over the data-parallel replicas"
         self.kfac = KFAC(stages, None, damping, decay, exclude=heads + unused, group=group,
                          all_reduce=lambda tensor: context.channel.all_reduce(tensor, group, summed),
-                         tf32=tf32_for(context.device, context.autocast))
+                         tf32=tf32_for(context.device, context.autocast), some=False)
         self.kfac.capturing = False
         # a captured output gradient carries 1 / (the microbatch's tokens over the sp group x microbatches):
         # its rows times this are the per-token gradients
@@ -65,12 +65,13 @@ class KfacWork:
         return self.context.calls % self.calls
 
     def capturing(self, action) -> bool:
-        """Whether ``action`` (an F or a backward) captures: in the cycle's first step, checked to
-        come in microbatch order on its stage."""
-        if self.call or action.microbatch >= self.context.schedule.microbatches:
+        """Whether ``action`` (an F or a backward) captures: in the cycle's first step, on a stage with
+        units, checked to come in microbatch order on its stage."""
+        units = self.units[action.stage]
+        if self.call or action.microbatch >= self.context.schedule.microbatches or not units:
             return False
         factor = "A" if action.kind == F else "G"
-        done = len(self.kfac.layers[self.units[action.stage][0]].captures[factor])
+        done = len(self.kfac.layers[units[0]].captures[factor])
         if done != action.microbatch:
             raise PipeloomError(f"K-FAC: stage {action.stage} ran {action} after {done} captures of {factor}; "
                                 "the schedule must run each stage's forwards and backwards in microbatch order")
@@ -132,10 +133,7 @@ def kfac_cycle(context, optimizer: str, options: dict | None, costs=None):
     work = KfacWork(context, **{k: options[k] for k in ("damping", "decay") if k in options})
     counts: list = [None] * context.mesh.layout.pp
     dist.all_gather_object(counts, {s: len(u) for s, u in work.units.items()}, group=context.mesh.pp_group)
-    units = {s: n for part in counts for s, n in part.items()}
-    empty = sorted(s for s, n in units.items() if not n)
-    if empty:
-        raise PipeloomError(f"K-FAC: stage {empty[0]} has no linear layer to precondition; use fewer stages")
+    units = {s: n for part in counts for s, n in part.items()}  # 0 where a stage has no layer (redis's ends)
     transform = Kfac([units[s] for s in range(base.stages)], options.get("every"), options.get("margin", 0.05))
     schedule = validate(transform.apply(base, costs))
     work.calls = schedule.options["kfac"]["every"]

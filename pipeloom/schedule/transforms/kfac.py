@@ -149,9 +149,10 @@ def _spread(schedule: Schedule, costs: StageCosts, period: float, placed: list) 
 
 
 def _units(units, stages: int) -> tuple[int, ...]:
-    values = (units,) * stages if isinstance(units, int) and not isinstance(units, bool) else tuple(units)
-    if len(values) != stages or not all(isinstance(u, int) and u >= 1 for u in values):
-        raise PipeloomError(f"kfac: units={units!r} must be a whole number >= 1 per stage "
+    one = isinstance(units, int) and not isinstance(units, bool)
+    values = (units,) * stages if one else tuple(units) if isinstance(units, (list, tuple)) else ()
+    if len(values) != stages or not all(isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in values):
+        raise PipeloomError(f"kfac: units={units!r} must be a whole number >= 0 per stage "
                             f"(one number, or {stages} of them)")
     return values
 
