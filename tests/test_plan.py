@@ -47,6 +47,19 @@ def test_search_equals_brute_force(gpus, memory, batch):
     assert settings(search(want).plans) == settings(exhaustive(want))
 
 
+def test_a_saver_that_zb_auto_orders_faster_is_found():
+    """zb-auto orders the work by the costs: under recomputation's it can find a shorter step than the
+    bare layout's (its choice is not monotone in the costs). The search then goes on through the
+    layout's variants on their bounds, and still returns what simulating every candidate gives."""
+    want = PlanRequest(ModelSpec("m12x512", 12, 512, 8, 8192), 512, 8,
+                       Cluster.of("h100", 4, gpus_per_node=2, memory=80 * GiB), schedules=("zb-auto",), top=3)
+    plans = search(want).plans
+    assert settings(plans) == settings(exhaustive(want))
+    best = plans[0]
+    bare = Costing(want).evaluate(replace(best.candidate, recompute="none"))
+    assert best.candidate.recompute != "none" and best.fits and bare.fits and best.step_ms < bare.step_ms
+
+
 def test_candidates_that_cost_the_same_share_one_simulation():
     """redis where its balanced split is the even one (SMALL at pp 2) costs as none does: the planner
     simulates one for both, and each plan, shared or not, is what costing that candidate alone gives."""

@@ -9,9 +9,11 @@ their time bound until the next bound is slower than the ``top``-th plan
 found. A layout whose schedule has not been simulated yet is simulated bare
 first, fitting or not: the critical path that gives raises the bound of every
 candidate running that schedule, with added work or not, and the layout goes back
-in line on it. Within a layout its variants are simulated until one is slower
-than its best so far, skipping those whose bound is slower than the ``top``-th
-plan and those whose list shows they cannot fit
+in line on it. Within a layout its variants are simulated until one's bound is
+slower than its best so far or the bare layout fits (a memory saver only adds
+work; but a family that orders the work by the costs, zb-auto, may order a
+saver's faster: :meth:`Costing.ordered_by_costs`), skipping those whose bound
+is slower than the ``top``-th plan and those whose list shows they cannot fit
 (:meth:`Costing.activation_memory_bound`): the plans returned are those an
 exhaustive search (:func:`exhaustive`) ranks first.
 """
@@ -156,10 +158,10 @@ def search(request: PlanRequest, progress=None, every: float = 5.0, jobs: int = 
             if least > bound:
                 heapq.heappush(queue, (least, n, base))
                 continue
-            best = None
+            best, ordered = None, costing.ordered_by_costs(base)
             for variant_bound, c in variants:
-                if best is not None and (best.beats(variant_bound) or best.candidate == base):
-                    break  # a memory saver never makes a step faster: the bare layout is its best
+                if best is not None and (best.beats(variant_bound) or best.candidate == base and not ordered):
+                    break  # a memory saver never makes a step faster (but where the costs order the work)
                 if beaten(variant_bound):
                     continue  # it would not make the list
                 ahead.expect(likely((c, BOUND), rest(base, c)))
