@@ -62,6 +62,11 @@ class Part:
         """Names of the process groups over each pipeline it needs (:attr:`~.mesh.Mesh.line_groups`)."""
         return ()
 
+    def layers(self, model, schedule) -> tuple[int, ...] | None:
+        """The model's layers per stage the technique places, where the pipeline was given none
+        (``layers_per_stage``); None: it has no say."""
+        return None
+
     def stage_options(self, schedule) -> dict:
         """Keywords of the model's ``build_stages`` it sets."""
         return {}

@@ -59,8 +59,8 @@ class Pipeline:
     aborts the communicator of a wait that times out).
     ``sp``: each stage runs on ``sp`` ranks that each hold a share of every sequence;
     gradients are summed over them and averaged over the ``dp`` replicas in one
-    all-reduce. ``layers_per_stage``: the model's layers per stage (e.g. from
-    :func:`pipeloom.partition.balanced_layers`). ``device``: where the
+    all-reduce. ``layers_per_stage``: the model's layers per stage (default: the even split, or
+    the technique's, e.g. ``vocab_parallel="redis"``'s). ``device``: where the
     stages run; by default the backend's (a GPU for NCCL, ``LOCAL_RANK``'s;
     the CPU for gloo), see :mod:`pipeloom.runtime.device`. ``loss_fn(logits, targets)``:
     the last stage's mean loss, by default the model's ``loss``.
@@ -109,6 +109,9 @@ class Pipeline:
                          [name for part in self.parts for name in part.groups(self.schedule)])
         self.rank, self.pp_rank, self.pp_group = self.mesh.rank, self.mesh.pp_rank, self.mesh.pp_group
         dtype = next(model.parameters()).dtype  # hidden states travel in the weights' dtype
+        if layers_per_stage is None:
+            layers_per_stage = next((counts for part in self.parts
+                                     if (counts := part.layers(model, self.schedule)) is not None), None)
         self.stages = model.build_stages(self.schedule.stages, self.schedule.stages_of(self.pp_rank),
                                          layers_per_stage, device=self.device,
                                          **_merged(part.stage_options(self.schedule) for part in self.parts))

@@ -52,7 +52,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import PipeloomError
+from ...nn.models import model_spec
 from ...nn.vocab import VocabParallelEmbedding, VocabParallelLMHead
+from ...partition import balanced_layers
 from ...schedule.ir import BW, B, F, Action, Schedule
 from ...schedule.transforms.vocab import IB, IF, VOCAB_KINDS, C, S, T, Z
 from ..context import Context, Ends
@@ -325,6 +327,14 @@ class VocabPart(Part):
 
     def groups(self, schedule) -> tuple[str, ...]:
         return GROUPS if self.computes_loss(schedule) else ()
+
+    def layers(self, model, schedule) -> tuple[int, ...] | None:
+        """redis: the layers moved off the stages that hold the vocabulary layers
+        (:func:`~pipeloom.partition.balanced_layers`, for sequences of the model's ``block_size``;
+        ``pipeloom train`` gives the split for its ``--seq``)."""
+        if schedule.options.get("vocab_parallel") != "redis":
+            return None
+        return balanced_layers(model_spec(model.config), schedule.stages, model.config.block_size)
 
     def stage_options(self, schedule) -> dict:
         return {"vocab_parallel": self.computes_loss(schedule)}
