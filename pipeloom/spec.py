@@ -188,7 +188,7 @@ class RunSpec:
             raise PipeloomError(f"--vocab {self.vocab}: the vocabulary of --init-from {self.init_from} is its "
                                 "config.json's; leave --vocab out")
         size = self.size
-        stages = self.pp * (self.chunks or family.default_chunks)
+        stages = self.pp * family.checked_chunks(self.chunks)
         if stages > size.layers:
             raise PipeloomError(f"{self.model_flag} has {size.layers} layers, too few for the {stages} stages of "
                                 f"{self.schedule} at --pp {self.pp}; use a larger model or a smaller --pp")

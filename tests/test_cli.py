@@ -243,6 +243,8 @@ MISTAKES = {
     "seq zero": (["--model", "4b", "--seq", "0"], 2, "--seq must be a whole number >= 1, got 0", []),
     "sp not dividing seq": (["--model", "gpt-1.3b", "--seq", "1000", "--sp", "3"], 2, "--seq 1000 does not split", []),
     "more stages than layers": (["--model", "4b", "--pp", "64"], 2, "4b has 32 layers, too few for the 64 stages", []),
+    "chunks the family does not take": (["--model", "tiny", "--pp", "3", "--chunks", "3"], 2,
+                                        "1f1b uses chunks=1 stages per rank; got chunks=3", []),
 }
 
 

@@ -34,6 +34,18 @@ class Family:
         """Names of the family's own options (beyond pp, microbatches, chunks, room)."""
         return [name for name in list(inspect.signature(self.generate).parameters)[3:] if name != "room"]
 
+    def checked_chunks(self, chunks: int | None) -> int:
+        """``chunks`` stages per rank (None: the family's default), or one line saying what it takes."""
+        if chunks is None:
+            return self.default_chunks
+        if self.chunks is None:
+            if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 2:
+                raise PipeloomError(f"{self.name} needs chunks >= 2 stages per rank; got chunks={chunks!r}")
+        elif chunks not in self.chunks:
+            allowed = " or ".join(map(str, self.chunks))
+            raise PipeloomError(f"{self.name} uses chunks={allowed} stages per rank; got chunks={chunks!r}")
+        return chunks
+
     @property
     def makes_room(self) -> bool:
         """True if the family can leave room (whole intervals) between the last
@@ -117,14 +129,7 @@ def build(
     for label, value in (("pp", pp), ("microbatches", microbatches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise PipeloomError(f"{label}={value!r}: must be a whole number >= 1")
-    if chunks is None:
-        chunks = family.default_chunks
-    if family.chunks is None:
-        if not isinstance(chunks, int) or chunks < 2:
-            raise PipeloomError(f"{name} needs chunks >= 2 stages per rank; got chunks={chunks!r}")
-    elif chunks not in family.chunks:
-        allowed = " or ".join(map(str, family.chunks))
-        raise PipeloomError(f"{name} uses chunks={allowed} stages per rank; got chunks={chunks!r}")
+    chunks = family.checked_chunks(chunks)
     _check_size(name, pp, microbatches, chunks, options.get("steps") or 1)
     unknown = sorted(set(options) - set(family.options))
     if unknown:
