@@ -140,11 +140,6 @@ class Costing:
         """Whether ``c``'s family never flushes (its step the steady one, no critical path kept)."""
         return self.family(c)[3]
 
-    def ordered_by_costs(self, c: Candidate) -> bool:
-        """Whether ``c``'s family orders its work by the costs (zb-auto): a memory saver's costs may
-        then be given a faster order than the bare layout's, its step not slower for the work it adds."""
-        return self.family(c)[2]
-
     def bare(self, c: Candidate) -> Candidate:
         """``c`` without the axes whose work is added to its schedule (:attr:`PlanAxis.added`)."""
         if all(getattr(c, name) == value for name, value in self._bare.items()):
@@ -238,7 +233,7 @@ class Costing:
     def _schedule_key(self, c: Candidate) -> tuple:
         """What fixes ``c``'s schedule: its shape (its added axes last), and its costs where they
         place the work (the added axes' work, zb-auto's order)."""
-        costly = self.bare(c) is not c or self.ordered_by_costs(c)
+        costly = self.bare(c) is not c or self.family(c)[2]
         return self._shape(c), self._costs_key(c) if costly else None
 
     def _path_key(self, c: Candidate) -> tuple:

@@ -86,8 +86,8 @@ class PlanAxis:
     each rank holds, ``shaped`` the schedule's order. ``added``: its work is added to the schedule
     built without it (:meth:`Technique.plan_add`), so that schedule's critical path bounds it.
 
-    ``saver``: a memory saver, which never makes a step faster but where the costs order the work
-    (zb-auto; a plan is a layout with its best savers, the bare layout tried first): its place among the savers when equal plans are ranked
+    ``saver``: a memory saver, which only adds work (a plan is a layout with its best savers, the
+    bare layout where it fits: :func:`~pipeloom.plan.search.taken`): its place among the savers when equal plans are ranked
     (lower first); ``saving``: its values, most memory saved first (default ``values`` reversed),
     the order the hunt for the least memory tries them in."""
 
