@@ -217,6 +217,12 @@ def _bad_input_worker(rank, cases):
         "microbatches": lambda: pipeloom.Pipeline(GPT(config), "interleaved-1f1b", pp=2, microbatches=9),
         "batch": lambda: pipeloom.Pipeline(GPT(config), "1f1b", pp=2, microbatches=4).step(*make_batch(config, 6, 8)),
         "device": lambda: pipeloom.Pipeline(GPT(config), "1f1b", pp=2, microbatches=4, device="cuda"),
+        "no device": lambda: pipeloom.Pipeline(GPT(config), "1f1b", pp=2, microbatches=4, device="tpu"),
+        "schedule": lambda: pipeloom.Pipeline(GPT(config), 42, pp=2, microbatches=4),
+        "autocast": lambda: pipeloom.Pipeline(GPT(config), "1f1b", pp=2, microbatches=4, autocast="bf16"),
+        "timeout": lambda: pipeloom.Pipeline(GPT(config), "1f1b", pp=2, microbatches=4, timeout=0),
+        "loss": lambda: pipeloom.Pipeline(GPT(config), "1f1b", pp=2, microbatches=4, loss_fn="ce"),
+        "kfac alone": lambda: pipeloom.Pipeline(GPT(config), "1f1b", pp=2, microbatches=4, kfac={"every": 2}),
     }
     found = {}
     for case in cases:
@@ -235,6 +241,12 @@ BAD_INPUT = {
     "microbatches": "microbatches=9 does not divide",
     "batch": "a batch of 6 sequences does not divide into dp=1 x microbatches=4",
     "device": "device cuda with the gloo backend, which sends cpu tensors only",
+    "no device": "device='tpu' is no device: give e.g. 'cpu', 'cuda' or 'cuda:0'",
+    "schedule": "schedule=42: give a family name (e.g. '1f1b') or a pipeloom.schedule.Schedule",
+    "autocast": "autocast='bf16': give a torch dtype such as torch.bfloat16, or None",
+    "timeout": "timeout=0: give the seconds a wait for a peer may take, a number > 0",
+    "loss": "loss_fn='ce': give a function of (logits, targets)",
+    "kfac alone": "kfac={'every': 2}: K-FAC's options go with optimizer='kfac'",
 }
 
 

@@ -39,7 +39,10 @@ def pipeline_device(device: str | torch.device | None, backend: str) -> torch.de
     if given (a CUDA device without an index is ``LOCAL_RANK``'s), else the backend's.
     Selects the GPU as the current CUDA device."""
     want = BACKEND_DEVICE.get(backend)
-    device = torch.device(device if device is not None else want or "cpu")
+    try:
+        device = torch.device(device if device is not None else want or "cpu")
+    except (RuntimeError, TypeError):
+        raise PipeloomError(f"device={device!r} is no device: give e.g. 'cpu', 'cuda' or 'cuda:0'") from None
     if want and device.type != want:
         raise PipeloomError(f"device {device.type} with the {backend} backend, which sends {want} tensors only; "
                             f"use the {'nccl' if device.type == 'cuda' else 'gloo'} backend for {device.type}, "

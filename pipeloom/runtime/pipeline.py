@@ -93,6 +93,7 @@ class Pipeline:
     ):
         if not dist.is_available() or not dist.is_initialized():
             raise PipeloomError("Pipeline needs torch.distributed initialised: launch with torchrun")
+        _check_arguments(schedule, autocast, timeout, loss_fn)
         _close_at_exit()
         #: each technique's part, in the techniques' order; what they leave of ``options`` builds the schedule
         self.parts: list[Part] = [cls(options) for cls in part_classes()]
@@ -343,6 +344,18 @@ class _Call:
     def averaging(self) -> dict[int, list]:
         """The calls that start averaging each stage's gradients over the replicas, if any (a synchronous call's)."""
         return self.grads.averaging(self.finals) if self.replicas > 1 else {}
+
+
+def _check_arguments(schedule, autocast, timeout, loss_fn) -> None:
+    """Refuse, in one line each, arguments of the wrong type or range (before anything is built)."""
+    if not isinstance(schedule, (str, Schedule)):
+        raise PipeloomError(f"schedule={schedule!r}: give a family name (e.g. '1f1b') or a pipeloom.schedule.Schedule")
+    if autocast is not None and not isinstance(autocast, torch.dtype):
+        raise PipeloomError(f"autocast={autocast!r}: give a torch dtype such as torch.bfloat16, or None")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise PipeloomError(f"timeout={timeout!r}: give the seconds a wait for a peer may take, a number > 0")
+    if loss_fn is not None and not callable(loss_fn):
+        raise PipeloomError(f"loss_fn={loss_fn!r}: give a function of (logits, targets), or None for the model's loss")
 
 
 def _schedule(schedule, pp, microbatches, chunks, parts: list[Part], options) -> Schedule:

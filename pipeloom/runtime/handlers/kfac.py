@@ -191,6 +191,13 @@ class KfacPart(Part):
         super().__init__(options)
         self.costs = options.get("costs")
 
+    def check(self) -> None:
+        if self.given["kfac"] is not None and self.given["optimizer"] != "kfac":
+            raise PipeloomError(f"kfac={self.given['kfac']!r}: K-FAC's options go with optimizer='kfac'")
+        if self.given["kfac"] is not None and not isinstance(self.given["kfac"], dict):
+            raise PipeloomError(f"kfac={self.given['kfac']!r}: give K-FAC's options as a dict (damping, decay, "
+                                "every, margin)")
+
     def check_schedule(self, schedule) -> None:
         if schedule.options.get("kfac"):
             raise PipeloomError("the schedule holds K-FAC pieces: give it without them and optimizer='kfac', which "
