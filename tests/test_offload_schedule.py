@@ -551,3 +551,19 @@ def test_moved_ws_go_back_in_place_past_the_pieces_k_fac_adds_later():
     for stage, microbatch, *_ in schedule.options["offload"]["moved"]:
         actions = bare.ranks[schedule.placement[stage]]
         assert actions.index(Action(W, stage, microbatch)) > actions.index(Action(B, stage, microbatch)) + 1
+
+
+def test_a_moved_w_that_came_last_goes_back_before_its_steps_preconditioning():
+    """A W moved from the end of its step's list goes back before what K-FAC made need it since (the
+    step's preconditioning), not to the end of the cycle's list."""
+    from pipeloom.builder import build_run
+    from pipeloom.spec import RunSpec
+
+    schedule = build_run(RunSpec(schedule="v-half", pp=1, microbatches=2, seq=64, recompute="cheap",
+                                 vocab_parallel="vocab-1", offload="full", optimizer="kfac"))
+    last = [entry for entry in schedule.options["offload"]["moved"] if entry[3] is None]
+    assert last and schedule.options["kfac"]["every"] > 1  # a W that came last, in a cycle of several steps
+    bare = validate(unmoved(schedule))
+    for stage, microbatch, *_ in last:
+        actions = bare.ranks[schedule.placement[stage]]
+        assert actions.index(Action(W, stage, microbatch)) < actions.index(Action("KFAC_PRE", stage, 0))

@@ -83,7 +83,7 @@ from typing import NamedTuple
 
 from ...errors import PipeloomError, ScheduleError
 from ..costs import Costs, StageCosts, register_field
-from ..deps import _program, asap
+from ..deps import Dependencies, _program, asap
 from ..ir import BW, B, F, W, Action, Schedule, parts
 from ..kinds import KINDS, Kind, register, register_inputs
 from . import insert
@@ -863,16 +863,24 @@ def _follower(schedule: Schedule, pair: tuple[int, int], k: int) -> list | None:
 def unmoved(schedule: Schedule) -> Schedule:
     """An offloaded schedule without its copies and with its moved Ws (:func:`_moved`) back in their
     places: the schedule the transform was given, with whatever later transforms added (K-FAC's
-    pieces): each W goes back before the action that followed it, the latest first."""
-    offload = schedule.options.get("offload") or {}
+    pieces): each W goes back before the action that followed it (the end of the list where none
+    did), the latest first, and before the first action a later transform made need it (K-FAC's
+    preconditioning of the W's step, which follows the step's last W)."""
+    moved = (schedule.options.get("offload") or {}).get("moved", ())
     ranks = [[a for a in actions if a.kind not in COPIES] for actions in schedule.ranks]
-    for stage, microbatch, *_ in offload.get("moved", ()):
-        ranks[schedule.placement[stage]].remove(Action(W, stage, microbatch))
-    for stage, microbatch, _, follower in sorted(offload.get("moved", ()), key=lambda m: m[2], reverse=True):
-        actions = ranks[schedule.placement[stage]]
+    ws = {Action(W, stage, microbatch) for stage, microbatch, *_ in moved}
+    for w in ws:
+        ranks[schedule.placement[w.stage]].remove(w)
+    needs, consumer = Dependencies(schedule), {}  # W -> the first action of its rank's list that needs it
+    for r in {schedule.placement[w.stage] for w in ws}:
+        for a in ranks[r]:
+            for w in ws.intersection(needs(a, True)).difference(consumer):
+                consumer[w] = a
+    for stage, microbatch, _, follower in sorted(moved, key=lambda m: m[2], reverse=True):
+        actions, w = ranks[schedule.placement[stage]], Action(W, stage, microbatch)
         at = len(actions) if follower is None else next(
             k for k, a in enumerate(actions) if any([p.kind, p.stage, p.microbatch] == follower for p in parts(a)))
-        actions.insert(at, Action(W, stage, microbatch))
+        actions.insert(min(at, actions.index(consumer[w])) if w in consumer else at, w)
     return replace(schedule, ranks=tuple(map(tuple, ranks)),
                    options={key: v for key, v in schedule.options.items() if key != "offload"})
 

@@ -203,8 +203,11 @@ def add_vocab_passes(schedule: Schedule, algorithm: str) -> Schedule:
             grads = [e[:4] for e in placed[r][-len(passes):] if e[-1].kind in (T, IB)]
             updated[r, i // m] = max(updated.get((r, i // m), ()), *grads)  # () sorts first
 
-    return replace(schedule, ranks=insert(schedule.ranks, placed),
-                   options={**schedule.options, "vocab_parallel": algorithm})
+    result = replace(schedule, ranks=insert(schedule.ranks, placed),
+                     options={**schedule.options, "vocab_parallel": algorithm})
+    if versions > 1 and m < versioned_microbatches(schedule.pp, algorithm):
+        check_versions(result)  # says why before a later transform times an order that cannot run
+    return result
 
 
 class VocabPasses:
