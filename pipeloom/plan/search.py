@@ -196,10 +196,10 @@ def exhaustive(request: PlanRequest) -> list[Plan]:
 def taken(plan: Plan, over: Plan) -> bool:
     """Whether a layout's ``plan`` is taken over its ``over`` (both fit): the bare layout over any
     variant, else the better key. A memory saver only adds work; where the costs still step a
-    saver's variant faster (zb-auto, which orders the work by the costs, can order a saver's into a
-    shorter step; 2bw's steady step, two steps' time less one's, can come out shorter with added work
-    where the timeline has not settled into its period), that is the model's artefact, not a faster
-    run: the saver's order without its work would run no slower."""
+    saver's variant faster, the saver's order without its work would run no slower: zb-auto orders
+    the work by the costs, and its memory limit (ZB-H2's peak under them) can admit a shorter order
+    with a saver's smaller activations; 2bw's steady step, two steps' time less one's, can come out
+    shorter with added work where the timeline has not settled into its period."""
     bare = plan.candidate.base
     return (plan.candidate == bare) if (plan.candidate == bare) != (over.candidate == bare) else plan.key < over.key
 
