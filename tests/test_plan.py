@@ -3,6 +3,7 @@ bounds, its cluster tiers and its command line."""
 
 import json
 import os
+import random
 import re
 import shlex
 import subprocess
@@ -20,6 +21,7 @@ from pipeloom.builder import build_run, costs_of
 from pipeloom.cli.flags import spec_of
 from pipeloom.plan.command import run_spec
 from pipeloom.plan.evaluate import evaluate as plan_evaluate
+from pipeloom.schedule import FAMILIES
 from pipeloom.sim.model import ModelSpec, get_device
 
 GiB = 2**30
@@ -68,6 +70,32 @@ def test_the_bare_layout_is_taken_where_it_fits_though_a_saver_models_faster(wan
     layouts = {p.candidate.base for p in faster}
     assert all(p.candidate == p.candidate.base for p in plans if p.candidate.base in layouts)
     assert layouts & {p.candidate.base for p in plans}
+
+
+def _random_request(rng: random.Random) -> PlanRequest:
+    """A small request: a model of 4-12 layers, 2-4 GPUs, ample or tight memory, some schedules, maybe K-FAC."""
+    model = ModelSpec("random", rng.choice([4, 6, 8, 12]), rng.choice([256, 512]), rng.choice([4, 8]),
+                      rng.choice([4096, 8192, 32000]))
+    cluster = Cluster.of(rng.choice(["a100", "h100"]), rng.choice([2, 4]), gpus_per_node=rng.choice([2, 8]),
+                         memory=rng.choice([80, round(10 ** rng.uniform(-1.3, 0.5), 3)]) * GiB)
+    schedules = tuple(rng.sample(sorted(FAMILIES), 3)) if rng.random() < 0.5 else tuple(FAMILIES)
+    kfac = {"optimizer": ("adamw", "kfac"), "kfac_every": 2} if rng.random() < 0.2 else {}
+    return PlanRequest(model, rng.choice([512, 1024]), 8, cluster, schedules=schedules, top=rng.choice([1, 3, 6]), **kfac)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("seed", [1, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 15])  # of 0-15, those under 11 s
+def test_search_equals_brute_force_on_random_requests(seed):
+    """Random small requests (how the variants that model faster than the bare layout were found);
+    an infeasible one says so in one line, as simulating every candidate finds none."""
+    want = _random_request(random.Random(seed))
+    best = settings(exhaustive(want))
+    if best:
+        assert settings(search(want).plans) == best
+    else:
+        with pytest.raises(PipeloomError, match=f"^no layout of random on {want.cluster.gpus} GPUs fits "):
+            search(want)
 
 
 def test_candidates_that_cost_the_same_share_one_simulation():
