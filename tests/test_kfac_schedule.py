@@ -12,7 +12,6 @@ from pipeloom.schedule import FAMILIES, Action, Costs, Kfac, Schedule, build, va
 from pipeloom.schedule.deps import Dependencies
 from pipeloom.schedule.ir import parts
 from pipeloom.schedule.kinds import COMPOUND
-from pipeloom.schedule.transforms.kfac import KFAC_PRE
 from pipeloom.schedule.transforms.kfac import (KFAC_A, KFAC_G, KFAC_INV, KFAC_PRE, KFAC_SYNC_A, KFAC_SYNC_G,
                                                PIECES)
 from pipeloom.sim import ModelSpec, costs_from_model, kfac_costs, kfac_report, simulate, stage_layers, without_pieces

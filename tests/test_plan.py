@@ -80,7 +80,8 @@ def _random_request(rng: random.Random) -> PlanRequest:
                          memory=rng.choice([80, round(10 ** rng.uniform(-1.3, 0.5), 3)]) * GiB)
     schedules = tuple(rng.sample(sorted(FAMILIES), 3)) if rng.random() < 0.5 else tuple(FAMILIES)
     kfac = {"optimizer": ("adamw", "kfac"), "kfac_every": 2} if rng.random() < 0.2 else {}
-    return PlanRequest(model, rng.choice([512, 1024]), 8, cluster, schedules=schedules, top=rng.choice([1, 3, 6]), **kfac)
+    return PlanRequest(model, rng.choice([512, 1024]), 8, cluster, schedules=schedules, top=rng.choice([1, 3, 6]),
+                       **kfac)
 
 
 @pytest.mark.slow

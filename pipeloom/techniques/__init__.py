@@ -87,9 +87,9 @@ class PlanAxis:
     built without it (:meth:`Technique.plan_add`), so that schedule's critical path bounds it.
 
     ``saver``: a memory saver, which only adds work (a plan is a layout with its best savers, the
-    bare layout where it fits: :func:`~pipeloom.plan.search.taken`): its place among the savers when equal plans are ranked
-    (lower first); ``saving``: its values, most memory saved first (default ``values`` reversed),
-    the order the hunt for the least memory tries them in."""
+    bare layout where it fits: :func:`~pipeloom.plan.search.taken`): its place among the savers
+    when equal plans are ranked (lower first); ``saving``: its values, most memory saved first
+    (default ``values`` reversed), the order the hunt for the least memory tries them in."""
 
     name: str
     values: tuple
