@@ -245,6 +245,8 @@ MISTAKES = {
     "more stages than layers": (["--model", "4b", "--pp", "64"], 2, "4b has 32 layers, too few for the 64 stages", []),
     "chunks the family does not take": (["--model", "tiny", "--pp", "3", "--chunks", "3"], 2,
                                         "1f1b uses chunks=1 stages per rank; got chunks=3", []),
+    "unknown flag": (["--bogus", "1"], 2, "pipeloom simulate: error: unrecognized arguments: --bogus 1 "
+                                          "(see pipeloom simulate --help)", []),
 }
 
 

@@ -47,8 +47,19 @@ class _Parser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
+    #: the subcommands' parsers by name (the top parser's)
+    commands: dict = {}
+
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, an unknown flag said by the subcommand it was given to."""
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            (self.commands.get(getattr(parsed, "command", None)) or self).error(
+                f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,4 +67,5 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for command in (simulate, profile, plan, train, generate):
         command.add_parser(sub)
+    parser.commands = sub.choices
     return parser
