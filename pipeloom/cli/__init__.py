@@ -46,9 +46,8 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
-
-    #: the subcommands' parsers by name (the top parser's)
-    commands: dict = {}
+        #: the subcommands' parsers by name (set on the top parser)
+        self.commands: dict[str, argparse.ArgumentParser] = {}
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

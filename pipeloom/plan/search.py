@@ -200,8 +200,8 @@ def taken(plan: Plan, over: Plan) -> bool:
     the work by the costs, and its memory limit (ZB-H2's peak under them) can admit a shorter order
     with a saver's smaller activations; 2bw's steady step, two steps' time less one's, can come out
     shorter with added work where the timeline has not settled into its period."""
-    bare = plan.candidate.base
-    return (plan.candidate == bare) if (plan.candidate == bare) != (over.candidate == bare) else plan.key < over.key
+    bare, over_bare = plan.candidate == plan.candidate.base, over.candidate == over.candidate.base
+    return bare if bare != over_bare else plan.key < over.key
 
 
 def _variant_order(saving: list):
