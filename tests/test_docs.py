@@ -84,7 +84,7 @@ def test_shown_output_is_what_the_command_prints(tmp_path, page, runs):
     for command, output in runs:
         command, _, grep = command.partition(" | grep ")
         done = subprocess.run([sys.executable, "-m", "pipeloom", *shlex.split(command)[1:]], cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=280,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=540,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert done.returncode == 0, done.stdout[-2000:]
         printed = [_same(line.rstrip(), command) for line in done.stdout.splitlines() if grep in line]
