@@ -118,6 +118,8 @@ def test_text_file_and_token_file(tmp_path):
     (["--val-fraction", "1"], "--val-fraction 1: hold out a share of the data in [0, 1)"),
     (["--data", "a.txt", "--eval-every", "2"], "--val-fraction 0.05 holds out 50 tokens of a.txt, fewer than one"),
     (["--schedule", "2bw", "--steps", "8", "--eval-every", "2"], "use an --eval-every that is a multiple of 4"),
+    (["--schedule", "2bw", "--steps", "6"], "2bw runs 4 steps per call without a flush; use a --steps that is a "
+     "multiple of 4, or a --schedule-steps that divides 6"),
     (["--save", "w.pt"], "--save w.pt: the file name must end in .safetensors, not '.pt'"),
     (["--resume", "nowhere"], "nowhere is not a complete pipeloom checkpoint"),
     (["--plot", "a.txt/x.png"], "--plot a.txt/x.png: a.txt is a file, not a directory"),
@@ -324,7 +326,7 @@ def test_two_bw_trains_in_calls_and_resumes_with_its_weight_versions(tmp_path):
     resumed = [r["loss"] for r in metrics(tmp_path / "resumed.jsonl")]
     assert np.allclose(resumed, [r["loss"] for r in full[4:]], rtol=1e-4, atol=0)
     done = train("--schedule", "2bw", "--steps", "10", cwd=tmp_path, check=False)
-    assert done.returncode == 2 and "use a --steps that is a multiple of 4" in done.stderr
+    assert done.returncode == 2 and "use a --steps that is a multiple of 4, or a --schedule-steps" in done.stderr
 
 
 @pytest.mark.slow

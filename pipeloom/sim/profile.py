@@ -407,12 +407,17 @@ class _Reader:
     def __init__(self, where: str):
         self.where = where
 
-    def get(self, data, path: tuple[str, ...], kind: type, positive: bool = False, null: bool = False):
+    def _at(self, data, path: tuple[str, ...]):
+        """The value at ``path`` in ``data`` (nested objects), or one line naming the first key missing."""
         node = data
         for depth, key in enumerate(path):
             if not isinstance(node, dict) or key not in node:
                 raise PipeloomError(f"{self.where}: field {'.'.join(path[:depth + 1])} is missing")
             node = node[key]
+        return node
+
+    def get(self, data, path: tuple[str, ...], kind: type, positive: bool = False, null: bool = False):
+        node = self._at(data, path)
         if node is None and null:
             return None
         ok = isinstance(node, kind) and (kind is bool or not isinstance(node, bool))
@@ -423,11 +428,7 @@ class _Reader:
         return node
 
     def number(self, data, path: tuple[str, ...], positive: bool = False, null: bool = False) -> float | None:
-        node = data
-        for depth, key in enumerate(path):
-            if not isinstance(node, dict) or key not in node:
-                raise PipeloomError(f"{self.where}: field {'.'.join(path[:depth + 1])} is missing")
-            node = node[key]
+        node = self._at(data, path)
         if node is None and null:
             return None
         good = isinstance(node, (int, float)) and not isinstance(node, bool) and math.isfinite(node)

@@ -137,7 +137,7 @@ def check_steps(config: TrainConfig, schedule) -> None:
     per_call = cycle // schedule.options.get("kfac", {}).get("every", 1)
     if config.steps % per_call:
         raise PipeloomError(f"{name} runs {per_call} steps per call without a flush; use a --steps that is a "
-                            f"multiple of {per_call}")
+                            f"multiple of {per_call}, or a --schedule-steps that divides {config.steps}")
     if cycle > per_call:  # K-FAC's refresh runs over several calls
         why = f"K-FAC's refresh runs over {cycle} steps"
         saved = (("with --checkpoint-dir use a --steps", config.steps if config.checkpoint_dir else 0),
