@@ -169,6 +169,21 @@ def end_of_text(tokenizer: str | os.PathLike) -> int:
                         f"in a tokenizer_config.json beside it, and none of {', '.join(EOS_NAMES)} in its vocabulary")
 
 
+def read_tokenizer(path: str | os.PathLike, flag: str):
+    """The ``tokenizers.Tokenizer`` saved in ``path`` (a ``tokenizer.json``), or one line naming
+    ``flag`` and the file where it is not one."""
+    try:
+        import tokenizers
+    except ImportError:
+        raise PipeloomError(f"{flag} needs the tokenizers package: pip install 'pipeloom[bpe]'") from None
+    try:
+        return tokenizers.Tokenizer.from_str(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise PipeloomError(f"{flag} {path}: not a tokenizer.json (not UTF-8 text)") from None
+    except Exception as err:  # noqa: BLE001 -- the tokenizers package's own errors
+        raise PipeloomError(f"{flag} {path}: not a tokenizers tokenizer.json ({err})") from None
+
+
 def stdlib_sources() -> list[Path]:
     """The ``.py`` files of this Python's standard library (tests left out), sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -225,7 +240,7 @@ def _tokenized(texts: _TextFiles | Documents, source: str, tokenizer: str, vocab
     cache.mkdir(parents=True, exist_ok=True)
     tokens_path, tokenizer_path = cache / f"{key}.tokens", cache / f"{key}.tokenizer.json"
     if tokenizer != "bytes" and not tokenizer_path.is_file():
-        model = _train_bpe(texts, vocab_size) if tokenizer == "bpe" else tokenizers.Tokenizer.from_file(tokenizer)
+        model = _train_bpe(texts, vocab_size) if tokenizer == "bpe" else read_tokenizer(tokenizer, "--tokenizer")
         _write_atomically(tokenizer_path, model.to_str().encode())
     named = "bytes" if tokenizer == "bytes" else str(tokenizer_path)
     eos = end_of_text(tokenizer_path if tokenizer == "bpe" else tokenizer) if documents else None

@@ -91,7 +91,9 @@ def load(args, device):
     else:
         model, meta, tokenizer, source = _from_weights(args.weights, device)
     if args.tokenizer:
-        tokenizer = Path(args.tokenizer).read_text()
+        from .data import read_tokenizer
+
+        tokenizer = read_tokenizer(args.tokenizer, "--tokenizer").to_str()
     elif tokenizer is None and meta.get("tokenizer", "bytes") is None:
         raise PipeloomError(f"{source} holds no tokenizer pipeloom knows (a run on a token file's ids, or a Hugging "
                             "Face directory without tokenizer.json): give it with --tokenizer FILE.json")

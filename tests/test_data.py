@@ -1,5 +1,7 @@
 """Training data: the built-in corpus, text files and directories, token files, batches."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -116,3 +118,21 @@ def test_bad_tokenizer_choices_are_clear_errors(tmp_path):
         load_data(tmp_path / "a.txt", tokenizer="wordpiece")
     with pytest.raises(PipeloomError, match="already tokenized"):
         load_data(tmp_path / "t.bin", tokenizer="bpe")
+
+
+def test_a_file_that_is_no_tokenizer_is_named_in_one_line(tmp_path, monkeypatch):
+    """--tokenizer given a file that tokenizers cannot read: text that is not its JSON, or no text at all."""
+    pytest.importorskip("tokenizers")
+    from pipeloom.data import read_tokenizer
+
+    monkeypatch.setenv("PIPELOOM_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "a.txt").write_text("hello\n" * 20)
+    (tmp_path / "config.json").write_text('{"vocab_size": 256}')
+    (tmp_path / "w.bin").write_bytes(bytes([0xf8, 0x00, 0xff]) * 10)
+    for name, message in (("config.json", "not a tokenizers tokenizer.json ("),
+                          ("w.bin", "not a tokenizer.json (not UTF-8 text)")):
+        path = tmp_path / name
+        with pytest.raises(PipeloomError, match=re.escape(f"--tokenizer {path}: {message}")):
+            load_data(tmp_path / "a.txt", tokenizer=str(path))
+        with pytest.raises(PipeloomError, match=re.escape(f"--tokenizer {path}: {message}")):
+            read_tokenizer(path, "--tokenizer")
