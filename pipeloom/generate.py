@@ -71,10 +71,14 @@ def check(args) -> None:
     """The arguments' mistakes, in one line."""
     if not args.prompt:
         raise PipeloomError("--prompt is empty: give some text to continue")
+    for flag, path in (("--checkpoint", args.checkpoint), ("--weights", args.weights), ("--hf", args.hf),
+                       ("--tokenizer", args.tokenizer)):
+        if path == "":
+            raise PipeloomError(f"{flag} is empty: give the path of what it names")
     if args.max_new_tokens < 1:
         raise PipeloomError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if not args.temperature >= 0:  # nan too
-        raise PipeloomError(f"--temperature {args.temperature:g}: use 0 (the most likely token) or more")
+    if not 0 <= args.temperature < float("inf"):  # nan too
+        raise PipeloomError(f"--temperature {args.temperature:g}: use 0 (the most likely token) or a finite number above")
     if args.top_k is not None and args.top_k < 1:
         raise PipeloomError(f"--top-k must be at least 1, got {args.top_k}")
     if args.tokenizer is not None and not Path(args.tokenizer).is_file():
@@ -84,13 +88,13 @@ def check(args) -> None:
 def load(args, device):
     """(the model on ``device``, in eval mode, with the trained weights; the run's metadata;
     its BPE tokenizer's JSON, or None for bytes; where they came from)."""
-    if args.checkpoint:
+    if args.checkpoint is not None:
         model, meta, tokenizer, source = _from_checkpoint(args.checkpoint, device)
-    elif args.hf:
+    elif args.hf is not None:
         model, meta, tokenizer, source = _from_hf(args.hf, device)
     else:
         model, meta, tokenizer, source = _from_weights(args.weights, device)
-    if args.tokenizer:
+    if args.tokenizer is not None:
         from .data import read_tokenizer
 
         tokenizer = read_tokenizer(args.tokenizer, "--tokenizer").to_str()

@@ -1,6 +1,7 @@
 """Training's outputs from the outside: validation loss, --save, --tensorboard, and pipeloom generate."""
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -107,3 +108,19 @@ def _has(package):
     import importlib.util
 
     return importlib.util.find_spec(package) is not None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--checkpoint", ""], "--checkpoint is empty: give the path of what it names"),
+    (["--weights", "w.safetensors", "--tokenizer", ""], "--tokenizer is empty"),
+    (["--hf", "hf", "--temperature", "inf"], "--temperature inf: use 0 (the most likely token) or a finite number"),
+    (["--hf", "hf", "--temperature", "nan"], "--temperature nan: use 0"),
+    (["--hf", "hf", "--top-k", "0"], "--top-k must be at least 1, got 0"),
+])
+def test_generate_mistakes_are_one_line(args, message):
+    from pipeloom.cli import _parser
+    from pipeloom.errors import PipeloomError
+    from pipeloom.generate import check
+
+    with pytest.raises(PipeloomError, match=re.escape(message)):
+        check(_parser().parse_args(["generate", "--prompt", "def", *args]))
