@@ -70,7 +70,7 @@ class Plan:
 
     @property
     def key(self) -> tuple:
-        """The order of plans: fastest first; at equal speed the one with the least memory savers
+        """The order of plans: fastest first; at equal speed (:func:`_tied`) the one with the least memory savers
         (each costs more than the cost model counts: :func:`~pipeloom.plan.space.saver_ranks`), then
         the least memory."""
         c = self.candidate
@@ -78,11 +78,13 @@ class Plan:
 
     def beats(self, bound_ms: float) -> bool:
         """Whether no candidate whose step is at least ``bound_ms`` can come before this plan."""
-        return bound_ms > self.key[0] * (1 + 2 * _NOISE)
+        return _tied(bound_ms * (1 - 2 * _NOISE)) > self.key[0]
 
 
-#: Relative difference under which two steps count as equal (sums of the same costs in another order).
+#: Relative float noise of a step or a bound (sums of the same costs in another order).
 _NOISE = 1e-9
+#: Significant digits to which two steps must agree to count as equal speed.
+_DIGITS = 6
 
 
 @lru_cache(maxsize=1)
@@ -91,8 +93,11 @@ def _savers() -> list:
 
 
 def _tied(ms: float) -> float:
-    """``ms`` to 9 significant digits: steps equal but for float noise tie, so the tie-breaks apply."""
-    return float(f"{ms:.9g}")
+    """``ms`` to :data:`_DIGITS` significant digits: steps that differ by less than about one part in a
+    million (float noise, or a per-microbatch overhead of nanoseconds in a step of seconds: far below
+    what any cost model or GPU can tell apart) are equal speed, so the tie-breaks apply (fewer savers,
+    less memory). Rounding is monotone, so a bound that rounds above a plan's step is surely slower."""
+    return float(f"{ms:.{_DIGITS}g}")
 
 
 class Costing:
