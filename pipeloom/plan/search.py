@@ -12,7 +12,8 @@ candidate running that schedule, with added work or not, and the layout goes bac
 in line on it. Within a layout its variants are simulated until one's bound is
 slower than its best so far, or the bare layout fits (it is then the layout's
 plan: :func:`taken`), skipping those whose bound is slower than the ``top``-th
-plan and those whose list shows they cannot fit
+plan (but for the bare layout: where it fits, the layout cannot make the list,
+however fast a saver's variant models) and those whose list shows they cannot fit
 (:meth:`Costing.activation_memory_bound`): the plans returned are those an
 exhaustive search (:func:`exhaustive`) ranks first.
 """
@@ -160,9 +161,10 @@ def search(request: PlanRequest, progress=None, every: float = 5.0, jobs: int = 
             best = None
             for variant_bound, c in variants:
                 if best is not None and (best.beats(variant_bound) or best.candidate == base):
-                    break  # a memory saver never makes a step faster: the bare layout is its best
-                if beaten(variant_bound):
-                    continue  # it would not make the list
+                    break  # the bare layout is taken where it fits; no other variant beats ``best``
+                if beaten(variant_bound) and c != base:
+                    continue  # it would not make the list (the bare layout is asked anyway: where it
+                    # fits, it is the layout's plan, and no faster variant of a saver is)
                 ahead.expect(likely((c, BOUND), rest(base, c)))
                 if c not in tried and ahead.memory_bound(c) > memory:
                     continue  # cannot fit: not worth simulating
