@@ -500,3 +500,20 @@ def test_each_rank_ends_its_step_with_the_all_reduce_and_its_optimizer_step():
     assert plan.step_ms == pytest.approx(max(e + t for e, t in zip(ends, tails)))
     assert plan.optimizer_ms == pytest.approx(max(optimizer_ms(want, c))) and plan.optimizer_ms > 0
     assert stages_of_ranks(c) == ((0,), (1,))
+
+
+def test_steps_that_agree_to_six_digits_are_equal_speed_and_the_bound_rounds_alike():
+    """At equal speed the plan with less memory comes first, though its step is 2.7e-8 longer (as
+    2bw's at b=1 against b=8 on 64 GPUs); a seventh-digit difference is not equal speed; and a
+    bound that rounds above a plan's step is beaten, one that rounds to it is not."""
+    from pipeloom.plan.evaluate import Plan
+
+    def plan(step, gib, microbatch_size):
+        c = Candidate(8, 8, 1, "2bw", 1, microbatch_size, 64 // microbatch_size, "none", "vocab-2", "none", "adamw")
+        return Plan(c, step, 0.0, 0.0, 0.0, [gib * GiB], 0.0, 0.0, 0.0, True)
+
+    big, small = plan(499.2964433657452, 18.0, 8), plan(499.2964568090249, 5.2, 1)
+    assert small.key < big.key
+    assert plan(499.2964, 5.2, 1).key > plan(499.2954, 18.0, 8).key  # 2e-6 apart: the faster first
+    assert small.key[0] == 499.296  # so a step up to 499.2965 ties with it
+    assert not small.beats(499.2964999) and small.beats(499.29651) and small.beats(499.3)
