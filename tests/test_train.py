@@ -222,10 +222,16 @@ def test_resume_gives_the_uninterrupted_losses_also_with_another_pp(tmp_path):
     assert done.stderr.strip() == ("pipeloom train: nothing to do: ck/step_0000012 holds step 12 and --steps is 12; "
                                    "give --steps above 12 to train on")
     assert not (tmp_path / "pp4.jsonl").exists()
-    train("--steps", "12", "--pp", "4", "--schedule", "zb-h1", "--checkpoint-dir", "ck4",
-          "--resume", "ck/step_0000006", "--metrics", "pp4.jsonl", cwd=tmp_path)
+    done = train("--steps", "12", "--pp", "4", "--schedule", "zb-h1", "--checkpoint-dir", "ck4",
+                 "--resume", "ck/step_0000006", "--metrics", "pp4.jsonl", cwd=tmp_path)
     other = [r["loss"] for r in metrics(tmp_path / "pp4.jsonl")]
     assert np.allclose(other, full[6:], rtol=1e-4, atol=0)
+    assert "resumed from ck/step_0000006 (step 6, saved with pp=2, dp=1)\n" in done.stderr
+    # another batch per step: allowed, and said (the steps from here on see other data)
+    done = train("--steps", "7", "--microbatches", "8", "--checkpoint-dir", "ck8", "--resume", "ck/step_0000006",
+                 cwd=tmp_path)
+    assert ("saved with pp=2, dp=1); a step now takes 64 sequences of 128 tokens, the saving run's 32 of 128"
+            in done.stderr), done.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -399,9 +399,22 @@ class Trainer:
         meta = checkpoint.load(self.pipe, self.optimizer, directory)
         self.last_saved = directory
         if self.rank == 0:
-            print(f"resumed from {directory} (step {meta['step']}, saved with pp={meta['pp']}, dp={meta['dp']})",
-                  file=sys.stderr, flush=True)
+            print(f"resumed from {directory} (step {meta['step']}, saved with pp={meta['pp']}, dp={meta['dp']})"
+                  + self._batch_change(meta), file=sys.stderr, flush=True)
         return meta["step"]
+
+    def _batch_change(self, meta: dict) -> str:
+        """What the resumed run's steps take unlike the saving run's (sequences per step, tokens per
+        sequence), or nothing: the same steps then see other data than the saving run would have."""
+        spec = self.spec
+        now = (self.pipe.dp * spec.microbatches * spec.microbatch_size, spec.seq)
+        if any(meta.get(key) is None for key in ("dp", "microbatches", "microbatch_size", "seq")):
+            return ""  # an older checkpoint's facts
+        saved = (meta["dp"] * meta["microbatches"] * meta["microbatch_size"], meta["seq"])
+        if now == saved:
+            return ""
+        return (f"; a step now takes {now[0]} sequences of {now[1]} tokens, the saving run's {saved[0]} of "
+                f"{saved[1]} (dp x microbatches x microbatch size): the data from here on is not what it would have seen")
 
 
 @contextmanager
