@@ -1,8 +1,8 @@
 """Training's outputs from the outside: validation loss, --save, --tensorboard, and pipeloom generate."""
 
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys

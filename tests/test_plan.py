@@ -504,7 +504,7 @@ def test_each_rank_ends_its_step_with_the_all_reduce_and_its_optimizer_step():
 
 def test_steps_that_agree_to_six_digits_are_equal_speed_and_the_bound_rounds_alike():
     """At equal speed the plan with less memory comes first, though its step is 2.7e-8 longer (as
-    2bw's at b=1 against b=8 on 64 GPUs); a seventh-digit difference is not equal speed; and a
+    2bw's at b=1 against b=8 on 64 GPUs); a difference in the sixth digit is not equal speed; and a
     bound that rounds above a plan's step is beaten, one that rounds to it is not."""
     from pipeloom.plan.evaluate import Plan
 

@@ -406,10 +406,10 @@ class Trainer:
     def _batch_change(self, meta: dict) -> str:
         """What the resumed run's steps take unlike the saving run's (sequences per step, tokens per
         sequence), or nothing: the same steps then see other data than the saving run would have."""
-        spec = self.spec
-        now = (self.pipe.dp * spec.microbatches * spec.microbatch_size, spec.seq)
         if any(meta.get(key) is None for key in ("dp", "microbatches", "microbatch_size", "seq")):
             return ""  # an older checkpoint's facts
+        spec = self.spec
+        now = (self.pipe.dp * spec.microbatches * spec.microbatch_size, spec.seq)
         saved = (meta["dp"] * meta["microbatches"] * meta["microbatch_size"], meta["seq"])
         if now == saved:
             return ""
