@@ -362,7 +362,7 @@ def test_eager_copies_keep_every_compute_action_on_time(name, chunks, seq, recom
     bare = build(name, 8, 32, chunks)
     pairs = offload._pairs_of(bare, costs)
     marked = replace(bare, options={**bare.options, "offload": {"policy": "full", "ratio": 1.0}})
-    entries, eagerly = offload._eager(marked, pairs, pairs.costs)
+    entries, eagerly = offload._eager(marked, pairs)
     assert all(entries[r] for r in range(4))
     starts, _ = asap(eagerly, pairs.costs.duration, pairs.costs.transfer)
     for r, actions in enumerate(eagerly.ranks):

@@ -1,6 +1,7 @@
 """The planner: its pruned search against brute force, its commands against a re-simulation, its
 bounds, its cluster tiers and its command line."""
 
+import gc
 import json
 import os
 import random
@@ -8,6 +9,7 @@ import re
 import shlex
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -191,6 +193,34 @@ def test_the_default_jobs_are_the_usable_cpus_at_most_eight(monkeypatch):
     for cpus, jobs in ((1, 1), (2, 2), (8, 8), (64, 8)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)), raising=False)
         assert default_jobs() == jobs
+
+
+@pytest.mark.parametrize("want", [request(8, 0.5, 8, top=3), request(8, 0.4, 32, top=3)],
+                         ids=["unbuildable", "offloaded"])
+def test_a_search_leaves_nothing_to_the_collector(want):
+    """What a search keeps (its costing's caches, the errors of schedules that cannot be built,
+    offload's sweeps, the likely candidates it names ahead) goes by reference counting as it
+    returns: with the collector off, as the search runs, its costing is gone after it, and a
+    collection finds none of its objects in cycles (one after the largest requests walked millions of
+    objects, for seconds)."""
+    from pipeloom.plan.ahead import Ahead
+    from pipeloom.plan.evaluate import Costing
+
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        search(want)
+        alive = [type(o).__name__ for o in gc.get_objects() if type(o) in (Costing, Ahead)]
+        gc.collect()
+        cycles = Counter(type(o).__name__ for o in gc.garbage if type(o).__module__.startswith("pipeloom"))
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if was:
+            gc.enable()
+    assert not alive and not cycles
 
 
 def test_search_says_how_far_it_is():

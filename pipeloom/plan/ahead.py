@@ -148,6 +148,9 @@ class Ahead:
         return self
 
     def __exit__(self, *exc) -> None:
+        # the search's likely candidates: a generator whose frame holds the search's state, this
+        # object among it (a cycle that would keep it all until the collector ran)
+        self._likely, self._skipped = iter(()), []
         for worker in self._workers:  # what they are working on is not wanted
             worker.process.terminate()
             worker.process.join()

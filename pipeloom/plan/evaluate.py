@@ -23,6 +23,7 @@ declarations (:class:`~pipeloom.techniques.PlanAxis`); nothing here names one.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -230,10 +231,13 @@ class Costing:
                         schedule = technique.plan_add(self.request, c, schedule, self.costs(c))
                     self._schedules[key] = schedule
             except PipeloomError as err:
-                self._schedules[key] = err
-        if isinstance(self._schedules[key], PipeloomError):
-            raise self._schedules[key]
-        return self._schedules[key]
+                self._schedules[key] = copy.copy(err)  # without its traceback (see below)
+        found = self._schedules[key]
+        if isinstance(found, PipeloomError):
+            # a copy each time: raised itself, the error kept would hold the traceback, whose frames
+            # hold this costing, a cycle that keeps every cache alive until the collector runs
+            raise copy.copy(found)
+        return found
 
     def _schedule_key(self, c: Candidate) -> tuple:
         """What fixes ``c``'s schedule: its shape (its added axes last), and its costs where they

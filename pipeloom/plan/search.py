@@ -25,7 +25,7 @@ import heapq
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 from ..errors import PipeloomError
@@ -52,8 +52,9 @@ class Search:
 def _collector_paused():
     """Python's cyclic garbage collector off while searching: the search allocates millions of
     small tuples, and each collection they trigger walks every schedule the search keeps (a third
-    of a search's time). What the search drops, reference counting frees; its costing's caches
-    (which errors' tracebacks tie in cycles) go once the collector is back."""
+    of a search's time). What the search drops, reference counting frees, and its costing's caches
+    as it returns: none of what it keeps may be tied in a cycle (a collection after the search would
+    walk it all: seconds, on the largest requests)."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -86,7 +87,7 @@ def search(request: PlanRequest, progress=None, every: float = 5.0, jobs: int = 
              enumerate(bases.items())]
     heapq.heapify(queue)
     kept: list[tuple] = []  # the best plans so far, a heap whose first entry is the worst
-    tried: dict[Candidate, Plan | None] = {}  # simulated: the plan where it fits (a result is large)
+    tried: dict[Candidate, Plan | None] = {}  # simulated: the plan where it fits, without its result (large)
     simulated = 0
 
     def attempt(c: Candidate) -> Plan | None:
@@ -94,7 +95,7 @@ def search(request: PlanRequest, progress=None, every: float = 5.0, jobs: int = 
         if c not in tried:
             plan = ahead.plan(c)
             simulated += plan is not None
-            tried[c] = plan if plan is not None and plan.fits else None
+            tried[c] = replace(plan, result=None) if plan is not None and plan.fits else None  # as workers give it
             if progress is not None and time.perf_counter() - said >= every:
                 said = time.perf_counter()
                 best = f"; the best so far {min(p.step_ms for _, p in kept):.1f} ms a step" if kept else ""

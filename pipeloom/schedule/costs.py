@@ -164,18 +164,6 @@ for _name in VOCAB_FIELDS:
     register_field(_name, per="rank")
 
 
-class _Deltas(dict):
-    """action -> ``delta(action)``, worked out on its first use."""
-
-    def __init__(self, delta):
-        super().__init__()
-        self.delta = delta
-
-    def __missing__(self, action):
-        found = self[action] = self.delta(action)
-        return found
-
-
 class StageCosts:
     """Costs resolved to one value per virtual stage (per rank for the fields
     given per rank), read as attributes (``costs.f[stage]``); kinds' actions
@@ -184,7 +172,8 @@ class StageCosts:
     def __init__(self, values: dict[str, tuple[float, ...]]):
         self.values = values
         self._deltas: tuple[dict, dict] = ({}, {})  # activation and host changes by (kind, stage, payload)
-        self._by_action = _Deltas(self.memory_delta)  # activation changes by action
+        #: id of a list of actions -> (the list, :meth:`memory_changes` of it)
+        self._changes: dict[int, tuple[object, tuple[list, list]]] = {}
 
     def __getattr__(self, name: str) -> tuple[float, ...]:
         try:
@@ -224,9 +213,16 @@ class StageCosts:
         found = self._deltas[0].get((action[0], action[1], action[3]))
         return self._delta(action, "memory") if found is None else found
 
-    def memory_deltas(self, actions) -> list[float]:
-        """:meth:`memory_delta` of each of ``actions`` (kept per action: a list's are asked often)."""
-        return list(map(self._by_action.__getitem__, actions))
+    def memory_changes(self, actions) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+        """(index, :meth:`memory_delta`) of the actions of the list ``actions`` that raise its rank's
+        activation memory, and of those that lower it; kept while these costs live, per list object
+        (a placement times the same lists again and again)."""
+        known = self._changes.get(id(actions))
+        if known is None or known[0] is not actions:
+            deltas = list(map(self.memory_delta, actions))
+            found = ([(k, d) for k, d in enumerate(deltas) if d > 0], [(k, d) for k, d in enumerate(deltas) if d < 0])
+            known = self._changes[id(actions)] = actions, found
+        return known[1]
 
     def host_delta(self, action) -> float:
         """The action's change of its rank's host memory (its kind's ``host`` terms)."""

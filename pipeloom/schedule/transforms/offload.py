@@ -85,7 +85,7 @@ from ...errors import PipeloomError, ScheduleError
 from ..costs import Costs, StageCosts, register_field
 from ..deps import Dependencies, _program, asap
 from ..ir import BW, B, F, W, Action, Schedule, parts
-from ..kinds import KINDS, Kind, register, register_inputs
+from ..kinds import COMPOUND, KINDS, Kind, register, register_inputs
 from . import insert
 
 #: Copy a pair's saved activations to host memory (after its F).
@@ -225,6 +225,8 @@ def _pairs_of(schedule: Schedule, costs: Costs | None) -> _Pairs:
             _RECENT.append(_RECENT.pop(k))
             return pairs
     pairs = _Pairs(schedule, (costs or Costs()).per_stage(schedule.stages, schedule.chunks))
+    for *_, dropped in _RECENT[:-(_KEPT - 1)]:
+        dropped.sweeps.clear()  # each sweep refers to its pairs: freed now, not by the collector
     _RECENT[:] = [*_RECENT[-(_KEPT - 1):], (schedule, costs, pairs)]
     return pairs
 
@@ -234,13 +236,14 @@ def _fallen_back(schedule: Schedule, pairs: _Pairs, costs: StageCosts, timed: li
     """Where the timetable stops short (full, or selective beyond the stream), the eager copies
     (each pair's copy to host right after its F, :func:`_eager`) are tried too: the rank keeps
     whichever peaks lower (its copies touch no other rank); then paced Fs (:func:`_paced`)."""
-    eager, eagerly = _eager(schedule, pairs, costs)
+    eager, eagerly = _eager(schedule, pairs)
     assembled = (_assemble(schedule, pairs, timed), eagerly)
-    peaks = [_peaks(each, costs) for each in assembled]
+    times = [asap(each, costs.duration, costs.transfer) for each in assembled]
+    peaks = [_levels(each, costs, *timeline) for each, timeline in zip(assembled, times)]
     kept = [1 if r in short and peaks[1][r] < peaks[0][r] else 0 for r in range(schedule.pp)]
     entries = [(timed, eager)[k][r] for r, k in enumerate(kept)]
     best = assembled[kept[0]] if len(set(kept)) == 1 else _assemble(schedule, pairs, entries)
-    behind = _behind(eagerly, costs, short)
+    behind = _behind(eagerly, times[1], short)
     if not behind:
         return best
     before = [peaks[k][r] for r, k in enumerate(kept)]  # a rank's copies touch no other rank
@@ -591,11 +594,6 @@ def _assemble(schedule: Schedule, pairs: _Pairs, entries: list[list[tuple]], wai
     return result
 
 
-def _peaks(schedule: Schedule, costs: StageCosts) -> list[float]:
-    """Each rank's activation peak on the simulated timeline."""
-    return _timed(schedule, costs)[0]
-
-
 def _timed(schedule: Schedule, costs: StageCosts) -> tuple[list[float], float]:
     """Each rank's activation peak on the simulated timeline, and the step's time (the last end)."""
     starts, ends = asap(schedule, costs.duration, costs.transfer)
@@ -605,7 +603,9 @@ def _timed(schedule: Schedule, costs: StageCosts) -> tuple[list[float], float]:
 def _memory_events(actions, costs: StageCosts, starts, ends) -> list[tuple[float, float]]:
     """(time, change) of one rank's activation memory on a timeline, in time order: a rise at its
     action's start, a fall at its end (falls before rises at one instant)."""
-    events = [(start if d > 0 else end, d) for start, end, d in zip(starts, ends, costs.memory_deltas(actions)) if d]
+    rises, falls = costs.memory_changes(actions)
+    events = [(starts[k], d) for k, d in rises]
+    events += [(ends[k], d) for k, d in falls]
     events.sort()
     return events
 
@@ -624,7 +624,7 @@ def _level(actions, costs: StageCosts, starts, ends) -> float:
     return max(accumulate(map(_CHANGE, _memory_events(actions, costs, starts, ends)), initial=0.0))
 
 
-def _eager(schedule: Schedule, pairs: _Pairs, costs: StageCosts) -> tuple[list[list[tuple]], Schedule]:
+def _eager(schedule: Schedule, pairs: _Pairs) -> tuple[list[list[tuple]], Schedule]:
     """Each rank's copies placed as the list goes rather than on a timetable (and the schedule with
     them, :func:`_assemble`'s): every eligible F pair's OFFLOAD right after its F, the stream left
     to order them, and its RELOAD as late as the copy stream back allows with no backward waiting
@@ -637,11 +637,11 @@ def _eager(schedule: Schedule, pairs: _Pairs, costs: StageCosts) -> tuple[list[l
         for pair in pairs.eligible():
             if pair[2] == 0:
                 by_rank[pairs.where[pair][0]].append(pair)
-        pairs.eager = [_reloads_back_in_time(pairs, r, eligible, costs) for r, eligible in enumerate(by_rank)]
+        pairs.eager = [_reloads_back_in_time(pairs, r, eligible) for r, eligible in enumerate(by_rank)]
     return pairs.eager, _assemble(schedule, pairs, pairs.eager)
 
 
-def _reloads_back_in_time(pairs: _Pairs, rank: int, eligible: list, costs: StageCosts) -> list[tuple]:
+def _reloads_back_in_time(pairs: _Pairs, rank: int, eligible: list) -> list[tuple]:
     """One rank's eager copy entries (:func:`~. insert`'s): each pair's OFFLOAD right after its F,
     the stream running them in list order; its RELOAD's latest start worked out backwards from the
     last backward, each ending by its backward's start and by the next RELOAD's latest start, and
@@ -651,16 +651,17 @@ def _reloads_back_in_time(pairs: _Pairs, rank: int, eligible: list, costs: Stage
     before any compute action ran while the pair was away (as :meth:`_Pairs._fit` leaves such a
     pair), is left out, and the rest placed again (their OFFLOADs then end sooner), until none is."""
     starts, ends, issues, where = pairs.starts[rank], pairs.ends[rank], pairs.issues[rank], pairs.where
+    took = {pair: pairs.copy(pair) for pair in eligible}  # each copy's time, either way
     kept = sorted(eligible, key=lambda p: (where[p][1], p))  # by their Fs
     while True:
         free, away = 0.0, {}  # the stream to host's last end; pair -> the end of its OFFLOAD
         for pair in kept:
-            free = away[pair] = max(ends[where[pair][1]], free) + costs.duration(copies(pair)[0])
+            free = away[pair] = max(ends[where[pair][1]], free) + took[pair]
         entries, latest, left = [], math.inf, set()  # latest: the next RELOAD's latest start
         for order, pair in enumerate(sorted(kept, key=lambda p: (starts[where[p][2]], p), reverse=True)):
             out, back = copies(pair)
             by = min(starts[where[pair][2]], latest)
-            start = by - costs.duration(back) - _slack(by)  # the slack: its end lands by ``by`` in floats too
+            start = by - took[pair] - _slack(by)  # the slack: its end lands by ``by`` in floats too
             issued = issues[bisect.bisect_right(issues, (start, math.inf)) - 1][1]
             if start < away[pair] or ends[issued] <= away[pair]:
                 left.add(pair)  # it would be back before any action ran while it was away
@@ -683,10 +684,11 @@ STEP_COST = 0.05
 W_TRIES = 6
 
 
-def _behind(schedule: Schedule, costs: StageCosts, ranks: set) -> set:
+def _behind(schedule: Schedule, times: tuple, ranks: set) -> set:
     """The ``ranks`` (of eager copies: each OFFLOAD right after its F) where an F starts before the
-    previous pair's OFFLOAD ends on the simulated timeline: their offload stream falls behind."""
-    starts, ends = asap(schedule, costs.duration, costs.transfer)
+    previous pair's OFFLOAD ends on the simulated timeline ``times`` (starts, ends): their offload
+    stream falls behind."""
+    starts, ends = times
     found = set()
     for r in ranks:
         copied = None  # the end of the last OFFLOAD so far
@@ -712,11 +714,20 @@ def _paced(best: Schedule, schedule: Schedule, pairs: _Pairs, costs: StageCosts,
     span = pairs.span  # best delays no compute
     target = None if ratio is None else (1 - ratio) * pairs.peak
     found = []
+    waited = {}  # (rank, pace) -> its Fs' waits
+
+    def waits(chosen: set, pace: int) -> list[list[int]]:
+        """The Fs' waits of the ``chosen`` ranks, in rank order (each rank's worked out once)."""
+        for r in chosen:
+            if (r, pace) not in waited:
+                waited[r, pace] = _waits(schedule.ranks[r], eager[r], pace)
+        return [wait for r in sorted(chosen) for wait in waited[r, pace]]
+
     for pace in PACES if ratio is None else PACES[::-1]:
         chosen = set(behind)
         while chosen:  # the ranks behind paced, then only those whose peak that lowered
             mixed = [eager[r] if r in chosen else entries[r] for r in range(schedule.pp)]
-            paced = _assemble(schedule, pairs, mixed, _waits(schedule.ranks, mixed, chosen, pace))
+            paced = _assemble(schedule, pairs, mixed, waits(chosen, pace))
             peaks, time = _timed(paced, costs)
             lower = {r for r in chosen if peaks[r] < before[r] - _slack(before[r])}
             if lower == chosen:
@@ -885,19 +896,19 @@ def unmoved(schedule: Schedule) -> Schedule:
                    options={key: v for key, v in schedule.options.items() if key != "offload"})
 
 
-def _waits(ranks, entries: list[list[tuple]], paced: set, pace: int) -> list[list[int]]:
-    """Each F of a ``paced`` rank after ``pace`` offloaded Fs, as ``[stage, microbatch, stage,
-    microbatch]``: it waits for the OFFLOAD of the pair ``pace`` offloads before it (the eager
-    copies put each OFFLOAD right after its F, so that OFFLOAD is earlier in the list)."""
-    waits = []
-    for r in sorted(paced):
-        copied = {pair[:2] for *_, pair, action in entries[r] if action.kind == OFFLOAD}
-        done = []
-        for a in (f for action in ranks[r] for f in _forwards(action)):
+def _waits(actions, entries: list[tuple], pace: int) -> list[list[int]]:
+    """Each F of one rank's list ``actions`` after ``pace`` Fs whose pairs its eager copy
+    ``entries`` offload, as ``[stage, microbatch, stage, microbatch]``: it waits for the OFFLOAD of
+    the pair ``pace`` offloads before it (the eager copies put each OFFLOAD right after its F, so
+    that OFFLOAD is earlier in the list)."""
+    copied = {pair[:2] for *_, pair, action in entries if action.kind == OFFLOAD}
+    waits, done = [], []
+    for a in actions:
+        for f in (a,) if a.kind == F else _forwards(a) if a.kind in COMPOUND else ():
             if len(done) >= pace:
-                waits.append([a.stage, a.microbatch, *done[-pace]])
-            if (a.stage, a.microbatch) in copied:
-                done.append((a.stage, a.microbatch))
+                waits.append([f.stage, f.microbatch, *done[-pace]])
+            if (f.stage, f.microbatch) in copied:
+                done.append((f.stage, f.microbatch))
     return waits
 
 
