@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from .schedule import Costs, Schedule, build, get_family, validate
+from .schedule.costs import StageCosts
 from .spec import RunSpec
 from .techniques import TECHNIQUES, ordered
 
@@ -117,17 +118,25 @@ def build_run(spec: RunSpec, costs: Costs | None = None, *, without: tuple[str, 
     costs = priced.costs if costs is None else costs
     family = get_family(spec.schedule)
     limited = spec.memory_limit is not None and "memory_limit" in family.options
-    options = {"memory_limit": spec.memory_limit} if limited else {}
+    stages = spec.pp * spec.family_chunks
+    unit = full_stage_m_b(costs.per_stage(stages, spec.family_chunks), spec.pp) if limited else None
+    options = {"memory_limit": spec.memory_limit, "memory_unit": unit} if limited else {}
     techniques = [t for t in ordered() if t.name not in without]
     for technique in techniques:
         options.update(technique.build_options(spec))
-    stages = spec.pp * spec.family_chunks
     transforms = [x for technique in techniques for x in technique.transforms(spec, priced, stages)]
     schedule = build(spec.schedule, spec.pp, spec.microbatches, spec.chunks, transforms=transforms, costs=costs,
                      **options)
     if spec.memory_limit is not None and "memory_limit" not in options:
         validate(schedule, memory_limit=spec.memory_limit, m_w=_m_w_fraction(costs))
     return schedule
+
+
+def full_stage_m_b(costs: StageCosts, pp: int) -> float:
+    """One full stage's M_B in the unit of ``costs.m_b`` (bytes under a model's costs): the mean over
+    the ``pp`` ranks of their stages' activations of one microbatch; the unit of ``--memory-limit``
+    and of the reports' peak activation in M_B."""
+    return sum(costs.m_b) / pp
 
 
 def _m_w_fraction(costs: Costs) -> float:

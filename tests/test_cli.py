@@ -1,6 +1,7 @@
 """`pipeloom simulate` from the outside: JSON facts, files, and one-line errors."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -50,6 +51,20 @@ def test_compare_lists_every_family(capsys):
 def test_memory_limit_is_checked(capsys):
     assert main(["simulate", "--schedule", "gpipe", "--pp", "2", "--microbatches", "4", "--memory-limit", "3"]) == 2
     assert "exceeds the limit 3 M_B" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("limit", [2.5, 3.0, 4.0])
+def test_zb_auto_searches_under_the_memory_limit_in_full_stages_m_b_with_a_model(capsys, limit):
+    """With a model's costs (bytes), --memory-limit is still in full stages' M_B, the unit of the
+    report's peak activation: zb-auto's every rank stays under it, and a limit below one
+    microbatch's activations on the heaviest stage is refused naming that need in M_B too
+    (it was compared with bytes: every limit was refused, needing millions)."""
+    model = ["--model", "gpt-125m", "--schedule", "zb-auto", "--pp", "4", "--microbatches", "8"]
+    out = run_json(capsys, *model, "--memory-limit", str(limit))
+    assert max(out["peak_activation"]) <= limit + 1e-9
+    assert main(["simulate", *model, "--memory-limit", "1"]) == 2
+    need = float(re.search(r"it needs at least ([\d.e+]+)$", capsys.readouterr().err.strip()).group(1))
+    assert 1 < need < 2.5  # the last stage's layers and head: more than a full stage's M_B
 
 
 @pytest.mark.parametrize("args,message", [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..builder import full_stage_m_b
 from ..techniques import TECHNIQUES, ordered
 
 
@@ -38,13 +39,13 @@ def report(result, priced) -> dict:
         from ..sim.memory import peak_memory_bytes
 
         model, device, profile = priced.model, priced.device, priced.profile
-        full_stage_m_b = sum(result.costs.m_b) / schedule.pp  # bytes of M_B for an average full stage
+        full = full_stage_m_b(result.costs, schedule.pp)
         state = ({"bytes_per_param": profile.bytes_per_param, "cast_bytes_per_param": profile.cast_bytes_per_param}
                  if profile else {})
         report.update(
             model=model.name, vocab=model.vocab, device=spec.device, hardware=device.name, seq=spec.seq,
             microbatch_size=spec.microbatch_size, costs=priced.source, time_unit="ms",
-            peak_activation=[x / full_stage_m_b for x in result.peak_activation],
+            peak_activation=[x / full for x in result.peak_activation],
             peak_activation_bytes=result.peak_activation,
             peak_memory_bytes=peak_memory_bytes(model, result, spec.seq, microbatch_size=spec.microbatch_size,
                                                 sp=spec.sp, attention=spec.attention, **state),

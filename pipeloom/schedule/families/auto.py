@@ -87,11 +87,13 @@ def policies(pp: int, costs: StageCosts, memory: float) -> list[Policy]:
 @register("zb-auto", "automatic zero bubble: searches the F/B/W order under real costs and a memory limit")
 def zb_auto(
     pp: int, microbatches: int, chunks: int, costs: Costs | None = None, memory_limit: float | None = None,
-    room: int = 0,
+    memory_unit: float = 1.0, room: int = 0,
 ) -> Schedule:
     """``costs`` (default unit costs) are the real per-stage costs; ``memory_limit``
-    is the most activation memory per rank, in the unit of ``costs.m_b`` (default:
-    what ZB-H2 holds under these costs, (2p-1)·M_B for uniform stages). ``room``:
+    is the most activation memory per rank, in units of ``memory_unit`` of ``costs.m_b``'s
+    (a run's: one full stage's M_B, :func:`~pipeloom.builder.build_run`; default 1, ``costs.m_b``'s own
+    unit), the errors saying what would fit in those units (default: what ZB-H2 holds under these
+    costs, (2p-1)·M_B for uniform stages; ``options["memory_limit"]`` holds it in ``costs.m_b``'s unit). ``room``:
     intervals by which the last stage's B follows its F (room for vocabulary
     passes): every candidate admits that many more forwards on each rank, and
     the last stage's B waits that many times its F + B + W.
@@ -109,7 +111,7 @@ def zb_auto(
              for policy in (h1_policy(pp), h2_policy(pp))]
     if stage != unit:  # real costs: peaks now, times once they fit (unit costs: the lists' own are the simulator's)
         fixed = [lists._replace(peak=_peak(lists.ranks, stage)) for lists in fixed]
-    limit = _limit(memory_limit, stage, fixed[1].peak)
+    limit = _limit(memory_limit, memory_unit, stage, fixed[1].peak)
     floor = _lower_bounds(microbatches, stage)
     interval = stage.f[-1] + stage.b[-1] + stage.w[-1]  # the last stage's
     searched = [replace(policy.delayed(room, 1), room=room * interval) for policy in policies(pp, stage, limit)]
@@ -125,8 +127,8 @@ def zb_auto(
         if not _better(*floor, best):
             break  # it reaches the lower bounds: nothing can do better
     if best is None:
-        need = min(lists.peak for lists in fixed)
-        raise PipeloomError(f"zb-auto: no schedule fits memory_limit={limit:g}; ZB-H1 needs {need:g}")
+        need = min(lists.peak for lists in fixed) / memory_unit
+        raise PipeloomError(f"zb-auto: no schedule fits memory_limit={memory_limit:g}; ZB-H1 needs {need:g}")
     return Schedule("zb-auto", pp, microbatches, placement, best.ranks, options={"memory_limit": limit})
 
 
@@ -159,17 +161,18 @@ def _timed(lists: Lists, placement: tuple[int, ...], microbatches: int, costs: S
     return lists._replace(makespan=max(e[-1] for e in ends), span=max(e[-1] - s[0] for s, e in zip(starts, ends)))
 
 
-def _limit(memory_limit: float | None, costs: StageCosts, h2_peak: float) -> float:
-    """The memory limit to search under: ZB-H2's peak unless given; at least one
-    microbatch's activations on the heaviest stage."""
+def _limit(memory_limit: float | None, unit: float, costs: StageCosts, h2_peak: float) -> float:
+    """The memory limit to search under, in ``costs.m_b``'s unit: ZB-H2's peak unless given
+    (in units of ``unit``); at least one microbatch's activations on the heaviest stage."""
     if memory_limit is None:
         return h2_peak
-    if isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float)):
-        raise PipeloomError(f"zb-auto: memory_limit={memory_limit!r} must be a number (activation memory per rank)")
-    need = max(costs.m_b)
-    if memory_limit < need - _EPS:
+    for name, value in (("memory_limit", memory_limit), ("memory_unit", unit)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise PipeloomError(f"zb-auto: {name}={value!r} must be a positive number (activation memory per rank)")
+    need = max(costs.m_b) / unit
+    if memory_limit < need - _EPS * max(need, 1.0):
         raise PipeloomError(
             f"zb-auto: memory_limit={memory_limit!r} is below one microbatch's activations on the heaviest stage; "
-            f"it needs at least {need:g}"
+            f"it needs at least {need:.4g}"
         )
-    return float(memory_limit)
+    return float(memory_limit) * unit
