@@ -514,6 +514,33 @@ def test_cli_infeasible_is_one_line():
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "nope" in done.stderr
 
 
+def test_cli_names_a_listed_value_twice_in_one_line(capsys):
+    from pipeloom.cli import main
+
+    for flag, text in (("--schedules", "1f1b,1f1b"), ("--optimizer", "kfac,kfac"), ("--microbatch-sizes", "2,2"),
+                       ("--recompute", ",")):
+        assert main(["plan", "--model", "tiny", "--gpus", "2", "--global-batch", "8", flag, text]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"pipeloom plan: error: {flag} {text!r}: "), err
+
+
+def test_cli_table_shows_a_tiny_models_step_and_memory(capsys):
+    """A tiny model's step (microseconds) and peak (MiB) show to two significant digits, not as 0.0,
+    and its millions of samples a second fit their column."""
+    from pipeloom.cli import main
+
+    flags = ["plan", "--model", "tiny", "--gpus", "2", "--global-batch", "8", "--schedules", "1f1b", "--top", "2"]
+    assert main([*flags, "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["plans"][0]
+    assert main(flags) == 0
+    header, row = capsys.readouterr().out.splitlines()[3:5]
+    cells = dict(zip(["step", "tokens", "samples", "mfu", "peak"], row.split()[-6:-1]))
+    assert best["step_ms"] < 0.1 and float(cells["step"]) == pytest.approx(best["step_ms"], rel=0.05)
+    assert float(cells["peak"]) == pytest.approx(max(best["peak_memory_bytes"]) / GiB, rel=0.05)
+    assert float(cells["samples"].replace(",", "")) == pytest.approx(best["samples_per_s"], rel=1e-3)
+    assert len(row) == len(header)
+
+
 def test_each_rank_ends_its_step_with_the_all_reduce_and_its_optimizer_step():
     """The step is the slowest rank's last action, gradient all-reduce and AdamW over its parameters
     (at the device's memory bandwidth: 32 bytes a parameter)."""

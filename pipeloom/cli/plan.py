@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ..errors import PipeloomError
+from ..errors import PipeloomError, comma_list
 
 _GiB = 2**30
 
@@ -119,10 +119,7 @@ def _listed(flag: str, text: str | None, default: tuple, every: tuple | None = N
         return default
     if every is not None and text.strip() == "any":
         return every
-    names = tuple(x.strip() for x in text.split(",") if x.strip())
-    if not names:
-        raise PipeloomError(f"{flag} {text!r}: give at least one value")
-    return names
+    return tuple(comma_list(flag, text))
 
 
 def _number(flag: str, text: str) -> int:
@@ -163,6 +160,14 @@ def _report(request, costs, found, command) -> dict:
     }
 
 
+def _shown(x: float, decimals: int) -> str:
+    """``x`` with ``decimals`` decimals, but small values (a tiny model's sub-millisecond step, its few
+    MiB) to 2 significant digits and large ones (its millions of samples a second) whole, with commas."""
+    if x >= 1e4:
+        return f"{x:,.0f}"
+    return f"{x:.{decimals}f}" if x >= 10 ** (1 - decimals) or x == 0 else f"{x:.2g}"
+
+
 def _table(request, costs, found, command) -> str:
     from ..plan.space import axes
 
@@ -185,8 +190,8 @@ def _table(request, costs, found, command) -> str:
         lines.append(
             f"{n:>2} {c.pp:>3} {c.dp:>4} {c.sp:>3} {name:<20} {c.microbatch_size:>3} {c.microbatches:>4} "
             + "".join(f"{getattr(c, axis.name):<{axis.width}} " for axis in columns)
-            + f"{plan.step_ms:>9.1f} {plan.tokens_per_s:>11,.0f} "
-            f"{plan.samples_per_s:>9.2f} {plan.mfu:>5.1%} {max(plan.peak_memory_bytes) / _GiB:>8.1f} "
+            + f"{_shown(plan.step_ms, 1):>9} {plan.tokens_per_s:>11,.0f} "
+            f"{_shown(plan.samples_per_s, 2):>9} {plan.mfu:>5.1%} {_shown(max(plan.peak_memory_bytes) / _GiB, 1):>8} "
             f"{plan.bubble_rate:>6.1%}")
     lines += ["", "run the first with:", "  " + command(request, found.plans[0].candidate)]
     return "\n".join(lines)
