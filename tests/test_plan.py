@@ -466,6 +466,21 @@ def test_bad_requests_one_line():
         request(optimizer=("kfac",), kfac_every=0)
 
 
+@pytest.mark.timeout(30)
+def test_too_many_gpus_say_at_once_the_most_that_would():
+    """The most GPUs a request could use is found among its layouts' counts, not by trying every
+    count below (a million GPUs took hours), and is the largest count some layout fills."""
+    from pipeloom.plan.space import layouts
+
+    want = request(1000, 80, 7)
+    with pytest.raises(PipeloomError, match=r"cannot use 1000 GPUs .*; at most (\d+) GPUs would$") as small:
+        search(want)
+    most = int(re.search(r"at most (\d+) GPUs", small.value.args[0]).group(1))
+    assert most == next(n for n in range(999, 0, -1) if any(layouts(want, n)))
+    with pytest.raises(PipeloomError, match=r"cannot use 1000000 GPUs .*; at most \d+ GPUs would$"):
+        search(request(10**6, 80, 7))
+
+
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "pipeloom", "plan", *args], capture_output=True, text=True,
                           timeout=120)

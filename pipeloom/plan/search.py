@@ -31,7 +31,7 @@ from typing import Iterator
 from ..errors import PipeloomError
 from .ahead import BOUND, BOUNDS, PLAN, Ahead
 from .evaluate import Costing, Plan
-from .space import Candidate, PlanRequest, candidates, layouts, saver_ranks, savers, saving_ranks, settings_text
+from .space import Candidate, PlanRequest, candidates, saver_ranks, savers, saving_ranks, settings_text, usable_gpus
 
 _GiB = 2**30
 
@@ -235,7 +235,7 @@ def _pool(request: PlanRequest) -> list[Candidate]:
 
 def _most_gpus(request: PlanRequest) -> str:
     gpus, model = request.cluster.gpus, request.model
-    fewer = next((n for n in range(gpus - 1, 0, -1) if any(layouts(request, n))), None)
+    fewer = max((n for n in usable_gpus(request) if n < gpus), default=None)
     what = (f"{model.name} ({model.layers} layers) at seq {request.seq} and global batch {request.global_batch} "
             f"cannot use {gpus} GPUs (pipeline stages at most the layers, data-parallel width dividing the batch, "
             f"seq split into 2 x sp chunks)")

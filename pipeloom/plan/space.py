@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 from itertools import product
 from typing import Iterator
@@ -139,7 +140,9 @@ def _bare_savers() -> dict:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n`` >= 1, ascending."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def layouts(request: PlanRequest, gpus: int) -> Iterator[tuple[int, int, int]]:
@@ -152,6 +155,13 @@ def layouts(request: PlanRequest, gpus: int) -> Iterator[tuple[int, int, int]]:
             dp = gpus // (pp * sp)
             if request.seq % (2 * sp) == 0 and request.global_batch % dp == 0:
                 yield pp, dp, sp
+
+
+def usable_gpus(request: PlanRequest) -> set[int]:
+    """The GPU counts some layout of ``request`` fills (those :func:`layouts` finds one for)."""
+    sps = divisors(request.seq // 2) if request.seq % 2 == 0 else []
+    return {pp * dp * sp for pp in range(1, request.model.layers + 1) for dp in divisors(request.global_batch)
+            for sp in sps}
 
 
 def candidates(request: PlanRequest) -> Iterator[Candidate]:
