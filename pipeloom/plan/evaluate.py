@@ -40,7 +40,7 @@ from ..sim import Result, simulate
 from ..sim.formulas import layer_flops
 from ..sim.memory import GRAD_BYTES_PER_PARAM, peak_memory_bytes, state_bytes_per_param
 from ..sim.model import optimizer_ms as sim_optimizer_ms
-from ..sim.stages import stage_parameters
+from ..sim.stages import stage_layers, stage_parameters
 from .bounds import CriticalPath, critical_path
 from .command import run_spec
 from .space import Candidate, PlanRequest, axes, hooked, saver_ranks, savers
@@ -126,7 +126,7 @@ class Costing:
         self._bare = {axis.name: axis.values[0] for _, axis in named if axis.added}
         self._adders = [t for t, axis in named if axis.added]
         self._passers, self._listers = hooked("plan_passes"), hooked("plan_memory_lists")
-        self._steppers = hooked("plan_step_passes")
+        self._steppers, self._layer_states = hooked("plan_step_passes"), hooked("plan_layer_state_bytes")
         self._samers = hooked("plan_same")
         self._plans: dict[Candidate, Plan] = {}  # costed, without their results (large)
 
@@ -334,11 +334,17 @@ class Costing:
 
     def memory_bounds(self, c: Candidate) -> Iterator[float]:
         """The bounds :meth:`activation_memory_bound` takes in turn, each at least the one before and
-        dearer to work out: :meth:`microbatch_memory_bound`, then the peaks of each list."""
+        dearer to work out: :meth:`microbatch_memory_bound`, then the peaks of each list: with added
+        axes whose work moves no activations (no technique lists its own steps: K-FAC's pieces) in a
+        family that flushes, first the lists without their work (whose cycle of steps repeats a
+        step's lists: those of one step bound it from below, and are built once for every added axis)."""
         bound = self.first_memory_bound(c)
         yield bound
         c = self.same(c)
-        for away in [(t, *step) for t in self._listers for step in t.plan_memory_lists(c)] or [None]:
+        lists = [(t, *step) for t in self._listers for step in t.plan_memory_lists(c)]
+        if not lists:
+            lists = [(None, None, True), None] if self.bare(c) is not c and not self.steady(c) else [None]
+        for away in lists:
             bound = max(bound, self._state_and_peaks(c, self._list_peaks(c, away)))
             yield bound
 
@@ -352,7 +358,7 @@ class Costing:
         gradients plus one microbatch's activations of a stage (every list holds each stage's F)
         and its rerun, or the whole state (once per costs and placement)."""
         v_shape, _, _, _, versions = self.family(c)
-        key = self._costs_key(c), self._placed(c), v_shape, versions
+        key = self._costs_key(c), self._placed(c), v_shape, versions, self._layer_state(c)
         bound = self._microbatch.get(key)
         if bound is None:
             bound = self._microbatch[key] = self._state_and_peaks(c, None)
@@ -386,17 +392,33 @@ class Costing:
 
     def _state_and_peaks(self, c: Candidate, peaks: list[float] | None) -> float:
         """The busiest rank's state but gradients plus its ``peaks`` of activations and gradients
-        (None: one microbatch's activations) and reruns, or its whole state."""
+        (None: one microbatch's activations) and reruns, or its whole state; and what its layers hold
+        besides their parameters' state (:meth:`_extra_state`)."""
         costs = self._both(c)[1]
         held, grad = self._state_bytes(c)
         shard, params = _parameters(self.request, c)
+        extra = self._extra_state(c)
         bound = 0.0
         for rank, stages in enumerate(stages_of_ranks(c)):
             state = sum(params[s] for s in stages)
             peak = peaks[rank] if peaks is not None else max(costs.m_b[s] for s in stages)
             first = max(held * state + peak, (held + grad) * state)
-            bound = max(bound, (held + grad) * shard + first + max(costs.m_rerun[s] for s in stages))
+            bound = max(bound, (held + grad) * shard + extra[rank] + first + max(costs.m_rerun[s] for s in stages))
         return bound
+
+    def _layer_state(self, c: Candidate) -> float:
+        """Bytes each layer of ``c`` holds besides its parameters' state
+        (:meth:`~pipeloom.techniques.Technique.plan_layer_state_bytes`)."""
+        return sum(t.plan_layer_state_bytes(self.request, c) for t in self._layer_states)
+
+    def _extra_state(self, c: Candidate) -> list[float]:
+        """Per rank, the bytes its stages' layers hold besides their parameters' state (:meth:`_layer_state`)."""
+        per_layer = self._layer_state(c)
+        if not per_layer:
+            return [0.0] * c.pp
+        r = self.request
+        layers = stage_layers(r.model, c.pp * c.chunks, r.seq, **_model_options(c))
+        return [per_layer * sum(layers[s] for s in stages) for stages in stages_of_ranks(c)]
 
     def _state_bytes(self, c: Candidate) -> tuple[float, float]:
         """:func:`~pipeloom.sim.memory.state_bytes_per_param` of ``c`` with its weight versions
@@ -404,15 +426,15 @@ class Costing:
         return state_bytes_per_param(self.request.bytes_per_param, self.family(c)[4])
 
     def memory_lower_bound(self, c: Candidate) -> float:
-        """Bytes the busiest rank needs at least: its model state (with its weight versions),
-        once per placement of the stages."""
+        """Bytes the busiest rank needs at least: its model state (with its weight versions) and what
+        its layers hold besides (:meth:`_layer_state`: K-FAC's factors), once per placement of the stages."""
         v_shape, _, _, _, versions = self.family(c)
-        key = self._placed(c), v_shape, versions
+        key = self._placed(c), v_shape, versions, self._layer_state(c)
         if key not in self._states:
             per_param = sum(self._state_bytes(c))
             shard, params = _parameters(self.request, c)
-            self._states[key] = max(per_param * (shard + sum(params[s] for s in stages))
-                                    for stages in stages_of_ranks(c))
+            self._states[key] = max(per_param * (shard + sum(params[s] for s in stages)) + extra
+                                    for stages, extra in zip(stages_of_ranks(c), self._extra_state(c)))
         return self._states[key]
 
 

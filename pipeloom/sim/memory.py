@@ -87,9 +87,8 @@ def peak_memory_bytes(
     held, grad = state_bytes_per_param(bytes_per_param, schedule.weight_versions)
     kfac, layer = 0.0, None
     if schedule.options.get("kfac"):  # all along, the factors and inverses in use; the rest as it comes
-        factors = kfac_factor_bytes(model)
-        kfac = (KFAC_STATE_COPIES - 1) * sum(a + g for a, g in factors)
-        layer = list(zip(kfac_capture_bytes(model, seq, microbatch_size, sp), factors))
+        kfac = kfac_layer_state_bytes(model)
+        layer = list(zip(kfac_capture_bytes(model, seq, microbatch_size, sp), kfac_factor_bytes(model)))
     peaks = []
     for rank in range(schedule.pp):
         stages = schedule.stages_of(rank)
@@ -100,6 +99,12 @@ def peak_memory_bytes(
                                              _kfac_changes(result, rank, layer) if layer else ())
                      + max(rerun[s] for s in stages) + (transient if any(split[s] for s in stages) else 0))
     return peaks
+
+
+def kfac_layer_state_bytes(model: ModelSpec | str) -> float:
+    """Bytes of K-FAC's state each transformer layer holds all step long: its factors and their inverses
+    in use (:data:`~.formulas.KFAC_STATE_COPIES` copies less the refresh's, which comes with its curvature)."""
+    return (KFAC_STATE_COPIES - 1) * sum(a + g for a, g in kfac_factor_bytes(model))
 
 
 def _kfac_changes(result: Result, rank: int, layer: list[tuple]) -> list[tuple[float, int, float]]:

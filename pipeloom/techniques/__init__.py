@@ -247,6 +247,11 @@ class Technique:
         """Parameters each rank holds besides its stages' (a vocabulary shard)."""
         return 0
 
+    def plan_layer_state_bytes(self, request, c) -> float:
+        """Bytes each transformer layer holds all step long besides its parameters' state, as the
+        simulated peak counts them (K-FAC's factors): they raise the planner's memory bounds."""
+        return 0.0
+
     def plan_model_options(self, c) -> dict:
         """Keywords of :func:`~pipeloom.sim.stages.stage_parameters` and
         :func:`~pipeloom.sim.memory.peak_memory_bytes` the technique sets."""

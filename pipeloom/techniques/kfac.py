@@ -73,6 +73,11 @@ class Kfac(Technique):
     def plan_cycle(self, c) -> bool:
         return c.optimizer == "kfac"
 
+    def plan_layer_state_bytes(self, request, c) -> float:
+        from ..sim.memory import kfac_layer_state_bytes
+
+        return kfac_layer_state_bytes(request.model) if c.optimizer == "kfac" else 0.0
+
     def plan_step_passes(self, c) -> tuple:
         from ..schedule.transforms.kfac import KFAC_PRE
 
