@@ -134,6 +134,7 @@ def test_refusals_name_the_value_and_what_fits(source, args, message):
     ("0F0,0S0\n", (1, 1), "action 0S0 (kind S) is no torch action"),
     ("0F0,1F0\n1B0,0B0\n", (2, 1), "stage 1 runs on ranks 0 and 1; a stage belongs to one rank"),
     ("0F0,0B0\n2F0,2B0\n", (2, 1), "stage 1 has no action"),
+    ("\n\n", (2, 1), "no action; a line per rank lists its actions, such as 0F0,0F1,0B0,0B1"),
     ("0F0,0B0\n1F0,1B0\n", (4, 1), "holds pp=2; pp=4 does not fit"),
     ("0F0,0B0\n1F0,1B0\n", (2, 3), "holds microbatches=1; microbatches=3 does not fit"),
     ("0F0,0B0\n1F0\n", (2, 1), "rank 1: the backward of stage 1 microbatch 0 is missing"),

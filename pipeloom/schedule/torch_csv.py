@@ -224,7 +224,9 @@ def _schedule(family: str, rows: list[list[str]], pp: int | None, microbatches: 
             raise PipeloomError(f"{family}: stage {part.stage} runs on ranks {placement[part.stage]} and {rank}; "
                                 "a stage belongs to one rank")
     stages = len(placement)
-    if not stages or sorted(placement) != list(range(stages)):
+    if not stages:
+        raise PipeloomError(f"{family}: no action; a line per rank lists its actions, such as 0F0,0F1,0B0,0B1")
+    if sorted(placement) != list(range(stages)):
         missing = min(set(range(stages + 1)) - set(placement))
         raise PipeloomError(f"{family}: stage {missing} has no action; stages are numbered 0 .. S-1")
     held = {"pp": len(ranks), "microbatches": 1 + max(part.microbatch for _, part in used),
