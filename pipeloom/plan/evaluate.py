@@ -115,6 +115,7 @@ class Costing:
         self._microbatch: dict[tuple, float] = {}
         self._peaks: dict[tuple, ListPeaks | None] = {}
         self._families: dict[str, tuple] = {}
+        self._layer_bytes: dict[tuple, float] = {}
         # what fixes each cache's entry: the layout, and the axes whose values change what it holds
         named = axes()
         priced, placed, shaped, added = ([axis.name for _, axis in named if getattr(axis, what)]
@@ -408,8 +409,13 @@ class Costing:
 
     def _layer_state(self, c: Candidate) -> float:
         """Bytes each layer of ``c`` holds besides its parameters' state
-        (:meth:`~pipeloom.techniques.Technique.plan_layer_state_bytes`)."""
-        return sum(t.plan_layer_state_bytes(self.request, c) for t in self._layer_states)
+        (:meth:`~pipeloom.techniques.Technique.plan_layer_state_bytes`), once per costs (every
+        candidate's bounds ask it)."""
+        key = self._costs_key(c)
+        found = self._layer_bytes.get(key)
+        if found is None:
+            found = self._layer_bytes[key] = sum(t.plan_layer_state_bytes(self.request, c) for t in self._layer_states)
+        return found
 
     def _extra_state(self, c: Candidate) -> list[float]:
         """Per rank, the bytes its stages' layers hold besides their parameters' state (:meth:`_layer_state`)."""

@@ -145,23 +145,29 @@ def divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
+def _widths(request: PlanRequest) -> tuple[set[int], set[int]]:
+    """The data-parallel widths (dividing the batch) and sequence-parallel widths (``seq`` split into
+    2 * sp equal chunks) ``request`` allows; pipeline depths are 1 to the model's layers."""
+    return set(divisors(request.global_batch)), set(divisors(request.seq // 2)) if request.seq % 2 == 0 else set()
+
+
 def layouts(request: PlanRequest, gpus: int) -> Iterator[tuple[int, int, int]]:
     """(pp, dp, sp) with pp * dp * sp = ``gpus`` that the model, sequence and batch allow:
     stages no more than layers, ``seq`` split into 2 * sp equal chunks, dp dividing the batch."""
+    dps, sps = _widths(request)
     for pp in divisors(gpus):
         if pp > request.model.layers:
             continue
         for sp in divisors(gpus // pp):
             dp = gpus // (pp * sp)
-            if request.seq % (2 * sp) == 0 and request.global_batch % dp == 0:
+            if sp in sps and dp in dps:
                 yield pp, dp, sp
 
 
 def usable_gpus(request: PlanRequest) -> set[int]:
     """The GPU counts some layout of ``request`` fills (those :func:`layouts` finds one for)."""
-    sps = divisors(request.seq // 2) if request.seq % 2 == 0 else []
-    return {pp * dp * sp for pp in range(1, request.model.layers + 1) for dp in divisors(request.global_batch)
-            for sp in sps}
+    dps, sps = _widths(request)
+    return {pp * dp * sp for pp in range(1, request.model.layers + 1) for dp in dps for sp in sps}
 
 
 def candidates(request: PlanRequest) -> Iterator[Candidate]:

@@ -249,7 +249,8 @@ class Technique:
 
     def plan_layer_state_bytes(self, request, c) -> float:
         """Bytes each transformer layer holds all step long besides its parameters' state, as the
-        simulated peak counts them (K-FAC's factors): they raise the planner's memory bounds."""
+        simulated peak counts them (K-FAC's factors): they raise the planner's memory bounds. A
+        function of the request and ``c``'s priced settings (the planner asks it once per costs)."""
         return 0.0
 
     def plan_model_options(self, c) -> dict:
