@@ -47,6 +47,22 @@ def test_dry_run_and_simulate_describe_the_same_run(capsys, flags):
     assert simulated["schedule_digest"] == build_run(spec).digest()
 
 
+@pytest.mark.parametrize("flags", [RUNS["gpt pp2 1f1b selective cheap"], "--model gpt-125m --pp 4 --schedule zb-v"])
+def test_dry_run_and_simulate_write_the_same_trace(capsys, tmp_path, flags):
+    """``train --dry-run --trace`` writes the simulated step, as ``simulate --trace`` does; its memory
+    counters in bytes (a model's costs), the run's peak activation bytes at their top."""
+    traces = {}
+    for command in ("simulate", "train"):
+        path = tmp_path / f"{command}.json"
+        report = _json(capsys, command, *flags.split(), "--trace", str(path), "--json",
+                       *(["--dry-run"] if command == "train" else []))
+        traces[command] = json.loads(path.read_text())
+    assert traces["simulate"] == traces["train"]
+    counters = [e for e in traces["train"]["traceEvents"] if e["ph"] == "C" and e["name"] == "activation memory"]
+    peaks = [max(e["args"]["bytes"] for e in counters if e["pid"] == r) for r in range(report["pp"])]
+    assert peaks == pytest.approx(report["peak_activation_bytes"])
+
+
 @pytest.mark.parametrize("layout,copied", [
     ("--pp 1 --schedule gpipe --microbatches 8 --microbatch-size 2", 0),  # a pair's copies (62 ms) outlast its gap
     ("--pp 4 --schedule 1f1b --microbatches 8 --microbatch-size 2", 1),

@@ -58,13 +58,31 @@ def test_default_job_trains_and_writes_metrics(tmp_path):
 def test_under_torchrun_with_data_parallelism(tmp_path, ranks):
     """Under torchrun (the default set: its pipeline alone, the slow set: two replicas of it, dp 2)."""
     done = train("--pp", "2", "--steps", "4", "--schedule", "zb-h1", "--metrics", "m.jsonl", "--report",
-                 "--trace", "t.json", cwd=tmp_path, torchrun=ranks)
+                 "--trace", "t.json", cwd=tmp_path, torchrun=ranks, env={"MALLOC_MMAP_THRESHOLD_": "65536"})
     assert f"zb-h1, pp=2, dp={ranks // 2}" in done.stderr
     assert len(metrics(tmp_path / "m.jsonl")) == 4
     assert "measured step" in done.stdout and "simulated / measured span" in done.stdout and "bubble seen" in done.stdout
     trace = json.loads((tmp_path / "t.json").read_text())
     names = {e.get("name") for e in trace["traceEvents"]}
     assert {"0F0", "1I3", "1W3"} <= names
+    assert_memory_follows_the_actions(trace)
+
+
+def assert_memory_follows_the_actions(trace: dict) -> None:
+    """The measured trace's memory counter (resident memory, which follows the live tensors under
+    MALLOC_MMAP_THRESHOLD_): 0 at the step's start, then a level at each action's end; on each rank
+    every F keeps its activations (the level rises by at least a quarter of the first F's rise), and
+    the step ends below its peak (the backwards freed them)."""
+    events = trace["traceEvents"]
+    for rank in range(trace["otherData"]["pp"]):
+        levels = sorted((e["ts"], e["args"]["bytes"]) for e in events if e["ph"] == "C" and e["pid"] == rank)
+        actions = sorted((e["ts"] + e["dur"], e["cat"]) for e in events if e["ph"] == "X" and e["pid"] == rank
+                         and e["tid"] == 0)
+        assert levels[0][1] == 0 and len(levels) == len(actions) + 1
+        rises = [after - before for (_, before), (_, after), (_, kind) in zip(levels, levels[1:], actions)
+                 if kind == "F"]
+        assert rises[0] > 2**20 and min(rises) > rises[0] / 4, (rank, rises)
+        assert levels[-1][1] < max(level for _, level in levels) - rises[0] / 2, (rank, levels)
 
 
 @pytest.mark.timeout(TIMEOUT)

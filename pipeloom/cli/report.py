@@ -57,6 +57,12 @@ def report(result, priced) -> dict:
     return report
 
 
+def memory_unit(report: dict) -> str:
+    """What a run's simulated memory is counted in: bytes with a model's costs, else M_B (the
+    unit of its trace's and plot's memory)."""
+    return "bytes" if "peak_activation_bytes" in report else "M_B"
+
+
 def rank_table(report: dict) -> str:
     unit = f" ({report['time_unit']})" if "time_unit" in report else ""
     lines = [

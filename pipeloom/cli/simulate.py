@@ -8,7 +8,7 @@ import re
 from ..errors import PipeloomError, comma_list
 from .flags import add_run_flags, spec_of
 from .output import wrote
-from .report import compare_table, rank_table, report, setting_table, title
+from .report import compare_table, memory_unit, rank_table, report, setting_table, title
 
 
 def add_parser(sub) -> None:
@@ -58,7 +58,7 @@ def run(args) -> int:
         return _compare_setting(args, specs[0], flag, values, plot)
     runs = [simulate_spec(spec) for spec in specs]
     reports, results = [r for r, _ in runs], [result for _, result in runs]
-    _write(results, files, plot, compare=args.compare is not None)
+    _write(results, files, plot, compare=args.compare is not None, unit=memory_unit(reports[0]))
     if args.compare is not None:
         print(json.dumps({"compare": reports}, indent=2) if args.json else compare_table(reports))
     elif args.json:
@@ -114,9 +114,10 @@ def _output_files(args, names: list[str]) -> dict:
     return files
 
 
-def _write(results, files, plot, compare: bool) -> None:
+def _write(results, files, plot, compare: bool, unit: str) -> None:
     """Write the files asked for, each followed by ``wrote FILE`` on stderr: the torch CSVs
-    first, since a schedule with vocabulary passes has none and stops the run."""
+    first, since a schedule with vocabulary passes has none and stops the run; memory in ``unit``
+    (:func:`~pipeloom.cli.report.memory_unit`)."""
     from ..schedule.torch_csv import write_torch_csv
     from ..sim.plot import plot_schedule, plot_schedules
     from ..sim.trace import write_chrome_trace
@@ -125,13 +126,13 @@ def _write(results, files, plot, compare: bool) -> None:
         write_torch_csv(result.schedule, path)
         wrote(path)
     for result, path in zip(results, files.get("--trace", ())):
-        write_chrome_trace(result, path)
+        write_chrome_trace(result, path, memory_unit=unit)
         wrote(path)
     if plot is not None:
         if compare:
             plot_schedules(results, plot)
         else:
-            plot_schedule(results[0], plot)
+            plot_schedule(results[0], plot, unit)
         wrote(plot)
 
 

@@ -57,6 +57,8 @@ class Step:
     #: (ACTIVATION or GRADIENT, producing stage, microbatch) -> the tensor, or a posted receive: ``wait(action)``
     mail: dict[tuple[str, int, int], torch.Tensor | Callable[[Action], torch.Tensor]] = field(default_factory=dict)
     marks: list = field(default_factory=list)  # (action, start mark, end mark) of each timed action
+    #: with a clock that reads memory: its level (bytes above the step's start) after each timed action
+    levels: list = field(default_factory=list)
     training: bool = True
 
     def slot(self, stage: int, microbatch: int) -> Slot:

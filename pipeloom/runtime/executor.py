@@ -36,6 +36,7 @@ class Executor:
         context = self.context
         context.step = step
         clock, marks, heartbeat = step.clock, step.marks, context.channel.heartbeat
+        levels = step.levels if clock.memory else None
         for k, (action, handler, wrappers) in enumerate(self.plan):
             if handler.prepare:
                 handler.prepare(action, context)  # waiting for a peer is not the action's time
@@ -44,6 +45,8 @@ class Executor:
             own = _run_wrapped(handler, action, context, wrappers) if wrappers else handler.run(action, context)
             if handler.timed:  # a side stream's work: its own marks on that stream (see handlers)
                 marks.append((action, *own) if isinstance(own, tuple) else (action, start, clock.mark()))
+                if levels is not None:
+                    levels.append(clock.level())
             for call in after.get(k, ()):
                 call()
 

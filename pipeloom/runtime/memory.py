@@ -14,6 +14,7 @@ own and gives it back when freed, and resident memory follows the live tensors.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -22,12 +23,25 @@ import torch.distributed as dist
 from .p2p import Channel
 
 _STATUS = Path("/proc/self/status")
+_STATM = Path("/proc/self/statm")
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _status(field: str) -> int:
     """A memory field of /proc/self/status, in bytes."""
     line = next(x for x in _STATUS.read_text().splitlines() if x.startswith(field + ":"))
     return int(line.split()[1]) * 1024
+
+
+def allocated_bytes(device: torch.device) -> int | None:
+    """What this process holds now, as :class:`PeakMemory` counts it: on a GPU the caching allocator's
+    allocated bytes, on a CPU (Linux) the resident set; None where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    try:
+        return int(_STATM.read_text().split()[1]) * _PAGE
+    except OSError:
+        return None
 
 
 class PeakMemory:

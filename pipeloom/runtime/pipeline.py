@@ -134,6 +134,8 @@ class Pipeline:
             self.schedule, calls = part.calls(self, calls)
         self._calls = [_Call(self.context, self.grads, actions, self.parts) for actions in calls]
         self.last_step: Step | None = None
+        #: whether each step reads the memory held after each action (:attr:`~.context.Step.levels`)
+        self.record_memory = False
         #: the steps of the calls of the last whole cycle (the schedule's calls run in turn), once one has run
         self.last_cycle: list[Step] | None = None
         self._cycle_so_far: list[Step] = []
@@ -241,7 +243,8 @@ class Pipeline:
         call = self._calls[index]
         updates = [after for part in self.parts if (after := part.updates(self, call.finals, optimizer)) is not None]
         try:
-            step = Step(self.pp_rank, StepClock(self.device), *self._batches.split(tokens, targets),
+            clock = StepClock(self.device, self.record_memory)
+            step = Step(self.pp_rank, clock, *self._batches.split(tokens, targets),
                         loss=torch.zeros(self.context.schedule.steps, device=self.device))
             call.executor.run(step, updates[0] if updates else call.averaging)
             self.context.calls += 1

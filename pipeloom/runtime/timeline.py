@@ -28,18 +28,33 @@ def gather_timeline(pipe, cycle: bool = False) -> list[list[Event]]:
     """Every pipeline rank's events of the last step (ms), on every rank; ``cycle``: of the
     calls of the last whole cycle of the schedule (a K-FAC refresh: every call of it, its
     actions numbered as the schedule numbers them, :meth:`~.pipeline.Pipeline.in_cycle`)."""
+    return _gathered(pipe, cycle)[0]
+
+
+def _gathered(pipe, cycle: bool) -> tuple[list[list[Event]], list[list[tuple[float, int]]]]:
+    """:func:`gather_timeline`'s events, and each rank's memory levels where its steps read them
+    (:attr:`~.pipeline.Pipeline.record_memory`): (ms, bytes above its call's start), 0 at the start of
+    each call, then the level after each action, at the action's end, in time order."""
     steps = pipe.last_cycle if cycle else pipe.last_step and [pipe.last_step]
     if steps is None:
         raise RuntimeError(f"no {f'whole cycle of {pipe.cycle} calls' if cycle else 'step'} has run yet")
-    mine = [(step.wall_start, [(t.action, 1e3 * t.start, 1e3 * t.end) for t in step.timeline]) for step in steps]
+    mine = [(step.wall_start, [(t.action, 1e3 * t.start, 1e3 * t.end) for t in step.timeline], step.levels)
+            for step in steps]
     parts: list = [None] * pipe.pp
     dist.all_gather_object(parts, mine, group=pipe.pp_group)
-    origin = min(wall for calls in parts for wall, _ in calls)
-    return [
-        [Event(rank, pipe.in_cycle(a, call) if cycle else a, s + 1e3 * (wall - origin), e + 1e3 * (wall - origin))
-         for call, (wall, actions) in enumerate(calls) for a, s, e in actions]
-        for rank, calls in enumerate(parts)
-    ]
+    origin = min(wall for calls in parts for wall, _, _ in calls)
+    events, memory = [], []
+    for rank, calls in enumerate(parts):
+        events.append([])
+        levels = []
+        for call, (wall, actions, read) in enumerate(calls):
+            shift = 1e3 * (wall - origin)
+            timed = [Event(rank, pipe.in_cycle(a, call) if cycle else a, s + shift, e + shift) for a, s, e in actions]
+            events[-1] += timed
+            if read:
+                levels += [(shift, 0), *((event.end, level) for event, level in zip(timed, read))]
+        memory.append(sorted(levels, key=lambda point: point[0]))
+    return events, memory
 
 
 #: Vocabulary passes and the cost field their measured duration gives (the
@@ -113,23 +128,33 @@ def _comm_wait(events: list[list[Event]], schedule) -> float:
     return median(waits) if waits else 0.0
 
 
+#: The measured trace's memory counter, and what it counts (``otherData["memory"]``).
+MEMORY_COUNTER = "memory allocated"
+MEMORY_NOTE = ("bytes held above the start of the step (of each call of a cycle), read after each action is "
+               "launched and drawn at its end: the caching allocator's allocated bytes on a GPU, the resident set "
+               "on a CPU (which follows the live tensors with glibc's MALLOC_MMAP_THRESHOLD_=65536)")
+
+
 def write_trace(pipe, path: str | Path, cycle: bool = False) -> None:
     """Write the last step's measured timeline (``cycle``: the last whole cycle's, :func:`gather_timeline`)
-    as a Chrome trace (global rank 0 writes; every pipeline rank must call this). With split B
+    as a Chrome trace (global rank 0 writes; every pipeline rank must call this), with each rank's
+    :data:`MEMORY_COUNTER` where its steps read it (:attr:`~.pipeline.Pipeline.record_memory`). With split B
     and W, ``otherData["weight_grads_in_B"]`` names, per stage, the module types whose weight
     gradients B computed rather than W (:data:`~pipeloom.runtime.handlers.compute.WEIGHTS_IN_B`)."""
-    events = gather_timeline(pipe, cycle)
+    events, memory = _gathered(pipe, cycle)
     schedule = pipe.schedule
     notes: list = [None] * pipe.pp
     dist.all_gather_object(notes, pipe.context.extras.get(WEIGHTS_IN_B, {}), group=pipe.pp_group)
     in_b = {f"stage {s}": kinds for part in notes for s, kinds in sorted(part.items())}
     costs = measured_costs(events, schedule)
     transfers = transfers_of(schedule, events, lambda producer: costs.comm[producer.stage])
+    read = any(memory)
     doc = chrome_trace_events(
         events, [schedule.stages_of(r) for r in range(schedule.pp)], transfers=transfers,
+        memory=memory if read else None, memory_unit="bytes", memory_name=MEMORY_COUNTER,
         metadata={"source": "measured", "family": schedule.family, "pp": schedule.pp, "dp": pipe.dp,
                   "microbatches": schedule.microbatches, "note": "measured on the runtime; times in ms",
-                  **({"weight_grads_in_B": in_b} if in_b else {})},
+                  **({"memory": MEMORY_NOTE} if read else {}), **({"weight_grads_in_B": in_b} if in_b else {})},
     )
     if dist.get_rank() == 0:
         import json

@@ -71,12 +71,15 @@ def chrome_trace_events(
     transfers: Sequence[Transfer] = (),
     metadata: dict | None = None,
     host: Sequence[Sequence[tuple[float, float]]] | None = None,
+    memory_unit: str = "M_B",
+    memory_name: str = "activation memory",
 ) -> dict:
     """The Chrome trace document of a timeline.
 
     ``events_per_rank[r]``: the events (rank, action, start, end) of rank
     ``r``; ``stages_per_rank[r]``: its stages; ``memory[r]``: optional
-    (time, activation memory) steps, ``host[r]`` its host memory's;
+    (time, level) steps of the counter ``memory_name``, ``host[r]`` its host memory's, each
+    level in ``memory_unit`` (``M_B``, or ``bytes`` with model costs);
     ``transfers``: inter-rank transfers; ``metadata``: facts stored in
     ``otherData`` next to the time unit. Actions of a side stream (a kind's
     ``stream``) go on a thread of that name.
@@ -94,16 +97,16 @@ def chrome_trace_events(
     for flow_id, (transfer, lane) in enumerate(zip(transfers, lanes)):
         trace += _transfer_events(transfer, flow_id, COMM_TID + lane)
     for rank, points in enumerate(memory or ()):
-        trace += [_counter(rank, t, level) for t, level in points]
+        trace += [_counter(rank, t, level, memory_name, memory_unit) for t, level in points]
     for rank, points in enumerate(host or ()):
         if any(level for _, level in points):
-            trace += [_counter(rank, t, level, "host memory") for t, level in points]
+            trace += [_counter(rank, t, level, "host memory", memory_unit) for t, level in points]
     other = {"time_unit": "ms", "note": "one simulator time unit is written as 1 ms"}
     return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": {**other, **(metadata or {})}}
 
 
-def chrome_trace(result: Result, name: str | None = None) -> dict:
-    """The Chrome trace document of a simulated schedule."""
+def chrome_trace(result: Result, name: str | None = None, memory_unit: str = "M_B") -> dict:
+    """The Chrome trace document of a simulated schedule, its memory counted in ``memory_unit``."""
     schedule = result.schedule
     facts = {
         "name": name or f"{schedule.family} p={schedule.pp} m={schedule.microbatches}",
@@ -122,13 +125,15 @@ def chrome_trace(result: Result, name: str | None = None) -> dict:
         host=[result.host_timeline(rank) for rank in range(schedule.pp)],
         transfers=transfers_of(schedule, result.events, result.costs.transfer),
         metadata=facts,
+        memory_unit=memory_unit,
     )
 
 
-def write_chrome_trace(trace: Result | dict, path: str | Path, name: str | None = None) -> None:
-    """Write a Result's trace (named ``name``), or a document from
-    :func:`chrome_trace_events`, as JSON to ``path``."""
-    document = chrome_trace(trace, name) if isinstance(trace, Result) else trace
+def write_chrome_trace(trace: Result | dict, path: str | Path, name: str | None = None,
+                       memory_unit: str = "M_B") -> None:
+    """Write a Result's trace (named ``name``, its memory counted in ``memory_unit``), or a
+    document from :func:`chrome_trace_events`, as JSON to ``path``."""
+    document = chrome_trace(trace, name, memory_unit) if isinstance(trace, Result) else trace
     Path(path).write_text(json.dumps(document, separators=(",", ":")))
 
 
@@ -207,5 +212,5 @@ def _transfer_events(transfer: Transfer, flow_id: int, tid: int) -> list[dict]:
     ]
 
 
-def _counter(rank: int, t: float, level: float, name: str = "activation memory") -> dict:
-    return {"ph": "C", "name": name, "pid": rank, "ts": _us(t), "args": {"M_B": level}}
+def _counter(rank: int, t: float, level: float, name: str, unit: str) -> dict:
+    return {"ph": "C", "name": name, "pid": rank, "ts": _us(t), "args": {unit: level}}

@@ -109,9 +109,11 @@ def check(config: TrainConfig, spec: RunSpec) -> None:
         from ..runtime.checkpoint import read_meta
 
         read_meta(config.resume)
-    if config.dry_run:
+    if config.dry_run:  # the simulated step's picture and trace
         if config.plot:
             prepare_output("--plot", config.plot, SUFFIXES)
+        if config.trace:
+            prepare_output("--trace", config.trace)
         return
     # last, when the rest is right: a missing directory is created; one that cannot be stops the run here
     for flag, path in (("--metrics", config.metrics), ("--trace", config.trace), ("--plot", config.plot)):

@@ -146,6 +146,7 @@ class Trainer:
         self.n_params = sum(p.numel() for p in model.parameters())
         options = {k: v for t in TECHNIQUES.values() for k, v in t.pipeline_options(spec, costs).items()}
         self.pipe = Pipeline(model, schedule, dp=dp, timeout=config.timeout, autocast=autocast, device=device, **options)
+        self.pipe.record_memory = bool(config.trace)  # the trace's memory counter
         self.digest = _agreed_digest(self.pipe.schedule, build_run(spec, costs))
         params = self.pipe.parameters()
         self.optimizer = torch.optim.AdamW(

@@ -14,8 +14,9 @@ from ..spec import RunSpec
 
 def dry_run(config, spec: RunSpec) -> int:
     """What the run will do, without starting a worker: the facts ``simulate`` prints for ``spec``
-    (as JSON with ``--json``: the same object), the schedule's grid, and ``--plot``'s picture."""
-    from ..cli.report import rank_table
+    (as JSON with ``--json``: the same object), the schedule's grid, and the simulated step as
+    ``--plot``'s picture and ``--trace``'s Chrome trace."""
+    from ..cli.report import memory_unit, rank_table
     from ..cli.simulate import simulate_spec
     from ..sim.grid import text_grid
 
@@ -23,7 +24,11 @@ def dry_run(config, spec: RunSpec) -> int:
     if config.plot:
         from ..sim import plot_schedule
 
-        plot_schedule(result, prepare_output("--plot", config.plot, SUFFIXES))
+        plot_schedule(result, prepare_output("--plot", config.plot, SUFFIXES), memory_unit(facts))
+    if config.trace:
+        from ..sim import write_chrome_trace
+
+        write_chrome_trace(result, prepare_output("--trace", config.trace), memory_unit=memory_unit(facts))
     if config.json:
         print(json.dumps(facts, indent=2))
     else:
