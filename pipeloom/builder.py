@@ -93,7 +93,7 @@ def model_costs(spec: RunSpec, model, device, profile=None) -> Costs:
 
     options = {k: v for t in TECHNIQUES.values() for k, v in t.cost_options(spec).items()}
     costs = costs_from_model(model, spec.pp, spec.seq, spec.microbatch_size, device, chunks=spec.family_chunks,
-                             dp=spec.dp, profile=profile, **options)
+                             dp=spec.dp, profile=profile, precision=spec.costed_precision, **options)
     return technique_costs(spec, costs)
 
 

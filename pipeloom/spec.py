@@ -25,6 +25,8 @@ from .errors import PipeloomError, one_of, whole
 DEVICES = ("cpu", "cuda")
 #: The cost preset (``--hardware``) a run's costs come from when none is named, by device.
 HARDWARE_OF = {"cpu": "cpu", "cuda": "h100"}
+#: The precision of a run on each device when none is given: bf16 autocast on a GPU, fp32 on a CPU.
+PRECISION_OF = {"cpu": "fp32", "cuda": "bf16"}
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -108,6 +110,17 @@ class RunSpec:
     def hardware_preset(self) -> str:
         """The cost preset: ``hardware``, else the device's."""
         return self.hardware or HARDWARE_OF[self.device]
+
+    @property
+    def training_precision(self) -> str:
+        """The precision the run trains in: ``precision``, else the device's (:data:`PRECISION_OF`)."""
+        return self.precision or PRECISION_OF[self.device]
+
+    @property
+    def costed_precision(self) -> str:
+        """The precision the costs price: ``precision``, else that of a run on the cost preset's kind
+        of device (the cpu preset's fp32, a GPU preset's bf16: ``--hardware a100`` prices an A100 run)."""
+        return self.precision or PRECISION_OF["cpu" if self.hardware_preset == "cpu" else "cuda"]
 
     @property
     def family_chunks(self) -> int:

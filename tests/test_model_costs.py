@@ -11,7 +11,7 @@ from pipeloom.schedule import build
 from pipeloom.schedule.deps import ListPeaks
 from pipeloom.schedule.ir import B, F, W, Action
 from pipeloom.sim import (
-    BYTES_PER_PARAM, DEVICES, MODELS, Device, ModelSpec, costs_from_model, peak_memory_bytes, simulate,
+    BYTES_PER_PARAM, DEVICES, MODELS, Device, ModelSpec, costs_from_model, get_device, peak_memory_bytes, simulate,
     stage_parameters,
 )
 from pipeloom.sim.memory import _with_gradients
@@ -208,3 +208,19 @@ def test_model_module_does_not_import_torch():
     code = ("import sys, pipeloom.sim.model, pipeloom.presets, pipeloom.partition, pipeloom.modes; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_fp32_runs_at_the_devices_fp32_rate_and_keeps_and_sends_4_byte_values():
+    """``precision="fp32"``: compute at the preset's fp32 rate (the cpu preset's one rate unchanged),
+    the layers' 16-bit values at 4 bytes, kept and sent; the fp32 softmax as it was."""
+    bf16, fp32 = (costs_from_model("gpt-1.3b", 4, 1024, 1, "h100", precision=p) for p in ("bf16", "fp32"))
+    h100 = get_device("h100")
+    for field in ("f", "b", "w"):
+        assert getattr(fp32, field) == pytest.approx([x * h100.peak_flops / h100.fp32_flops
+                                                      for x in getattr(bf16, field)], rel=1e-12)
+    assert fp32.comm == pytest.approx([2 * x for x in bf16.comm], rel=1e-12)
+    assert fp32.m_w[1] == 2 * bf16.m_w[1] and 1.9 < fp32.m_b[1] / bf16.m_b[1] < 2
+    cpu = [costs_from_model("gpt-1.3b", 4, 1024, 1, "cpu", precision=p).f for p in ("bf16", "fp32")]
+    assert cpu[0] == cpu[1]
+    with pytest.raises(PipeloomError, match="precision='fp16': choose bf16 or fp32"):
+        costs_from_model("gpt-1.3b", 4, 1024, 1, "h100", precision="fp16")

@@ -559,7 +559,7 @@ def test_a_moved_w_that_came_last_goes_back_before_its_steps_preconditioning():
     from pipeloom.builder import build_run
     from pipeloom.spec import RunSpec
 
-    schedule = build_run(RunSpec(schedule="v-half", pp=1, microbatches=2, seq=64, recompute="cheap",
+    schedule = build_run(RunSpec(schedule="v-half", pp=1, microbatches=2, seq=64, recompute="cheap", precision="bf16",
                                  vocab_parallel="vocab-1", offload="full", optimizer="kfac"))
     last = [entry for entry in schedule.options["offload"]["moved"] if entry[3] is None]
     assert last and schedule.options["kfac"]["every"] > 1  # a W that came last, in a cycle of several steps

@@ -24,7 +24,7 @@ from pipeloom.cli.flags import spec_of
 from pipeloom.plan.command import run_spec
 from pipeloom.plan.evaluate import evaluate as plan_evaluate
 from pipeloom.schedule import FAMILIES
-from pipeloom.sim.model import ModelSpec, get_device
+from pipeloom.sim.model import ModelSpec, get_device, get_model
 
 GiB = 2**30
 SMALL = ModelSpec("small", 8, 512, 8, 8192)
@@ -34,6 +34,26 @@ def request(gpus=4, memory=80, batch=16, model=SMALL, **kwargs):
     links = {"inter_bandwidth": kwargs.pop("inter_bandwidth")} if "inter_bandwidth" in kwargs else {}
     cluster = Cluster.of("a100", gpus, gpus_per_node=kwargs.pop("per_node", 8), memory=memory * GiB, **links)
     return PlanRequest(model, kwargs.pop("seq", 1024), batch, cluster, **kwargs)
+
+
+def test_a_cpu_clusters_plans_are_priced_in_fp32_as_simulate_prices_their_commands():
+    """On the cpu preset the planner prices the run train makes there, in fp32 (16 bytes of state a
+    parameter, 4-byte activations), as simulate prices each plan's command: the same peaks and step."""
+    from pipeloom.cli.simulate import simulate_spec
+    from pipeloom.plan.evaluate import allreduce_ms, optimizer_ms
+
+    want = PlanRequest(get_model("gpt-125m"), 256, 8, Cluster.of("cpu", 2), schedules=("1f1b", "zb-h1"), top=3)
+    assert want.bytes_per_param == 16
+    for plan in search(want).plans:
+        c, line = plan.candidate, command(want, plan.candidate)
+        spec = spec_of(_parser().parse_args(["simulate", *shlex.split(line)[shlex.split(line).index("train") + 1:]]))
+        assert spec.costed_precision == spec.training_precision == "fp32"
+        report, result = simulate_spec(spec)
+        assert report["peak_memory_bytes"] == plan.peak_memory_bytes
+        tails = [a + o for a, o in zip(allreduce_ms(want, c), optimizer_ms(want, c))]
+        assert plan.step_ms == pytest.approx(max(e[-1] + t for e, t in zip(result.ends, tails)), rel=1e-12)
+        bf16 = simulate_spec(replace(spec, precision="bf16"))[0]
+        assert max(bf16["peak_activation_bytes"]) < 0.6 * max(report["peak_activation_bytes"])
 
 
 def settings(plans):

@@ -322,6 +322,32 @@ def test_measured_bytes_by_hand_count(measured):
 
 
 @needs_torch
+def test_fp32_formulas_count_the_bytes_an_fp32_run_keeps(measured):
+    """The formulas at fp32 (the CPU's precision) against what the tiny GPT keeps on this CPU: a layer
+    with and without cheap recomputation, from B to W, and the output layer (the fp32 softmax
+    counted once); at bf16 they count half the 16-bit values."""
+    memory = measured["microbatch_sizes"]["2"]["memory"]
+    model = Profile.from_dict(measured).model
+    split = [model.layers - 2, 1, 1]  # the middle stage is one layer, the last one layer and the head
+    for precision, near in (("fp32", 0.07), ("bf16", None)):
+        got = {}
+        for recompute in (False, "cheap"):
+            costs = costs_from_model(model, 3, 64, 2, "cpu", layers_per_stage=split, recompute=recompute,
+                                     precision=precision)
+            got["cheap" if recompute else "none"] = costs.m_b[1]
+            if not recompute:
+                got.update({"w": costs.m_w[1], "head b": costs.m_b[2] - costs.m_b[1],
+                            "head w": costs.m_w[2] - costs.m_w[1]})
+        want = {"none": memory["layer"]["none"], "cheap": memory["layer"]["cheap"], "w": memory["layer"]["w"],
+                "head b": memory["head"]["b"], "head w": memory["head"]["w"]}
+        if near:
+            assert all(abs(got[k] / want[k] - 1) <= near for k in want), (got, want)
+            assert got["w"] == want["w"]
+        else:  # the layer's 16-bit values at 2 bytes: about half
+            assert all(0.45 < got[k] / want[k] < 0.6 for k in ("none", "cheap", "w")), (got, want)
+
+
+@needs_torch
 def test_a_llama_layer_is_measured_and_costs_a_llama():
     """Grouped-query attention, SwiGLU, no biases, rotary positions: the profile says so and
     prices Llama runs (not GPT ones); B to W holds every linear layer's input and output gradient."""

@@ -36,12 +36,12 @@ def report(result, priced) -> dict:
         ],
     }
     if priced.model is not None:
-        from ..sim.memory import peak_memory_bytes
+        from ..sim.memory import STATE_BYTES_PER_PARAM, peak_memory_bytes
 
         model, device, profile = priced.model, priced.device, priced.profile
         full = full_stage_m_b(result.costs, schedule.pp)
         state = ({"bytes_per_param": profile.bytes_per_param, "cast_bytes_per_param": profile.cast_bytes_per_param}
-                 if profile else {})
+                 if profile else {"bytes_per_param": STATE_BYTES_PER_PARAM[spec.costed_precision]})
         report.update(
             model=model.name, vocab=model.vocab, device=spec.device, hardware=device.name, seq=spec.seq,
             microbatch_size=spec.microbatch_size, costs=priced.source, time_unit="ms",

@@ -48,6 +48,11 @@ class Cluster:
         return cls(gpus, get_device(device), **{k: v for k, v in overrides.items() if v is not None})
 
     @property
+    def runtime_device(self) -> str:
+        """Where ``pipeloom train`` runs on this cluster: ``cpu`` for the cpu preset, else ``cuda``."""
+        return "cpu" if self.device.name == "cpu" else "cuda"
+
+    @property
     def gpu_memory(self) -> float:
         return self.device.memory if self.memory is None else self.memory
 

@@ -24,7 +24,7 @@ def run_spec(request: PlanRequest, c: Candidate, steps: int | None = None) -> Ru
     return RunSpec(
         model=model.name, vocab=None if preset is not None and preset.vocab == model.vocab else model.vocab,
         seq=request.seq, **{name: getattr(c, name) for name in FIELDS}, **derived,
-        schedule_steps=steps, device="cpu" if cluster.device.name == "cpu" else "cuda",
+        schedule_steps=steps, device=cluster.runtime_device,
         hardware=cluster.device.name, link_bandwidth=None if link == cluster.device.link_bandwidth else link / 1e9,
         profile=request.profile.source if request.profile is not None else None, options=c.options)
 

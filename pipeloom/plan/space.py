@@ -9,8 +9,10 @@ from typing import Iterator
 
 from ..errors import PipeloomError, whole
 from ..schedule import FAMILIES, get_family
+from ..sim.memory import STATE_BYTES_PER_PARAM
 from ..sim.profile import Profile
 from ..sim.specs import ModelSpec, get_model
+from ..spec import PRECISION_OF
 from ..techniques import TECHNIQUES, PlanAxis, Technique
 from .cluster import Cluster
 
@@ -58,8 +60,9 @@ class PlanRequest:
             whole("kfac_every", self.kfac_every)
             if "kfac" not in self.optimizer:
                 raise PipeloomError(f"plan: --kfac-every {self.kfac_every} goes with --optimizer kfac or any")
-        if self.bytes_per_param is None:
-            object.__setattr__(self, "bytes_per_param", self.profile.bytes_per_param if self.profile else 18.0)
+        if self.bytes_per_param is None:  # the profile's, else the formulas' at the cluster's precision
+            state = STATE_BYTES_PER_PARAM[PRECISION_OF[self.cluster.runtime_device]]
+            object.__setattr__(self, "bytes_per_param", self.profile.bytes_per_param if self.profile else float(state))
         if self.cast_bytes_per_param is None:
             object.__setattr__(self, "cast_bytes_per_param", self.profile.cast_bytes_per_param if self.profile else 0.0)
 

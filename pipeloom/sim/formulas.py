@@ -103,6 +103,18 @@ def _local_tokens(seq: int, sp: int) -> int:
     return seq // sp
 
 
+#: Bytes of one activation value by the training's precision: 16-bit under bf16 autocast (the
+#: formulas' counts, as the papers give them), 4 in fp32.
+ELEMENT_BYTES = {"bf16": 2, "fp32": 4}
+
+
+def element_bytes(precision: str) -> int:
+    """:data:`ELEMENT_BYTES` of ``precision``, or one line naming the precisions there are."""
+    if precision not in ELEMENT_BYTES:
+        raise PipeloomError(f"precision={precision!r}: choose {' or '.join(ELEMENT_BYTES)}")
+    return ELEMENT_BYTES[precision]
+
+
 def _attention_memory(model: ModelSpec, seq: int, microbatch_size: int, sp: int, attention: str) -> tuple[int, int]:
     """Bytes of one layer's attention scores on one rank: (kept from F to B, alive only while it computes)."""
     b, s, a, t = microbatch_size, seq, model.heads, _local_tokens(seq, sp)
@@ -143,24 +155,26 @@ class SequenceParallelCosts:
 
 def sequence_parallel_costs(
     model: ModelSpec | str, seq: int, microbatch_size: int, device: Device | str, sp: int = 1,
-    attention: str | None = None,
+    attention: str | None = None, precision: str = "bf16",
 ) -> SequenceParallelCosts:
     """What ``attention`` (``ring`` or ``rsa``; default as :func:`~.model.costs_from_model`)
     over an SP group of ``sp`` ranks costs one transformer layer for one
-    microbatch of ``microbatch_size`` sequences of ``seq`` tokens (module docstring)."""
+    microbatch of ``microbatch_size`` sequences of ``seq`` tokens (module docstring; K and V
+    blocks of :data:`ELEMENT_BYTES` values of ``precision``)."""
     model, device = get_model(model), get_device(device)
     _positive(microbatch_size=microbatch_size)
     attention = _attention(attention, sp)
     b, s, h, t = microbatch_size, seq, model.hidden, _local_tokens(seq, sp)
     kept, transient = _attention_memory(model, seq, microbatch_size, sp, attention)
-    block = 2 * b * t * h  # one rank's K (or V) of a layer, bf16
+    element = element_bytes(precision)
+    block = element * b * t * h  # one rank's K (or V) of a layer
 
     def link_ms(nbytes: float) -> float:
         return 1e3 * nbytes / device.link_bandwidth
 
     if attention == Attention.RSA:
         forward = 2 * (sp - 1) * link_ms(block)
-        backward = forward + _collective_ms(device, 2 * (2 * b * s * h), sp, 2)  # all-reduce full-length dK, dV
+        backward = forward + _collective_ms(device, 2 * element * b * s * h, sp, 2)  # all-reduce full-length dK, dV
         return SequenceParallelCosts(sp, attention, 2 * (sp - 1), block, link_ms(block), forward, backward,
                                      forward, backward, kept, transient)
     step = link_ms(2 * block)
@@ -270,15 +284,16 @@ def kfac_factor_bytes(model: ModelSpec | str) -> list[tuple[int, int]]:
     return [(4 * a * a, 4 * g * g) for a, g in kfac_shapes(get_model(model))]
 
 
-def _layer_bytes(model: ModelSpec, cheap: bool) -> tuple[int, int]:
+def _layer_bytes(model: ModelSpec, cheap: bool, element: int = 2) -> tuple[int, int]:
     """Bytes per token one layer keeps from F to its backward (without the attention
-    scores; ``cheap``: norms and the MLP's activation recomputed) and from B to W."""
+    scores; ``cheap``: norms and the MLP's activation recomputed) and from B to W, its tensors of
+    ``element`` bytes a value (:data:`ELEMENT_BYTES`; the byte masks stay bytes)."""
     h, kv, f = model.hidden, model.kv_width, model.mlp_width
-    # norms' inputs 4h; the q/k/v input 2h, q 2h, k and v 4kv, the projection's input 2h, a dropout
-    # mask h; the MLP's input 2h and mask h; GELU's input and output 4f, or gated 8f
-    kept = 14 * h + 4 * kv + (8 if model.gated else 4) * f
+    # in 16-bit values: norms' inputs 4h; the q/k/v input 2h, q 2h, k and v 4kv, the projection's
+    # input 2h; the MLP's input 2h; GELU's input and output 4f, or gated 8f; and two dropout masks h each
+    kept = 12 * h + 4 * kv + (8 if model.gated else 4) * f
     if cheap:  # the norms' outputs and the activation's output, rebuilt (PipeOffload's 20 of 34 with ffn = 4)
         kept -= 6 * h + 2 * f
     # the linear layers' inputs (6h + 2f) and their output gradients (6h + 4kv, and 2f or gated 4f)
     weights = 12 * h + 4 * kv + (6 if model.gated else 4) * f
-    return kept, weights
+    return kept * element // 2 + 2 * h, weights * element // 2

@@ -25,6 +25,9 @@ from .stages import stage_layers, stage_parameters
 #: two fp32 moments (4 + 4). No distributed optimizer: every rank keeps all of
 #: it for its own stages.
 BYTES_PER_PARAM = 18
+#: Bytes of model state per parameter by the training's precision: :data:`BYTES_PER_PARAM` under
+#: bf16 autocast; in fp32 the weights are their own master copy (4 + gradient 4 + Adam's 8).
+STATE_BYTES_PER_PARAM = {"bf16": BYTES_PER_PARAM, "fp32": 16}
 #: Of those, the fp32 gradient: it exists only from a stage's first backward
 #: of the step (the runtime frees gradients after each optimizer step).
 GRAD_BYTES_PER_PARAM = 4

@@ -42,11 +42,12 @@ from ..partition import stage_totals
 from ..schedule import build
 from ..schedule.costs import Costs
 from .formulas import (
-    ATTENTIONS, FUSED, INVERSION_EFFICIENCY, KFAC_UNITS_PER_LAYER, SequenceParallelCosts, _collective_ms, _layer_bytes,
-    kfac_costs, kfac_unit_weights, layer_flops, sequence_parallel_costs,
+    ATTENTIONS, ELEMENT_BYTES, FUSED, INVERSION_EFFICIENCY, KFAC_UNITS_PER_LAYER, SequenceParallelCosts, _collective_ms,
+    _layer_bytes, element_bytes, kfac_costs, kfac_unit_weights, layer_flops, sequence_parallel_costs,
 )
 from .memory import (
-    BYTES_PER_PARAM, GRAD_BYTES_PER_PARAM, VERSION_BYTES_PER_PARAM, peak_memory_bytes, state_bytes_per_param,
+    BYTES_PER_PARAM, GRAD_BYTES_PER_PARAM, STATE_BYTES_PER_PARAM, VERSION_BYTES_PER_PARAM, peak_memory_bytes,
+    state_bytes_per_param,
 )
 from .profile import Profile
 from .simulate import simulate
@@ -56,8 +57,9 @@ from .stages import _stage_layers, stage_layers, stage_parameters
 #: The cost model's public names: this module's and those it hands on from :mod:`.specs`,
 #: :mod:`.formulas`, :mod:`.stages` and :mod:`.memory`.
 __all__ = [
-    "ATTENTIONS", "BYTES_PER_PARAM", "CPU_MEMORY_BANDWIDTH", "DEVICES", "FUSED", "GRAD_BYTES_PER_PARAM",
-    "INVERSION_EFFICIENCY", "KFAC_UNITS_PER_LAYER", "MODELS", "OPTIMIZER_BYTES_PER_PARAM", "VERSION_BYTES_PER_PARAM",
+    "ATTENTIONS", "BYTES_PER_PARAM", "CPU_MEMORY_BANDWIDTH", "DEVICES", "ELEMENT_BYTES", "FUSED", "GRAD_BYTES_PER_PARAM",
+    "INVERSION_EFFICIENCY", "KFAC_UNITS_PER_LAYER", "MODELS", "OPTIMIZER_BYTES_PER_PARAM", "STATE_BYTES_PER_PARAM",
+    "VERSION_BYTES_PER_PARAM",
     "Device", "ModelSpec", "SequenceParallelCosts", "costs_from_model", "get_device", "get_model", "kfac_costs",
     "layer_flops", "longest_sequence", "offload_time_ratio", "optimizer_ms", "peak_memory_bytes",
     "sequence_parallel_costs", "stage_layers", "stage_parameters", "state_bytes_per_param",
@@ -81,12 +83,12 @@ def optimizer_ms(params: float, device: Device, profile: Profile | None = None) 
 
 def offload_time_ratio(
     model: ModelSpec | str, seq: int, microbatch_size: int, device: Device | str, sp: int = 1,
-    attention: str | None = None, recompute: bool | str = False, profile=None,
+    attention: str | None = None, recompute: bool | str = False, profile=None, precision: str = "bf16",
 ) -> float:
     """PipeOffload's k = T_offload / T_compute of one transformer layer: the time
     to move the activations the layer keeps (``m_b``) to the host and back,
     over the layer's F, B and W time, under the costs of
-    :func:`costs_from_model` (same ``sp``, ``attention``, ``recompute``, ``profile``). The
+    :func:`costs_from_model` (same ``sp``, ``attention``, ``recompute``, ``profile``, ``precision``). The
     paper's k counts both ways on one link; with a copy stream per direction
     each carries k/2, so with k <= 2 both keep up with full offload. "PipeOffload: Improving
     Scalability of Pipeline Parallelism with Memory Optimization" estimates
@@ -95,31 +97,32 @@ def offload_time_ratio(
     model = get_model(model)
     one = [0, 1, model.layers - 1]  # the middle stage is one bare layer
     costs = costs_from_model(model, 3, seq, microbatch_size, device, layers_per_stage=one, recompute=recompute,
-                             sp=sp, attention=attention, profile=profile)
+                             sp=sp, attention=attention, profile=profile, precision=precision)
     return 2 * costs.extra["offload"][1] / (costs.f[1] + costs.b[1] + costs.w[1])
 
 
 def _activation_bytes(model: ModelSpec, split, seq: int, microbatch_size: int, sp: int, attention_kept: int,
-                      mode: VocabMode, recompute) -> tuple[list[float], list[float]]:
+                      mode: VocabMode, recompute, element: int = 2) -> tuple[list[float], list[float]]:
     """Per stage of ``split`` layers: bytes one microbatch keeps from F to its backward (``m_b``)
     and from B to W (``m_w``), as :func:`costs_from_model` says; ``attention_kept``: one layer's
-    attention bytes kept (:func:`~.formulas._attention_memory`)."""
+    attention bytes kept (:func:`~.formulas._attention_memory`); ``element``: bytes of an
+    activation value (:data:`~.formulas.ELEMENT_BYTES`)."""
     b, t, h, v = microbatch_size, seq // sp, model.hidden, model.vocab
     bth = b * t * h
-    kept, weights = _layer_bytes(model, recompute == "cheap")
+    kept, weights = _layer_bytes(model, recompute == "cheap", element)
     layer_mb = b * t * kept + attention_kept
     layer_mw = b * t * weights
     if mode.splits:
-        head_mb, head_mw = 2 * bth, 0  # the final norm's input
+        head_mb, head_mw = element * bth, 0  # the final norm's input
     else:
         # The output layer keeps the fp32 softmax (4btV) and its input and the
-        # final norm's input (2bth each) for B; W keeps the logits' gradient
-        # (2btV, bf16) and the LM head's input.
-        head_mb, head_mw = 4 * b * t * v + 4 * bth, 2 * b * t * v + 2 * bth
+        # final norm's input (2bth each in bf16) for B; W keeps the logits' gradient
+        # (2btV in bf16) and the LM head's input.
+        head_mb, head_mw = 4 * b * t * v + 2 * element * bth, element * (b * t * v + bth)
     m_b, m_w = stage_totals(split, layer_mb, last=head_mb), stage_totals(split, layer_mw, last=head_mw)
     if recompute is True:
         # the runtime reruns whole stages in B, the last one's loss too: each keeps only its input
-        m_b = [2 * bth] * len(split)
+        m_b = [element * bth] * len(split)
     return [float(x) for x in m_b], [float(x) for x in m_w]
 
 
@@ -138,6 +141,7 @@ def costs_from_model(
     kfac: bool = False,
     dp: int = 1,
     profile: Profile | None = None,
+    precision: str = "bf16",
 ) -> Costs:
     """Per-virtual-stage costs (ms, bytes) of ``model`` cut into ``pp * chunks``
     stages, for microbatches of ``microbatch_size`` sequences of ``seq`` tokens,
@@ -165,6 +169,11 @@ def costs_from_model(
     average unit's time and each unit's weight, :func:`kfac_unit_weights`; the
     syncs over ``dp`` replicas; the preconditioning per stage).
 
+    ``precision`` (``bf16``: autocast, as the formulas count; ``fp32``) sets the bytes of an
+    activation value (:data:`~.formulas.ELEMENT_BYTES`: every 16-bit term doubles in fp32, the
+    fp32 softmax and byte masks do not) in what a microbatch keeps and sends, and in fp32 the compute
+    runs at the device's fp32 rate (:attr:`~.specs.Device.fp32_flops`, where it has one).
+
     ``profile`` (a :class:`~pipeloom.sim.profile.Profile` of this model's sizes
     and ``seq``) replaces the formulas' compute times, activation bytes and
     stage-to-stage transfer with measured ones (:meth:`~pipeloom.sim.profile.Profile.stages`; a
@@ -179,7 +188,12 @@ def costs_from_model(
     mode = VocabMode.of(vocab_parallel or "none")
     stages = pp * chunks
     split = _stage_layers(model, stages, layers_per_stage, seq, mode)
-    ring = sequence_parallel_costs(model, seq, microbatch_size, device, sp, attention)
+    ring = sequence_parallel_costs(model, seq, microbatch_size, device, sp, attention, precision)
+    element, fp32 = element_bytes(precision), precision == "fp32"
+
+    def ms(flops: float) -> float:
+        return device.ms(flops, fp32=fp32)
+
     b, s, h, v = microbatch_size, seq, model.hidden, model.vocab
     t = s // sp  # a rank's tokens of each sequence
     bth = b * t * h
@@ -191,12 +205,13 @@ def costs_from_model(
     exposed_b = ring.exposed_backward_ms + (ring.exposed_forward_ms if full else 0.0)
     # head: FLOPs of each of the output layer's F, B and W
     embedding, head = (0, 0) if mode.splits else (3 * bth, 2 * bth * v)
-    m_b, m_w = _activation_bytes(model, split, seq, microbatch_size, sp, ring.kept_bytes, mode, recompute)
-    rerun = _activation_bytes(model, split, seq, microbatch_size, sp, ring.kept_bytes, mode, False)[0] if full else None
+    m_b, m_w = _activation_bytes(model, split, seq, microbatch_size, sp, ring.kept_bytes, mode, recompute, element)
+    rerun = (_activation_bytes(model, split, seq, microbatch_size, sp, ring.kept_bytes, mode, False, element)[0]
+             if full else None)
 
-    f, bwd, w = ([device.ms(x) for x in stage_totals(split, flops, first=first, last=head)]
+    f, bwd, w = ([ms(x) for x in stage_totals(split, flops, first=first, last=head)]
                  for flops, first in ((layer_f, embedding), (layer_b, 0), (layer_w, 0)))
-    comm, host_bandwidth, fused = 1e3 * 2 * bth / device.link_bandwidth, device.host_bandwidth, 0.0
+    comm, host_bandwidth, fused = 1e3 * element * bth / device.link_bandwidth, device.host_bandwidth, 0.0
     if profile is not None:
         measured = profile.stages(model, seq, microbatch_size, split, sp, recompute, mode.splits)
         f, bwd, w, m_b, m_w, rerun = measured.f, measured.b, measured.w, measured.m_b, measured.m_w, measured.m_rerun
@@ -227,9 +242,9 @@ def costs_from_model(
     if not mode.splits:
         return costs
     shard = -(-v // pp)
-    product = device.ms(2 * bth * shard)  # one [bt, h] x [h, V/p] product on one rank
+    product = ms(2 * bth * shard)  # one [bt, h] x [h, V/p] product on one rank
     statistic = _collective_ms(device, 4 * b * t, pp, 2)  # all-reduce of one fp32 value per token
-    grad_input = _collective_ms(device, 2 * bth, pp, 1)  # reduce of the input gradient to the last stage
+    grad_input = _collective_ms(device, element * bth, pp, 1)  # reduce of the input gradient to the last stage
     two = mode == VocabMode.VOCAB_2
     return replace(
         costs,
@@ -237,10 +252,10 @@ def costs_from_model(
         t=product if two else 2 * product,
         c=statistic if mode == VocabMode.NAIVE else 2 * statistic + (grad_input if two else 0.0),
         r=0.0 if two else grad_input,
-        e_f=device.ms(bth / pp),
-        e_b=device.ms(2 * bth / pp),
-        e_comm=_collective_ms(device, 2 * bth, pp, 2),
-        m_v=float(4 * b * t * shard + 2 * bth),
+        e_f=ms(bth / pp),
+        e_b=ms(2 * bth / pp),
+        e_comm=_collective_ms(device, element * bth, pp, 2),
+        m_v=float(4 * b * t * shard + element * bth),
     )
 
 

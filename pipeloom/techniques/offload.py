@@ -71,7 +71,7 @@ class Offload(Technique):
 
         report["k"] = offload_time_ratio(priced.model, spec.seq, spec.microbatch_size, priced.device, sp=spec.sp,
                                          attention=spec.attention, recompute=RECOMPUTE[spec.recompute],
-                                         profile=priced.profile)
+                                         profile=priced.profile, precision=spec.costed_precision)
         report["ranks"] = [{"rank": r, "host_bytes": h, "offloaded_bytes": o, "exposed_ms": e}
                            for r, (h, o, e) in enumerate(zip(result.peak_host, offloaded, result.exposed))]
         return {"offload": report}

@@ -49,11 +49,12 @@ class SequenceParallel(Technique):
             return {}
         spec, model, device, schedule = priced.spec, priced.model, priced.device, result.schedule
         sp, seq, size = spec.sp, spec.seq, spec.microbatch_size
-        layer = sequence_parallel_costs(model, seq, size, device, sp, spec.attention)
+        precision = spec.costed_precision
+        layer = sequence_parallel_costs(model, seq, size, device, sp, spec.attention, precision)
         layers = stage_layers(model, schedule.stages, seq, vocab_parallel=spec.vocab_mode)
         scores = {}
         for name in Attention:
-            other = sequence_parallel_costs(model, seq, size, device, sp, name)
+            other = sequence_parallel_costs(model, seq, size, device, sp, name, precision)
             scores[name] = {"kept": other.kept_bytes, "transient": other.transient_bytes}
         return {
             "sp": sp,

@@ -138,7 +138,7 @@ class Trainer:
         self.model_config = model_config(spec)
         dp = layout.dp
         torch.manual_seed(config.seed)  # the same weights on every rank
-        precision = spec.precision or ("bf16" if device.type == "cuda" else "fp32")
+        precision = spec.training_precision
         autocast = torch.bfloat16 if precision == "bf16" else None
         self.model = model = self.model_config.build(device="meta")  # each rank materialises its own stages
         if spec.init_from is not None:  # and reads only their tensors
