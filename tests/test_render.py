@@ -115,6 +115,36 @@ def test_plot_draws_split_backward(tmp_path):
     assert path.stat().st_size > 1000
 
 
+@pytest.mark.parametrize("unit,scale,label", [("M_B", 1, "activation memory (M_B)"),
+                                              ("bytes", 2**30, "activation memory (GiB)")])
+def test_the_memory_panel_draws_the_results_levels_in_their_unit(interleaved, unit, scale, label):
+    """Levels in bytes are drawn in GiB (from one GiB up): every rank's steps as the result has them."""
+    from matplotlib.figure import Figure
+
+    from pipeloom.sim.plot import _draw_memory
+
+    costs = Costs(m_b=3 * 2**30) if unit == "bytes" else Costs()
+    result = simulate(interleaved.schedule, costs)
+    ax = Figure().subplots()
+    _draw_memory(ax, result, unit)
+    assert ax.get_ylabel() == label
+    for rank, line in enumerate(ax.get_lines()):
+        points = dict(result.memory_timeline(rank))
+        assert list(line.get_xdata()) == list(points) and list(line.get_ydata()) == [v / scale for v in points.values()]
+
+
+def test_the_memory_panel_draws_measured_levels_given_in_mib_below_a_gib(interleaved):
+    from matplotlib.figure import Figure
+
+    from pipeloom.sim.plot import _draw_memory
+
+    measured = [[(0.0, 0), (1.0, 3 * 2**20), (2.0, 2**19)] for _ in range(interleaved.schedule.pp)]
+    ax = Figure().subplots()
+    _draw_memory(ax, interleaved, "bytes", measured, "memory allocated")
+    assert ax.get_ylabel() == "memory allocated (MiB)"
+    assert [list(line.get_ydata()) for line in ax.get_lines()] == [[0, 3, 0.5]] * interleaved.schedule.pp
+
+
 def test_plot_refuses_other_formats(interleaved, tmp_path):
     with pytest.raises(PipeloomError, match=r"\.png or \.svg.*'\.txt'"):
         plot_schedule(interleaved, tmp_path / "schedule.txt")

@@ -23,8 +23,8 @@ def add_parser(sub) -> None:
                         "what it waited for, if the peer died or stalls, and waits on if it is busy (default 60)")
     g.add_argument("--dry-run", action="store_true",
                    help="show what the run will do without starting workers or allocating weights: its schedule, "
-                        "predicted step time, peak memory per rank and the schedule's digest (with --plot, drawn; with --trace, "
-                        "the simulated step as a Chrome trace)")
+                        "predicted step time, peak memory per rank and the schedule's digest (with --plot, drawn; "
+                        "with --trace, the simulated step as a Chrome trace)")
     g.add_argument("--json", action="store_true",
                    help="with --dry-run: the same JSON object as pipeloom simulate --json with these flags")
     g.add_argument("--no-memory-check", dest="memory_check", action="store_false",
@@ -79,9 +79,11 @@ def add_parser(sub) -> None:
     g.add_argument("--tensorboard", metavar="DIR",
                    help="write the metrics' scalars (loss, lr, grad_norm, tokens_per_s, val_loss) for TensorBoard "
                         "under DIR (needs the tensorboard package)")
-    g.add_argument("--trace", metavar="FILE.json", help="write the last step's measured timeline as a Chrome trace, with each rank's "
-                        "memory allocated above the step's start (with --dry-run: the simulated step's)")
-    g.add_argument("--plot", metavar="FILE.png|.svg", help="draw the last step's measured timeline with matplotlib")
+    g.add_argument("--trace", metavar="FILE.json",
+                   help="write the last step's measured timeline as a Chrome trace, with each rank's memory allocated "
+                        "above the step's start (with --dry-run: the simulated step's)")
+    g.add_argument("--plot", metavar="FILE.png|.svg",
+                   help="draw the last step's measured timeline with matplotlib, its memory as --trace counts it")
     g.add_argument("--report", action="store_true",
                    help="at the end: measured step time beside the simulator's prediction from the measured costs")
     p.set_defaults(run=run)

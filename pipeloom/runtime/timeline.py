@@ -28,10 +28,10 @@ def gather_timeline(pipe, cycle: bool = False) -> list[list[Event]]:
     """Every pipeline rank's events of the last step (ms), on every rank; ``cycle``: of the
     calls of the last whole cycle of the schedule (a K-FAC refresh: every call of it, its
     actions numbered as the schedule numbers them, :meth:`~.pipeline.Pipeline.in_cycle`)."""
-    return _gathered(pipe, cycle)[0]
+    return gather_measured(pipe, cycle)[0]
 
 
-def _gathered(pipe, cycle: bool) -> tuple[list[list[Event]], list[list[tuple[float, int]]]]:
+def gather_measured(pipe, cycle: bool = False) -> tuple[list[list[Event]], list[list[tuple[float, int]]]]:
     """:func:`gather_timeline`'s events, and each rank's memory levels where its steps read them
     (:attr:`~.pipeline.Pipeline.record_memory`): (ms, bytes above its call's start), 0 at the start of
     each call, then the level after each action, at the action's end, in time order."""
@@ -141,7 +141,7 @@ def write_trace(pipe, path: str | Path, cycle: bool = False) -> None:
     :data:`MEMORY_COUNTER` where its steps read it (:attr:`~.pipeline.Pipeline.record_memory`). With split B
     and W, ``otherData["weight_grads_in_B"]`` names, per stage, the module types whose weight
     gradients B computed rather than W (:data:`~pipeloom.runtime.handlers.compute.WEIGHTS_IN_B`)."""
-    events, memory = _gathered(pipe, cycle)
+    events, memory = gather_measured(pipe, cycle)
     schedule = pipe.schedule
     notes: list = [None] * pipe.pp
     dist.all_gather_object(notes, pipe.context.extras.get(WEIGHTS_IN_B, {}), group=pipe.pp_group)

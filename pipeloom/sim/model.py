@@ -57,9 +57,9 @@ from .stages import _stage_layers, stage_layers, stage_parameters
 #: The cost model's public names: this module's and those it hands on from :mod:`.specs`,
 #: :mod:`.formulas`, :mod:`.stages` and :mod:`.memory`.
 __all__ = [
-    "ATTENTIONS", "BYTES_PER_PARAM", "CPU_MEMORY_BANDWIDTH", "DEVICES", "ELEMENT_BYTES", "FUSED", "GRAD_BYTES_PER_PARAM",
-    "INVERSION_EFFICIENCY", "KFAC_UNITS_PER_LAYER", "MODELS", "OPTIMIZER_BYTES_PER_PARAM", "STATE_BYTES_PER_PARAM",
-    "VERSION_BYTES_PER_PARAM",
+    "ATTENTIONS", "BYTES_PER_PARAM", "CPU_MEMORY_BANDWIDTH", "DEVICES", "ELEMENT_BYTES", "FUSED",
+    "GRAD_BYTES_PER_PARAM", "INVERSION_EFFICIENCY", "KFAC_UNITS_PER_LAYER", "MODELS", "OPTIMIZER_BYTES_PER_PARAM",
+    "STATE_BYTES_PER_PARAM", "VERSION_BYTES_PER_PARAM",
     "Device", "ModelSpec", "SequenceParallelCosts", "costs_from_model", "get_device", "get_model", "kfac_costs",
     "layer_flops", "longest_sequence", "offload_time_ratio", "optimizer_ms", "peak_memory_bytes",
     "sequence_parallel_costs", "stage_layers", "stage_parameters", "state_bytes_per_param",

@@ -30,13 +30,16 @@ WIDTH_IN, DPI = 14.0, 110
 MAX_LABELS = 4000  # above this many boxes, never write microbatch numbers
 RASTER_ABOVE = 5000  # boxes drawn as a bitmap inside SVGs above this many
 TIME_LABEL = "time (simulator units; ms with model costs)"
-#: What a memory level is divided by to draw it, by the unit it is counted in.
-_MEMORY_SCALES = {"M_B": 1.0, "bytes": 2.0**30}
+#: What a memory level is divided by to draw it in each unit (levels in bytes drawn in GiB or MiB).
+_MEMORY_SCALES = {"M_B": 1.0, "GiB": 2.0**30, "MiB": 2.0**20}
 
 
-def plot_schedule(result: Result, path: str | Path, memory_unit: str = "M_B") -> None:
+def plot_schedule(result: Result, path: str | Path, memory_unit: str = "M_B", memory=None,
+                  memory_name: str = "activation memory") -> None:
     """Draw ``result`` to ``path``; the suffix (.png or .svg) picks the format. ``memory_unit``: what
-    its memory is counted in, ``M_B`` or ``bytes`` (model costs: drawn in GiB)."""
+    its memory is counted in, ``M_B`` or ``bytes`` (model costs: drawn in GiB, or MiB below one GiB);
+    ``memory``: per rank, (time, level) steps to draw instead of its own (a measured run's), named
+    ``memory_name``."""
     path = _checked_path(path)
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
 
@@ -44,7 +47,7 @@ def plot_schedule(result: Result, path: str | Path, memory_unit: str = "M_B") ->
     fig = Figure(figsize=(WIDTH_IN, rows_in + 2.6))
     top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [rows_in, 2.0]})
     _draw_timeline(top, result, rows_in)
-    _draw_memory(bottom, result, memory_unit)
+    _draw_memory(bottom, result, memory_unit, memory, memory_name)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
 
@@ -194,28 +197,31 @@ def _label_boxes(ax, boxes, colours, px_per_unit: float, fontsize: float) -> Non
                         color=ink)
 
 
-def _draw_memory(ax, result: Result, unit: str) -> None:
+def _draw_memory(ax, result: Result, unit: str, memory=None, name: str = "activation memory") -> None:
     from matplotlib import colormaps
 
     p = result.schedule.pp
     cmap = colormaps["viridis"]
-    host = any(result.peak_host)
+    host = memory is None and any(result.peak_host)
+    levels = [result.memory_timeline(rank) for rank in range(p)] if memory is None else memory
+    if unit == "bytes":  # GiB, or MiB below one GiB
+        unit = "GiB" if max((level for points in levels for _, level in points), default=0) >= 2**30 else "MiB"
     scale = _MEMORY_SCALES[unit]
     for rank in range(p):
-        lines = [(result.memory_timeline(rank), "-", f"rank {rank}")]
+        lines = [(levels[rank], "-", f"rank {rank}")]
         if host:
             lines.append((result.host_timeline(rank), ":", None))
         for points, style, label in lines:
             final = dict(points)  # the level each instant ends at
-            ax.step(list(final), [level / scale for level in final.values()], where="post", color=cmap(rank / max(1, p - 1)),
-                    linewidth=1.0, linestyle=style, label=label)
+            ax.step(list(final), [level / scale for level in final.values()], where="post",
+                    color=cmap(rank / max(1, p - 1)), linewidth=1.0, linestyle=style, label=label)
     if host:
         ax.plot([], [], color="grey", linestyle=":", label="host (offloaded)")
     if p <= 8:
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     else:
         ax.text(1.01, 1.0, f"colour: rank 0 (dark)\nto rank {p - 1} (light)", transform=ax.transAxes, va="top", fontsize=8)
-    ax.set_ylabel(f"activation memory ({'GiB' if unit == 'bytes' else unit})")
+    ax.set_ylabel(f"{name} ({unit})")
     ax.set_xlabel(TIME_LABEL)
     ax.set_ylim(bottom=0)
 

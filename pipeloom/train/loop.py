@@ -146,7 +146,7 @@ class Trainer:
         self.n_params = sum(p.numel() for p in model.parameters())
         options = {k: v for t in TECHNIQUES.values() for k, v in t.pipeline_options(spec, costs).items()}
         self.pipe = Pipeline(model, schedule, dp=dp, timeout=config.timeout, autocast=autocast, device=device, **options)
-        self.pipe.record_memory = bool(config.trace)  # the trace's memory counter
+        self.pipe.record_memory = bool(config.trace or config.plot)  # the measured timeline's memory
         self.digest = _agreed_digest(self.pipe.schedule, build_run(spec, costs))
         params = self.pipe.parameters()
         self.optimizer = torch.optim.AdamW(
@@ -353,7 +353,7 @@ class Trainer:
     def _write_timeline(self) -> None:
         """``--trace`` and ``--plot``: the last step's measured timeline, or with K-FAC the last
         refresh cycle's (every rank takes part)."""
-        from ..runtime.timeline import gather_timeline, measured_result, write_trace
+        from ..runtime.timeline import MEMORY_COUNTER, gather_measured, measured_result, write_trace
         from ..sim import plot_schedule
 
         config, lead, pipe = self.config, self.rank == 0, self.pipe
@@ -370,10 +370,14 @@ class Trainer:
                 if lead:
                     print(f"wrote the measured timeline of {what} to {config.trace}", file=sys.stderr)
         if config.plot:
-            result = measured_result(gather_timeline(pipe, cycle), pipe.schedule)
+            events, memory = gather_measured(pipe, cycle)
+            result = measured_result(events, pipe.schedule)  # its times from its first action's start
+            origin = min(e.start for evs in events for e in evs)
+            held = {"memory_unit": "bytes", "memory_name": MEMORY_COUNTER,
+                    "memory": [[(t - origin, level) for t, level in points] for points in memory]}
             if lead:
                 with _output("--plot", config.plot, lead):
-                    plot_schedule(result, config.plot)
+                    plot_schedule(result, config.plot, **(held if any(memory) else {}))
                     print(f"drew the measured timeline of {what} in {config.plot}", file=sys.stderr)
 
     def _meta(self, step: int) -> dict:
