@@ -129,6 +129,20 @@ def offload_sim(doc: dict) -> list[str]:
                    for (seq, recompute, k), row in cells.items()])
 
 
+def plan_memory(doc: dict) -> list[str]:
+    def per_rank(values: list, digits: int = 0) -> str:
+        return " / ".join(f"{v:.{digits}f}" for v in values)
+
+    floor = doc["floor_mib"]
+    return _table(["layout", "measured less floor (MiB)", "predicted, profile", "/ measured",
+                   "predicted, formulas", "/ measured"],
+                  [[f"`{r['flags']}`", per_rank([m - floor for m in r["measured_mib"]]), per_rank(r["predicted_mib"]),
+                    per_rank(r["predicted_over_measured_less_floor"], 3),
+                    per_rank(r["formulas_mib"]) if "formulas_mib" in r else "–",
+                    per_rank(r["formulas_over_measured_less_floor"], 3) if "formulas_mib" in r else "–"]
+                   for r in doc["layouts"]])
+
+
 #: The JSON a table's NAME reads with its renderer, and the command that writes it.
 TABLES = {
     "sim_vs_measured": (sim_vs_measured, "python bench/sim_vs_measured.py"),
@@ -141,6 +155,7 @@ TABLES = {
     "vocab_head_cuda": (vocab_head, "python bench/vocab_head.py --device cuda"),
     "offload_sim": (offload_sim, "python bench/offload_sim.py"),
     "plan_search": (plan_search, "python bench/plan_search.py"),
+    "plan_memory": (plan_memory, "python bench/plan_memory.py"),
 }
 
 

@@ -18,7 +18,8 @@ touches, whatever the model: the ``floor``, measured as the same peak of the
 ``tiny`` model (about 0.1% of gpt-125m's parameters) under the first layout.
 Per layout and pipeline rank: measured, predicted, and predicted / (measured
 - floor), the figure that the planner's memory model is checked on (goal:
-within 10%). Writes bench/results/plan_memory.json.
+within 10%); and the same from the formulas alone (no profile: fp32 on the
+cpu preset, as the runs train). Writes bench/results/plan_memory.json.
 """
 
 from __future__ import annotations
@@ -108,12 +109,17 @@ def main(argv=None):
         steps = max(args.steps, 4) if "2bw" in flags else args.steps  # 2bw runs 4 steps a call
         measured = measured_peaks(args.model, args.seq, flags, steps, args.timeout)
         predicted = predicted_peaks(model, args.seq, flags, profile)
+        formulas = predicted_peaks(model, args.seq, flags, None)
         ratios = [round(p / (m - floor), 3) for p, m in zip(predicted, measured)]
+        from_formulas = [round(p / (m - floor), 3) for p, m in zip(formulas, measured)]
         rows.append({"flags": flags, "measured_mib": [round(m / _MiB, 1) for m in measured],
                      "predicted_mib": [round(p / _MiB, 1) for p in predicted], "predicted_over_measured_less_floor":
-                     ratios, "within_10_percent": all(abs(r - 1) <= 0.1 for r in ratios)})
+                     ratios, "within_10_percent": all(abs(r - 1) <= 0.1 for r in ratios),
+                     "formulas_mib": [round(p / _MiB, 1) for p in formulas],
+                     "formulas_over_measured_less_floor": from_formulas,
+                     "formulas_within_10_percent": all(abs(r - 1) <= 0.1 for r in from_formulas)})
         print(f"{flags}: measured {rows[-1]['measured_mib']} MiB, predicted {rows[-1]['predicted_mib']} MiB, "
-              f"predicted / (measured - floor) {ratios}", file=sys.stderr, flush=True)
+              f"predicted / (measured - floor) {ratios}, from the formulas {from_formulas}", file=sys.stderr, flush=True)
     results = {
         "setting": {"model": args.model, "layers": model.layers, "hidden": model.hidden, "vocab": model.vocab,
                     "seq": args.seq, "steps": args.steps, "threads_per_rank": 1,
@@ -123,13 +129,16 @@ def main(argv=None):
         "floor_mib": round(floor / _MiB, 1),
         "layouts": rows,
         "all_within_10_percent": all(r["within_10_percent"] for r in rows),
+        "formulas_all_within_10_percent": all(r["formulas_within_10_percent"] for r in rows),
         "seconds": round(time.perf_counter() - started, 1),
     }
     path = write_results("plan_memory", results, args.out)
-    print(f"\n| layout | measured MiB | predicted MiB | predicted / (measured - floor {results['floor_mib']}) |")
-    print("|---|---|---|---|")
+    print(f"\n| layout | measured MiB | predicted MiB (profile) | / (measured - floor {results['floor_mib']}) "
+          "| from the formulas MiB | / (measured - floor) |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['flags']} | {r['measured_mib']} | {r['predicted_mib']} | {r['predicted_over_measured_less_floor']} |")
+        print(f"| {r['flags']} | {r['measured_mib']} | {r['predicted_mib']} | {r['predicted_over_measured_less_floor']} "
+              f"| {r['formulas_mib']} | {r['formulas_over_measured_less_floor']} |")
     print(f"\nwrote {path} in {results['seconds']} s")
 
 
