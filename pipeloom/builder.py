@@ -88,12 +88,15 @@ class Priced:
 def model_costs(spec: RunSpec, model, device, profile=None) -> Costs:
     """The costs of ``spec`` from ``model`` (a :class:`~pipeloom.sim.model.ModelSpec`) on ``device``
     (a :class:`~pipeloom.sim.model.Device`), or from ``profile``: the cost formulas with each
-    technique's settings, then each technique's own fields. The planner prices its candidates here too."""
+    technique's settings, then each technique's own fields; in the spec's
+    :attr:`~pipeloom.spec.RunSpec.costed_precision`, or the profile's (:meth:`~pipeloom.sim.profile.Profile.precision_for`).
+    The planner prices its candidates here too."""
     from .sim.model import costs_from_model
 
     options = {k: v for t in TECHNIQUES.values() for k, v in t.cost_options(spec).items()}
+    precision = spec.costed_precision if profile is None else profile.precision_for(spec.precision)
     costs = costs_from_model(model, spec.pp, spec.seq, spec.microbatch_size, device, chunks=spec.family_chunks,
-                             dp=spec.dp, profile=profile, precision=spec.costed_precision, **options)
+                             dp=spec.dp, profile=profile, precision=precision, **options)
     return technique_costs(spec, costs)
 
 

@@ -448,6 +448,12 @@ def test_profile_then_simulate_with_it(tmp_path, capsys, monkeypatch):
     assert out["makespan"] > 0
     assert main(["simulate", "--model", "tiny", "--profile", str(path), "--pp", "2", "--microbatches", "4"]) == 0
     assert f"costs: profile {path}" in capsys.readouterr().out
+    # its precision is the run's: fp32 (this CPU's) may be asked, bf16 is refused in one line
+    assert main(["simulate", "--model", "tiny", "--profile", str(path), "--precision", "fp32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["costs"] == f"profile {path}"
+    assert main(["simulate", "--model", "tiny", "--profile", str(path), "--precision", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"profile {path} was measured in fp32; --precision bf16 needs a profile" in err
 
 
 def test_without_a_profile_simulate_says_formulas(capsys):

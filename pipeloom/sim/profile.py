@@ -294,6 +294,15 @@ class Profile:
             raise PipeloomError(f"{self.label} was measured at seq {self.seq}; costs were asked for seq {seq}: "
                                 f"use --seq {self.seq} or profile at seq {seq}")
 
+    def precision_for(self, asked: str | None) -> str:
+        """The precision costs priced with this profile take: the one it was measured in, which a
+        run's ``--precision`` (``asked``; None: not given) must be."""
+        mine = self.machine["precision"]
+        if asked is not None and asked != mine:
+            raise PipeloomError(f"{self.label} was measured in {mine}; --precision {asked} needs a profile measured "
+                                f"in {asked} (pipeloom profile --precision {asked}), or leave --precision out")
+        return mine
+
     def nearest(self, microbatch_size: int) -> int:
         """The profiled microbatch size closest to ``microbatch_size`` by ratio (ties: the larger)."""
         return min(self.samples, key=lambda b: (abs(math.log(b / microbatch_size)), -b))
