@@ -430,3 +430,37 @@ def test_a_worker_that_dies_is_named_at_once_not_after_the_timeout(dies):
     with pytest.raises(RuntimeError, match=rf"worker {dies} exited with code 3 before it returned"):
         spawn(2, _exits_at_once, dies, timeout=50)
     assert time.monotonic() - began < 20
+
+
+def test_a_send_is_let_go_once_it_reports_complete_not_at_the_end_of_the_step():
+    """The channel holds each sent tensor while its send is in flight: the oldest sends that report
+    complete (NCCL's, once their kernel ran) are waited for and dropped as the next one is posted;
+    one still in flight, and every one after it, stays until flush."""
+    from types import SimpleNamespace
+
+    from pipeloom.runtime.p2p import Channel
+
+    class Send:
+        def __init__(self, done):
+            self.done, self.waited = done, False
+
+        def is_completed(self):
+            return self.done
+
+        def wait(self, timeout=None):
+            self.waited = True
+            return True
+
+    channel = Channel.__new__(Channel)
+    channel.pending, channel.timeout, channel.watched = [], 60.0, False
+    channel.heartbeat = SimpleNamespace(now=None, waiting=lambda *a: None, why_ended=lambda state: None)
+    sends = [Send(True), Send(True), Send(False), Send(True)]
+    for send in sends:
+        channel.send_work(send, torch.zeros(1), None)
+    assert [entry[0] for entry in channel.pending] == sends[2:]  # the first two let go, in order
+    assert [send.waited for send in sends] == [True, True, False, False]
+    sends[2].done = True
+    channel.send_work(Send(False), torch.zeros(1), None)
+    assert len(channel.pending) == 1 and all(send.waited for send in sends)
+    channel.flush()
+    assert channel.pending == []

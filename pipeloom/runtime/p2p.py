@@ -64,7 +64,18 @@ class Channel:
 
     def send_work(self, work: dist.Work, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
         """Count ``work`` (a send of ``tensor`` over ``group``, or a collective this rank only
-        gives to) among the sends :meth:`flush` waits for, keeping ``tensor`` alive until then."""
+        gives to) among the sends in flight, keeping ``tensor`` alive until it completes. The oldest
+        ones that report complete are let go first (waited for, which raises where one failed),
+        so that a step holds a message only while it is in flight, not until :meth:`flush` at its
+        end (a stage's outputs or input gradients of every microbatch). NCCL reports a send complete
+        once its kernel ran; gloo only once waited for, so on gloo they wait for :meth:`flush`."""
+        done = 0
+        while done < len(self.pending) and self.pending[done][0].is_completed():
+            done += 1
+        if done:
+            finished, self.pending = self.pending[:done], self.pending[done:]
+            for sent, _, link in finished:
+                self.wait(sent, "a send of the step, found complete,", link)
         self.pending.append((work, tensor, group))
 
     def post(self, buffer: torch.Tensor, peer: int, receive, what: str) -> None:
