@@ -102,8 +102,13 @@ def test_kfac_reports_and_draws_its_last_refresh_cycle(tmp_path):
     assert "measured cycle" in done.stdout and "simulated / measured span" in done.stdout
     assert "K-FAC pieces per stage, a unit's (ms): a " in done.stdout
     assert "the last whole K-FAC cycle (steps 5-8)" in done.stderr and (tmp_path / "p.png").stat().st_size > 0
-    names = {e.get("name") for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]}
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
     assert {f"0KFAC_PRE{t}" for t in range(4)} | {"0F15", "1B15", "0KFAC_A0"} <= names
+    # memory through the cycle: a level at each call's start (above the first call's) and after each action
+    computed = [e for e in events if e["ph"] == "X" and e["pid"] == 0 and e["tid"] == 0]
+    levels = sorted((e["ts"], e["args"]["bytes"]) for e in events if e["ph"] == "C" and e["pid"] == 0)
+    assert len(levels) == len(computed) + 4 and levels[0][1] == 0
 
 
 @pytest.mark.timeout(TIMEOUT)

@@ -33,26 +33,27 @@ def gather_timeline(pipe, cycle: bool = False) -> list[list[Event]]:
 
 def gather_measured(pipe, cycle: bool = False) -> tuple[list[list[Event]], list[list[tuple[float, int]]]]:
     """:func:`gather_timeline`'s events, and each rank's memory levels where its steps read them
-    (:attr:`~.pipeline.Pipeline.record_memory`): (ms, bytes above its call's start), 0 at the start of
-    each call, then the level after each action, at the action's end, in time order."""
+    (:attr:`~.pipeline.Pipeline.record_memory`): (ms, bytes above the start of its first call), at
+    the start of each call, then after each action, at the action's end, in time order."""
     steps = pipe.last_cycle if cycle else pipe.last_step and [pipe.last_step]
     if steps is None:
         raise RuntimeError(f"no {f'whole cycle of {pipe.cycle} calls' if cycle else 'step'} has run yet")
-    mine = [(step.wall_start, [(t.action, 1e3 * t.start, 1e3 * t.end) for t in step.timeline], step.levels)
-            for step in steps]
+    mine = [(step.wall_start, [(t.action, 1e3 * t.start, 1e3 * t.end) for t in step.timeline], step.levels,
+             step.clock.base) for step in steps]
     parts: list = [None] * pipe.pp
     dist.all_gather_object(parts, mine, group=pipe.pp_group)
-    origin = min(wall for calls in parts for wall, _, _ in calls)
+    origin = min(wall for calls in parts for wall, *_ in calls)
     events, memory = [], []
     for rank, calls in enumerate(parts):
         events.append([])
         levels = []
-        for call, (wall, actions, read) in enumerate(calls):
+        for call, (wall, actions, read, base) in enumerate(calls):
             shift = 1e3 * (wall - origin)
             timed = [Event(rank, pipe.in_cycle(a, call) if cycle else a, s + shift, e + shift) for a, s, e in actions]
             events[-1] += timed
             if read:
-                levels += [(shift, 0), *((event.end, level) for event, level in zip(timed, read))]
+                held = base - calls[0][3]  # what this call started with above the first call's start
+                levels += [(shift, held), *((event.end, held + level) for event, level in zip(timed, read))]
         memory.append(sorted(levels, key=lambda point: point[0]))
     return events, memory
 
@@ -130,7 +131,7 @@ def _comm_wait(events: list[list[Event]], schedule) -> float:
 
 #: The measured trace's memory counter, and what it counts (``otherData["memory"]``).
 MEMORY_COUNTER = "memory allocated"
-MEMORY_NOTE = ("bytes held above the start of the step (of each call of a cycle), read after each action is "
+MEMORY_NOTE = ("bytes held above the start of the step (of a cycle's first call), read after each action is "
                "launched and drawn at its end: the caching allocator's allocated bytes on a GPU, the resident set "
                "on a CPU (which follows the live tensors with glibc's MALLOC_MMAP_THRESHOLD_=65536)")
 
