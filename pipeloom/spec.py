@@ -27,6 +27,11 @@ DEVICES = ("cpu", "cuda")
 HARDWARE_OF = {"cpu": "cpu", "cuda": "h100"}
 #: The precision of a run on each device when none is given: bf16 autocast on a GPU, fp32 on a CPU.
 PRECISION_OF = {"cpu": "fp32", "cuda": "bf16"}
+
+
+def device_of(hardware: str) -> str:
+    """Where a run priced by the cost preset ``hardware`` trains: ``cpu`` for the cpu preset, else ``cuda``."""
+    return "cpu" if hardware == "cpu" else "cuda"
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -120,7 +125,7 @@ class RunSpec:
     def costed_precision(self) -> str:
         """The precision the costs price: ``precision``, else that of a run on the cost preset's kind
         of device (the cpu preset's fp32, a GPU preset's bf16: ``--hardware a100`` prices an A100 run)."""
-        return self.precision or PRECISION_OF["cpu" if self.hardware_preset == "cpu" else "cuda"]
+        return self.precision or PRECISION_OF[device_of(self.hardware_preset)]
 
     @property
     def family_chunks(self) -> int:

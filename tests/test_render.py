@@ -127,7 +127,7 @@ def test_the_memory_panel_draws_the_results_levels_in_their_unit(interleaved, un
     result = simulate(interleaved.schedule, costs)
     ax = Figure().subplots()
     _draw_memory(ax, result, unit)
-    assert ax.get_ylabel() == label
+    assert ax.get_ylabel() == label and len(ax.get_lines()) == result.schedule.pp
     for rank, line in enumerate(ax.get_lines()):
         points = dict(result.memory_timeline(rank))
         assert list(line.get_xdata()) == list(points) and list(line.get_ydata()) == [v / scale for v in points.values()]

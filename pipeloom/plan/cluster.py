@@ -15,6 +15,7 @@ from functools import lru_cache
 
 from ..errors import PipeloomError
 from ..sim.specs import Device, get_device
+from ..spec import device_of
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,8 @@ class Cluster:
 
     @property
     def runtime_device(self) -> str:
-        """Where ``pipeloom train`` runs on this cluster: ``cpu`` for the cpu preset, else ``cuda``."""
-        return "cpu" if self.device.name == "cpu" else "cuda"
+        """Where ``pipeloom train`` runs on this cluster (:func:`~pipeloom.spec.device_of` its preset)."""
+        return device_of(self.device.name)
 
     @property
     def gpu_memory(self) -> float:

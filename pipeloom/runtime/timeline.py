@@ -108,11 +108,16 @@ def full_stage_costs(costs: Costs, schedule) -> Costs:
 
 def measured_result(events: list[list[Event]], schedule) -> Result:
     """The measured step as a simulator :class:`~pipeloom.sim.Result` (ms from its first
-    action's start), with the simulator's bubble rate and memory, to compare or draw."""
-    origin = min(e.start for evs in events for e in evs)
+    action's start: :func:`first_start`), with the simulator's bubble rate and memory, to compare or draw."""
+    origin = first_start(events)
     costs = measured_costs(events, schedule).per_stage(schedule.stages, schedule.chunks)
     return Result.from_times(schedule, costs, [[e.start - origin for e in evs] for evs in events],
                              [[e.end - origin for e in evs] for evs in events])
+
+
+def first_start(events: list[list[Event]]) -> float:
+    """When the first action of a measured step started (ms, on its gathered clock)."""
+    return min(e.start for evs in events for e in evs)
 
 
 def _comm_wait(events: list[list[Event]], schedule) -> float:

@@ -353,7 +353,7 @@ class Trainer:
     def _write_timeline(self) -> None:
         """``--trace`` and ``--plot``: the last step's measured timeline, or with K-FAC the last
         refresh cycle's (every rank takes part)."""
-        from ..runtime.timeline import MEMORY_COUNTER, gather_measured, measured_result, write_trace
+        from ..runtime.timeline import MEMORY_COUNTER, first_start, gather_measured, measured_result, write_trace
         from ..sim import plot_schedule
 
         config, lead, pipe = self.config, self.rank == 0, self.pipe
@@ -372,7 +372,7 @@ class Trainer:
         if config.plot:
             events, memory = gather_measured(pipe, cycle)
             result = measured_result(events, pipe.schedule)  # its times from its first action's start
-            origin = min(e.start for evs in events for e in evs)
+            origin = first_start(events)
             held = {"memory_unit": "bytes", "memory_name": MEMORY_COUNTER,
                     "memory": [[(t - origin, level) for t, level in points] for points in memory]}
             if lead:
