@@ -68,9 +68,44 @@ def test_under_torchrun_with_data_parallelism(tmp_path, ranks):
     assert_memory_follows_the_actions(trace)
     # what the ranks held at their peak (activations and, from the first backward, gradients) is what
     # simulate predicts of their activations, in fp32 as the CPU runs (gradients: a few %)
-    predicted = simulate_json("--model", "tiny", "--pp", "2", "--schedule", "zb-h1")["peak_activation_bytes"]
+    expected = simulate_json("--model", "tiny", "--pp", "2", "--schedule", "zb-h1")
+    predicted = expected["peak_activation_bytes"]
     held = [max(e["args"]["bytes"] for e in trace["traceEvents"] if e["ph"] == "C" and e["pid"] == r) for r in (0, 1)]
     assert held == pytest.approx(predicted, rel=0.15)
+    # --report: the peak above the last step's start, transients within actions too (the trace reads
+    # levels between actions), beside simulate's peak less what it holds between steps
+    measured, simulated = report_memory(done.stdout)
+    assert simulated == pytest.approx([p - h for p, h in zip(expected["peak_memory_bytes"], expected["held_memory_bytes"])],
+                                      rel=1e-3)
+    assert all(m >= 0.98 * h for m, h in zip(measured, held)), (measured, held)
+    assert measured == pytest.approx(simulated, rel=0.3)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc")
+def test_a_stretchs_peak_is_measured_above_its_start_and_the_runs_peak_kept():
+    """--report's measure (``PeakMemory.restart``/``stretch``): a stretch counts what it allocates
+    above what was held at its start, the run's peak (``bytes``, --metrics') stays that of the whole run."""
+    import torch
+
+    from pipeloom.runtime.memory import PeakMemory
+
+    peak = PeakMemory(torch.device("cpu"))
+    big = torch.ones(16 * 2**20)  # 64 MiB, touched (an mmap of its own: returned when freed)
+    del big
+    kept = torch.ones(2 * 2**20)  # 8 MiB held across the restart: not the stretch's
+    peak.restart()
+    small = torch.ones(4 * 2**20)  # 16 MiB
+    assert 15 * 2**20 < peak.stretch() < 24 * 2**20
+    assert peak.bytes() >= 64 * 2**20  # the big tensor, before the restart
+    del small, kept
+
+
+def report_memory(stdout: str) -> tuple[list[float], list[float]]:
+    """--report's measured and simulated bytes per rank above a step's start."""
+    line = next(x for x in stdout.splitlines() if "memory per rank above a step's start" in x)
+    sizes = [[float(n) * 2 ** (30 if unit == "GiB" else 20) for n, unit in re.findall(r"([0-9.]+) (MiB|GiB)", part)]
+             for part in (line.split("measured ")[1].split(" (")[0], line.split("simulated ")[1].split(";")[0])]
+    return sizes[0], sizes[1]
 
 
 def assert_memory_follows_the_actions(trace: dict) -> None:

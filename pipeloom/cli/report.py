@@ -36,7 +36,7 @@ def report(result, priced) -> dict:
         ],
     }
     if priced.model is not None:
-        from ..sim.memory import STATE_BYTES_PER_PARAM, peak_memory_bytes
+        from ..sim.memory import STATE_BYTES_PER_PARAM, held_memory_bytes, peak_memory_bytes
 
         model, device, profile = priced.model, priced.device, priced.profile
         full = full_stage_m_b(result.costs, schedule.pp)
@@ -49,6 +49,7 @@ def report(result, priced) -> dict:
             peak_activation_bytes=result.peak_activation,
             peak_memory_bytes=peak_memory_bytes(model, result, spec.seq, microbatch_size=spec.microbatch_size,
                                                 sp=spec.sp, attention=spec.attention, **state),
+            held_memory_bytes=held_memory_bytes(model, schedule, spec.seq, bytes_per_param=state["bytes_per_param"]),
         )
         for row, value in zip(report["ranks"], report["peak_activation"]):
             row["peak_activation"] = value

@@ -85,7 +85,9 @@ def add_parser(sub) -> None:
     g.add_argument("--plot", metavar="FILE.png|.svg",
                    help="draw the last step's measured timeline with matplotlib, its memory as --trace counts it")
     g.add_argument("--report", action="store_true",
-                   help="at the end: measured step time beside the simulator's prediction from the measured costs")
+                   help="at the end: measured step time beside the simulator's prediction from the measured costs, and "
+                        "the memory the last step held above its start (on a GPU also the run's peak) beside "
+                        "simulate's prediction")
     p.set_defaults(run=run)
 
 

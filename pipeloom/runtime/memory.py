@@ -45,11 +45,14 @@ def allocated_bytes(device: torch.device) -> int | None:
 
 
 class PeakMemory:
-    """This process's peak memory on ``device`` from now on (see the module docstring).
+    """This process's peak memory on ``device`` from now on (see the module docstring), and the
+    peak of a stretch of it (:meth:`restart`, :meth:`stretch`: one step's, above its start).
     On a CPU without /proc (not Linux) it measures nothing: :meth:`bytes` is None."""
 
     def __init__(self, device: torch.device):
         self.device, self.base = device, 0
+        self._before = self._held_before = 0  # the peaks before the latest restart
+        self._start = 0  # what was held at the latest restart
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             return
@@ -63,29 +66,54 @@ class PeakMemory:
     def measurable(self) -> bool:
         return self.base is not None
 
-    def bytes(self) -> int | None:
-        """The peak since this was made, in bytes; None where it cannot be measured."""
+    def _peak(self) -> int:
+        """The peak since the latest reset, as :meth:`bytes` counts it."""
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
-        return None if self.base is None else _status("VmHWM") - self.base
+        return _status("VmHWM") - self.base
+
+    def bytes(self) -> int | None:
+        """The peak since this was made, in bytes; None where it cannot be measured."""
+        return None if self.base is None else max(self._before, self._peak())
 
     def reserved(self) -> int | None:
         """On a GPU, the caching allocator's peak of reserved bytes since this was made: what the
         device really held, with blocks a side stream still used after they were freed (offload's
         copies); None on a CPU."""
-        return torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else None
+        if self.device.type != "cuda":
+            return None
+        return max(self._held_before, torch.cuda.max_memory_reserved(self.device))
 
-    def per_pipeline_rank(self, pp_rank: int, pp: int, channel: Channel) -> dict[str, list[int]]:
-        """Every rank's :meth:`bytes` (``peak_memory_bytes``) and on a GPU :meth:`reserved`
-        (``peak_reserved_bytes``), the largest over the ranks of each pipeline rank (its data- and
-        sequence-parallel replicas), gathered through ``channel`` (not watched, as between steps);
-        every rank calls this, where it is :attr:`measurable`."""
+    def restart(self) -> None:
+        """Begin a stretch (:meth:`stretch`): the peaks reset from what is held now, the run's kept
+        for :meth:`bytes` and :meth:`reserved`. Where :attr:`measurable`."""
+        self._before, self._held_before = self.bytes(), self.reserved() or 0
+        if self.device.type == "cuda":
+            self._start = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            Path("/proc/self/clear_refs").write_text("5")
+            self._start = _status("VmRSS") - self.base
+
+    def stretch(self) -> int:
+        """The most held above the stretch's start since :meth:`restart`, in bytes."""
+        return self._peak() - self._start
+
+    def per_pipeline_rank(self, pp_rank: int, pp: int, channel: Channel, stretch: bool = False) -> dict[str, list[int]]:
+        """Every rank's :meth:`bytes` (``peak_memory_bytes``), on a GPU :meth:`reserved`
+        (``peak_reserved_bytes``) and with ``stretch`` :meth:`stretch` (``stretch_bytes``), the
+        largest over the ranks of each pipeline rank (its data- and sequence-parallel replicas),
+        gathered through ``channel`` (not watched, as between steps); every rank calls this, where
+        it is :attr:`measurable`."""
         reserved = self.reserved()
-        mine = torch.tensor([pp_rank, self.bytes(), -1 if reserved is None else reserved], dtype=torch.int64,
-                            device=self.device)
+        figures = {"peak_memory_bytes": self.bytes(), "peak_reserved_bytes": reserved,
+                   "stretch_bytes": self.stretch() if stretch else None}
+        names = [name for name, value in figures.items() if value is not None]
+        mine = torch.tensor([pp_rank, *(figures[name] for name in names)], dtype=torch.int64, device=self.device)
         every = channel.all_gather(mine, dist.group.WORLD, "the memory report waited for every rank's peak",
                                    watch=False)
-        peaks, held = [0] * pp, [0] * pp
-        for rank, peak, most in (t.tolist() for t in every):
-            peaks[rank], held[rank] = max(peaks[rank], peak), max(held[rank], most)
-        return {"peak_memory_bytes": peaks, **({"peak_reserved_bytes": held} if reserved is not None else {})}
+        most = {name: [0] * pp for name in names}
+        for rank, *values in (t.tolist() for t in every):
+            for name, value in zip(names, values):
+                most[name][rank] = max(most[name][rank], value)
+        return most

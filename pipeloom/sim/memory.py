@@ -83,25 +83,42 @@ def peak_memory_bytes(
     mode = VocabMode.of(vocab_parallel or schedule.options.get("vocab_parallel") or "none")
     split = stage_layers(model, schedule.stages, seq, layers_per_stage, mode)
     params = stage_parameters(model, schedule.stages, seq, split, mode)
-    shard = model.vocab_shard_params(schedule.pp) if mode.splits else 0
     _positive(microbatch_size=microbatch_size)
     transient = _attention_memory(model, seq, microbatch_size, sp, _attention(attention, sp))[1]
     rerun = result.costs.m_rerun
-    held, grad = state_bytes_per_param(bytes_per_param, schedule.weight_versions)
-    kfac, layer = 0.0, None
-    if schedule.options.get("kfac"):  # all along, the factors and inverses in use; the rest as it comes
-        kfac = kfac_layer_state_bytes(model)
+    grad = state_bytes_per_param(bytes_per_param, schedule.weight_versions)[1]
+    layer = None
+    if schedule.options.get("kfac"):  # the factors and inverses in use are held; the rest comes and goes
         layer = list(zip(kfac_capture_bytes(model, seq, microbatch_size, sp), kfac_factor_bytes(model)))
+    held = held_memory_bytes(model, schedule, seq, layers_per_stage=layers_per_stage, vocab_parallel=vocab_parallel,
+                             bytes_per_param=bytes_per_param)
     peaks = []
-    for rank in range(schedule.pp):
+    for rank, state in enumerate(held):
         stages = schedule.stages_of(rank)
-        state = (held + grad) * shard + held * sum(params[s] for s in stages)  # a shard's gradient from the start
-        state += kfac * sum(split[s] for s in stages)
         peaks.append(state + _with_gradients(result, rank, {s: grad * params[s] for s in stages},
                                              {s: cast_bytes_per_param * params[s] for s in stages},
                                              _kfac_changes(result, rank, layer) if layer else ())
                      + max(rerun[s] for s in stages) + (transient if any(split[s] for s in stages) else 0))
     return peaks
+
+
+def held_memory_bytes(model: ModelSpec | str, schedule, seq: int, *, layers_per_stage=None,
+                      vocab_parallel: str | None = None, bytes_per_param: float = BYTES_PER_PARAM) -> list[float]:
+    """Per rank, the bytes :func:`peak_memory_bytes` counts as held from one step to the next: its
+    stages' model state without their gradients (which appear at a stage's first backward and go
+    with the optimizer step), with its weight versions, the vocabulary shard's whole state, and
+    K-FAC's factors and inverses in use. A step's peak less this is what the step adds (what
+    ``pipeloom train --report`` measures above a step's start)."""
+    model = get_model(model)
+    mode = VocabMode.of(vocab_parallel or schedule.options.get("vocab_parallel") or "none")
+    split = stage_layers(model, schedule.stages, seq, layers_per_stage, mode)
+    params = stage_parameters(model, schedule.stages, seq, split, mode)
+    shard = model.vocab_shard_params(schedule.pp) if mode.splits else 0
+    held, grad = state_bytes_per_param(bytes_per_param, schedule.weight_versions)
+    kfac = kfac_layer_state_bytes(model) if schedule.options.get("kfac") else 0.0
+    stages = [schedule.stages_of(rank) for rank in range(schedule.pp)]
+    return [(held + grad) * shard + held * sum(params[s] for s in mine) + kfac * sum(split[s] for s in mine)
+            for mine in stages]  # a shard's gradient from the start
 
 
 def kfac_layer_state_bytes(model: ModelSpec | str) -> float:

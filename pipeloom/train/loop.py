@@ -18,7 +18,7 @@ from ..spec import RunSpec
 from ..techniques import TECHNIQUES
 from .config import (check, check_resume, check_steps, learning_rate, model_config, split_data, training_data,
                      with_vocab)
-from .report import report
+from .report import memory_lines, report
 
 
 #: Steps whose timelines feed ``--report`` (the last ones of the run).
@@ -179,12 +179,17 @@ class Trainer:
         per_call = pipe.context.schedule.steps  # 2bw runs several steps per call, without a flush
         times, timelines = [], []
         done, stopped = self.start, 0
+        # --report's memory: from the start of the last call (K-FAC: of the last whole refresh cycle)
+        whole = -(-(config.steps - self.start) // per_call) // pipe.cycle * pipe.cycle  # the calls of whole cycles
+        measured = whole - pipe.cycle if config.report and whole and self.memory.measurable else None
         try:
-            for first in range(self.start, config.steps, per_call):
+            for call, first in enumerate(range(self.start, config.steps, per_call)):
                 # every rank stops after the same step
                 stopped = self.stop.agreed(self.device, pipe.channel, first + 1)
                 if stopped:
                     break
+                if call == measured:
+                    self.memory.restart()
                 started = time.perf_counter()
                 records = self._call(first)
                 elapsed = (time.perf_counter() - started) / per_call
@@ -229,9 +234,24 @@ class Trainer:
         if config.report and pipe.cycle > 1 and pipe.last_cycle:  # a K-FAC refresh: its last whole cycle
             end = len(times) - len(times) % pipe.cycle  # the run started at a cycle's start
             timelines, times = [gather_timeline(pipe, cycle=True)], [sum(times[end - pipe.cycle:end]) * per_call]
-        if timelines and lead:
-            print(report(pipe.schedule, timelines, times[1:] or times), flush=True)
+        if timelines:
+            memory = self._memory_lines() if measured is not None else []  # every rank takes part
+            if lead:
+                print(report(pipe.schedule, timelines, times[1:] or times, memory), flush=True)
         return 0
+
+    def _memory_lines(self) -> list[str]:
+        """``--report``'s memory lines (:func:`~.report.memory_lines`) on the lead rank: the most the
+        last call (K-FAC: the last whole refresh cycle) held above its start, and on a GPU the run's
+        peaks, beside ``simulate``'s prediction for this run; every rank gathers its own."""
+        from ..cli.simulate import simulate_spec
+
+        peaks = self.memory.per_pipeline_rank(self.pipe.pp_rank, self.spec.pp, self.pipe.channel, stretch=True)
+        if self.rank != 0:
+            return []
+        on_gpu = self.device.type == "cuda"
+        return memory_lines(self.device.type, peaks["stretch_bytes"], peaks["peak_memory_bytes"] if on_gpu else None,
+                            simulate_spec(self.spec)[0])
 
     def _stopped(self, code: int, done: int) -> int:
         """After a stop request: on SIGTERM save a checkpoint (with --checkpoint-dir), then

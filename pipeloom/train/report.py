@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from statistics import median
 
 from ..errors import PipeloomError
@@ -40,9 +41,9 @@ def dry_run(config, spec: RunSpec) -> int:
     return 0
 
 
-def report(schedule, timelines, step_times) -> str:
-    """The measured step beside the simulator's prediction from the measured costs,
-    and what the simulator predicts for the other families with those costs."""
+def report(schedule, timelines, step_times, memory: list[str] = ()) -> str:
+    """The measured step beside the simulator's prediction from the measured costs, ``memory``'s
+    lines (:func:`memory_lines`), and what the simulator predicts for the other families with those costs."""
     from ..runtime.timeline import full_stage_costs, measured_costs, measured_result, median_costs
     from ..sim import simulate
 
@@ -67,6 +68,7 @@ def report(schedule, timelines, step_times) -> str:
         *(["  K-FAC pieces per stage, a unit's (ms): " + ", ".join(
             f"{k.removeprefix('kfac_')} {' '.join(f'{v:.2f}' for v in costs.extra[k])}" for k in sorted(costs.extra))]
           if kfac else []),
+        *memory,
         "  the simulator's prediction for other schedules with these costs"
         + (" (a step each, without K-FAC's pieces):" if kfac else ":"),
     ]
@@ -89,3 +91,31 @@ def report(schedule, timelines, step_times) -> str:
         lines.append(f"    {name:<18} {result.makespan / other.steps:9.2f} ms   bubble {result.bubble_rate:.1%}"
                      + (f"   (a step of {other.steps} without a flush)" if other.steps > 1 else ""))
     return "\n".join(lines)
+
+
+def memory_lines(device_type: str, above_start: list[int], peaks: list[int] | None, simulated: dict) -> list[str]:
+    """Measured memory per pipeline rank (the largest of its replicas) beside ``simulated``
+    (``simulate --json``'s facts of the run): ``above_start``, the most a rank held above the start
+    of the last call (:meth:`~pipeloom.runtime.memory.PeakMemory.stretch`), beside the simulated
+    peak less what is held between steps (``peak_memory_bytes`` less ``held_memory_bytes``); on a
+    GPU ``peaks`` (``torch.cuda.max_memory_allocated`` since the model was built) beside
+    ``peak_memory_bytes``."""
+    from ..techniques import size_text
+
+    if "peak_memory_bytes" not in simulated:
+        return []
+    predicted = simulated["peak_memory_bytes"]
+
+    def line(what: str, measured: list, expected: list, how: str) -> str:
+        ratios = " ".join(f"{m / e:.3f}" if e else "-" for m, e in zip(measured, expected))
+        return (f"  {what}: measured {' '.join(size_text(x) for x in measured)} ({how}), simulated "
+                f"{' '.join(size_text(x) for x in expected)}; measured / simulated {ratios}")
+
+    how = ("allocated bytes" if device_type == "cuda" else "resident set" + (
+        "" if os.environ.get("MALLOC_MMAP_THRESHOLD_") else
+        ", which keeps what glibc keeps after a free: start with MALLOC_MMAP_THRESHOLD_=65536 to follow the tensors"))
+    lines = [line("memory per rank above a step's start", above_start,
+                  [p - h for p, h in zip(predicted, simulated["held_memory_bytes"])], how)]
+    if peaks is not None:
+        lines.append(line("peak memory per rank", peaks, predicted, "torch.cuda.max_memory_allocated"))
+    return lines
