@@ -432,6 +432,52 @@ def test_a_worker_that_dies_is_named_at_once_not_after_the_timeout(dies):
     assert time.monotonic() - began < 20
 
 
+def test_a_send_is_let_go_once_a_message_from_its_peer_proves_it_received():
+    """On gloo a send never reports complete before it is waited for: the channel lets it go once a
+    message arrives that its peer sent after the action consuming it (their positions in the lowered
+    lists: :func:`~pipeloom.schedule.lower.proofs`), which 1F1B's first stage gets with each gradient."""
+    from types import SimpleNamespace
+
+    from pipeloom.runtime.p2p import Channel
+    from pipeloom.schedule import build, lower
+    from pipeloom.schedule.ir import Action
+    from pipeloom.schedule.lower import RECV_B, SEND_F, proofs
+
+    class Work:
+        def __init__(self):
+            self.waited = False
+
+        def is_completed(self):
+            return False  # gloo's, until waited for
+
+        def wait(self, timeout=None):
+            self.waited = True
+            return True
+
+    schedule = lower(build("1f1b", 2, 4))
+    consumers, producers = proofs(schedule, 0)
+    # rank 1, the last stage, runs F(1, 0), B(1, 0) and sends its gradient, then F(1, 1)...: that
+    # gradient proves microbatch 0's activations received, not microbatch 1's
+    sends = [Action(SEND_F, 0, i) for i in range(4)]
+    assert all(consumers[send][0] == 1 for send in sends)
+    channel = Channel.__new__(Channel)
+    channel.pending, channel.posted, channel.timeout, channel.watched = [], {}, 60.0, False
+    channel.rank, channel.groups, channel.proofs = 0, {(1, 0): None}, (consumers, producers)
+    channel.heartbeat = SimpleNamespace(now=None, waiting=lambda *a: None, why_ended=lambda state: None)
+    works = [Work() for _ in sends]
+    for send, work in zip(sends[:2], works):  # rank 0's warm-up: F0, F1 sent
+        channel.send_work(work, torch.zeros(1), None, consumers[send])
+    gradient = Action(RECV_B, 0, 0)
+    channel.posted[gradient] = (torch.zeros(1), 1, Work(), "the gradient")
+    channel.recv(gradient, None)  # sent by rank 1 after its F(1, 0) (position before its SEND_B(1, 0))
+    assert [w.waited for w in works[:2]] == [True, False]
+    assert [e[0] for e in channel.pending] == [works[1]]
+    channel.proofs = None  # a list not lowered as is (K-FAC's): only flush lets go
+    channel.send_work(works[2], torch.zeros(1), None)
+    channel.flush()
+    assert channel.pending == [] and works[2].waited
+
+
 def test_a_send_is_let_go_once_it_reports_complete_not_at_the_end_of_the_step():
     """The channel holds each sent tensor while its send is in flight: the oldest sends that report
     complete (NCCL's, once their kernel ran) are waited for and dropped as the next one is posted;

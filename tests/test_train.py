@@ -81,23 +81,31 @@ def test_under_torchrun_with_data_parallelism(tmp_path, ranks):
     assert measured == pytest.approx(simulated, rel=0.3)
 
 
+#: PeakMemory.restart/stretch on tensors of known size, in a process of its own whose allocator maps each
+#: large block on its own (a test worker's heap holds what earlier tests freed)
+_STRETCH = """
+import torch
+from pipeloom.runtime.memory import PeakMemory
+peak = PeakMemory(torch.device("cpu"))
+big = torch.ones(16 * 2**20)  # 64 MiB, touched
+del big
+kept = torch.ones(2 * 2**20)  # 8 MiB held across the restart: not the stretch's
+peak.restart()
+small = torch.ones(4 * 2**20)  # 16 MiB
+print(peak.stretch(), peak.bytes())
+"""
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc")
 def test_a_stretchs_peak_is_measured_above_its_start_and_the_runs_peak_kept():
     """--report's measure (``PeakMemory.restart``/``stretch``): a stretch counts what it allocates
     above what was held at its start, the run's peak (``bytes``, --metrics') stays that of the whole run."""
-    import torch
-
-    from pipeloom.runtime.memory import PeakMemory
-
-    peak = PeakMemory(torch.device("cpu"))
-    big = torch.ones(16 * 2**20)  # 64 MiB, touched (an mmap of its own: returned when freed)
-    del big
-    kept = torch.ones(2 * 2**20)  # 8 MiB held across the restart: not the stretch's
-    peak.restart()
-    small = torch.ones(4 * 2**20)  # 16 MiB
-    assert 15 * 2**20 < peak.stretch() < 24 * 2**20
-    assert peak.bytes() >= 64 * 2**20  # the big tensor, before the restart
-    del small, kept
+    done = subprocess.run([sys.executable, "-c", _STRETCH], capture_output=True, text=True, timeout=50, check=True,
+                          env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    stretch, run = map(int, done.stdout.split())
+    assert 15 * 2**20 < stretch < 24 * 2**20
+    assert run >= 64 * 2**20  # the big tensor, before the restart
 
 
 def report_memory(stdout: str) -> tuple[list[float], list[float]]:

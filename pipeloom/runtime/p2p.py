@@ -5,7 +5,8 @@ own, so its messages are matched in the order they are sent, on every backend
 (NCCL matches in posting order; gloo does for one tag). Sends are
 non-blocking (``isend``). A receive is posted ahead (``post``, non-blocking)
 in its link's send order and collected when needed (``recv``), which blocks
-until its data arrives. A link whose peer is gone fails when a transfer is
+until its data arrives. A sent tensor is held while its send is in flight
+(:meth:`Channel.send_work`). A link whose peer is gone fails when a transfer is
 started on it as well as when one is waited for; both raise :class:`PeerTimeout`
 naming the action.
 
@@ -38,7 +39,10 @@ class Channel:
 
     def __init__(self, rank: int, groups: dict[tuple[int, int], dist.ProcessGroup], timeout: float):
         self.rank, self.groups, self.timeout = rank, groups, timeout
-        self.pending: list[tuple[dist.Work, torch.Tensor, dist.ProcessGroup]] = []
+        #: sends in flight: (work, tensor, group, (peer, the position of its consumer in the peer's list) or None)
+        self.pending: list[tuple[dist.Work, torch.Tensor, dist.ProcessGroup, tuple[int, int] | None]] = []
+        #: the running call's :func:`~pipeloom.schedule.lower.proofs`, None where its sends wait for :meth:`flush`
+        self.proofs: tuple[dict, dict] | None = None
         self.posted: dict = {}  # a posted receive's key -> (buffer, peer, work, what it receives)
         self.heartbeat = heartbeat.start(rank, _close)
         self.watched = self.heartbeat.store is not None and dist.get_backend() == "gloo"
@@ -60,23 +64,26 @@ class Channel:
             work = dist.isend(tensor, dst=peer, group=group)
         except RuntimeError as err:
             raise self._failed(f"action {action} sent {what} to rank {peer}", err) from None
-        self.send_work(work, tensor, group)
+        self.send_work(work, tensor, group, self.proofs and self.proofs[0].get(action))
 
-    def send_work(self, work: dist.Work, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    def send_work(self, work: dist.Work, tensor: torch.Tensor, group: dist.ProcessGroup,
+                  consumer: tuple[int, int] | None = None) -> None:
         """Count ``work`` (a send of ``tensor`` over ``group``, or a collective this rank only
-        gives to) among the sends in flight, keeping ``tensor`` alive until it completes. The oldest
-        ones that report complete are let go first (waited for, which raises where one failed),
-        so that a step holds a message only while it is in flight, not until :meth:`flush` at its
-        end (a stage's outputs or input gradients of every microbatch). NCCL reports a send complete
-        once its kernel ran; gloo only once waited for, so on gloo they wait for :meth:`flush`."""
+        gives to) among the sends in flight, keeping ``tensor`` alive until it completes, so that a
+        step holds a message only while it is in flight, not until :meth:`flush` at its end (a
+        stage's outputs or input gradients of every microbatch). The oldest ones that report complete
+        are let go first (waited for, which raises where one failed): NCCL reports a send complete
+        once its kernel ran; gloo only once waited for, so there a send is let go once a message
+        proves it received (``consumer``: its peer's pipeline rank and the position of the action
+        that consumes it, :meth:`recv`), else at :meth:`flush`."""
         done = 0
         while done < len(self.pending) and self.pending[done][0].is_completed():
             done += 1
         if done:
             finished, self.pending = self.pending[:done], self.pending[done:]
-            for sent, _, link in finished:
+            for sent, _, link, _ in finished:
                 self.wait(sent, "a send of the step, found complete,", link)
-        self.pending.append((work, tensor, group))
+        self.pending.append((work, tensor, group, consumer))
 
     def post(self, buffer: torch.Tensor, peer: int, receive, what: str) -> None:
         """Start receiving ``what`` from ``peer`` into ``buffer`` (the action ``receive``);
@@ -91,6 +98,16 @@ class Channel:
         """Wait for the receive :meth:`post` started as ``receive``, which ``action`` needs; its buffer."""
         buffer, peer, work, what = self.posted.pop(receive)
         self.wait(work, f"action {action} waited for {what} from rank {peer}", self.groups[(peer, self.rank)])
+        sent = self.proofs and self.proofs[1].get(receive)
+        if sent and self.pending:  # the peer got every send its list consumed before it sent this
+            kept, proved = [], []
+            for entry in self.pending:
+                consumer = entry[3]
+                (proved if consumer and consumer[0] == sent[0] and consumer[1] < sent[1] else kept).append(entry)
+            if proved:
+                self.pending = kept
+                for done, _, link, _ in proved:
+                    self.wait(done, "a send of the step, received by its peer,", link)
         return buffer
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup, what: str,
@@ -109,7 +126,7 @@ class Channel:
 
     def flush(self) -> None:
         """Wait for every send posted so far to complete."""
-        for work, _, group in self.pending:
+        for work, _, group, _ in self.pending:
             self.wait(work, "the end of the step waited for its sends to be received", group)
         self.pending.clear()
 

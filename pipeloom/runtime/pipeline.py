@@ -21,6 +21,7 @@ from torch import nn
 from ..errors import PipeloomError
 from ..nn.stages import Stages
 from ..schedule import Schedule, build, forward_only, lower, validate
+from ..schedule.lower import proofs as lower_proofs
 from .batches import Batches
 from .clock import StepClock
 from .context import Context, Step
@@ -129,10 +130,13 @@ class Pipeline:
         self.names = self.grads.names
         self._batches = Batches(self.schedule, self.mesh, self.device, [part.batch for part in self.parts],
                                 any_input=isinstance(model, Stages))
-        calls = [lower(self.schedule).ranks[self.pp_rank]]
+        lowered = lower(self.schedule)
+        calls = [lowered.ranks[self.pp_rank]]
         for part in self.parts:
             self.schedule, calls = part.calls(self, calls)
-        self._calls = [_Call(self.context, self.grads, actions, self.parts) for actions in calls]
+        # the lowered lists run as they are: a send is let go once its peer's messages prove it received
+        proofs = lower_proofs(lowered, self.pp_rank) if calls == [lowered.ranks[self.pp_rank]] else None
+        self._calls = [_Call(self.context, self.grads, actions, self.parts, proofs) for actions in calls]
         self.last_step: Step | None = None
         #: whether each step reads the memory held after each action (:attr:`~.context.Step.levels`)
         self.record_memory = False
@@ -246,6 +250,7 @@ class Pipeline:
             clock = StepClock(self.device, self.record_memory)
             step = Step(self.pp_rank, clock, *self._batches.split(tokens, targets),
                         loss=torch.zeros(self.context.schedule.steps, device=self.device))
+            self.channel.proofs = call.proofs
             call.executor.run(step, updates[0] if updates else call.averaging)
             self.context.calls += 1
             self.channel.flush()
@@ -259,6 +264,7 @@ class Pipeline:
                 self.last_cycle = self._cycle_so_far
             return self._mean_losses(step)
         finally:
+            self.channel.proofs = None
             self.channel.heartbeat.idle()
 
     def _mean_losses(self, step: Step) -> list[float]:
@@ -338,8 +344,9 @@ class _Call:
     """One call's actions (a part may cut the schedule into several), its executor, when each
     stage's gradient is final (:func:`~.grads.finals`, unless a part says) and the averaging then."""
 
-    def __init__(self, context: Context, grads: Gradients, actions, parts: list[Part]):
+    def __init__(self, context: Context, grads: Gradients, actions, parts: list[Part], proofs=None):
         self.executor, self.grads, self.replicas = Executor(context, actions), grads, context.mesh.layout.replicas
+        self.proofs = proofs  # :func:`~pipeloom.schedule.lower.proofs` of ``actions``, where they are the lowered list
         told = [final for part in parts if (final := part.finals(actions)) is not None]
         self.finals = told[0] if told else finals(actions, context.schedule.microbatches)
 

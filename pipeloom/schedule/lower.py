@@ -118,6 +118,30 @@ def lower(schedule: Schedule) -> Schedule:
     return replace(schedule, ranks=tuple(lists), options={**schedule.options, "lowered": True})
 
 
+def proofs(schedule: Schedule, rank: int) -> tuple[dict[Action, tuple[int, int]], dict[Action, tuple[int, int]]]:
+    """For pipeline rank ``rank`` of a lowered ``schedule``: each of its sends with (its peer, the
+    position in the peer's list of the action that consumes it), and each of its receives with (its
+    peer, the position in the peer's list of the send it matches). A peer runs its list in order,
+    the action that consumes a message first waiting for it: once a message arrives that the peer
+    sent from a later position than a send's consumer, that send has been received (the runtime
+    then lets it go: :meth:`~pipeloom.runtime.p2p.Channel.recv`)."""
+    consumers: dict[Action, tuple[int, int]] = {}
+    producers: dict[Action, tuple[int, int]] = {}
+    for other, actions in enumerate(schedule.ranks):
+        if other == rank:
+            continue
+        for k, action in enumerate(actions):
+            if action.kind in (SEND_F, SEND_B):
+                if peer(schedule, action) == rank:
+                    producers[matching(action)] = other, k
+            elif action.kind not in COMM_KINDS:
+                for part in parts(action):
+                    need = _receive(schedule, part)
+                    if need is not None and peer(schedule, need) == rank:
+                        consumers[matching(need)] = other, k
+    return consumers, producers
+
+
 # -- the kinds and their rules ------------------------------------------------------
 def _send_needs(action: Action, deps) -> tuple:
     s, i = action.stage, action.microbatch
