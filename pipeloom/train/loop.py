@@ -181,14 +181,14 @@ class Trainer:
         done, stopped = self.start, 0
         # --report's memory: from the start of the last call (K-FAC: of the last whole refresh cycle)
         whole = -(-(config.steps - self.start) // per_call) // pipe.cycle * pipe.cycle  # the calls of whole cycles
-        measured = whole - pipe.cycle if config.report and whole and self.memory.measurable else None
+        restart_at = whole - pipe.cycle if config.report and whole and self.memory.measurable else None
         try:
             for call, first in enumerate(range(self.start, config.steps, per_call)):
                 # every rank stops after the same step
                 stopped = self.stop.agreed(self.device, pipe.channel, first + 1)
                 if stopped:
                     break
-                if call == measured:
+                if call == restart_at:
                     self.memory.restart()
                 started = time.perf_counter()
                 records = self._call(first)
@@ -235,7 +235,7 @@ class Trainer:
             end = len(times) - len(times) % pipe.cycle  # the run started at a cycle's start
             timelines, times = [gather_timeline(pipe, cycle=True)], [sum(times[end - pipe.cycle:end]) * per_call]
         if timelines:
-            memory = self._memory_lines() if measured is not None else []  # every rank takes part
+            memory = self._memory_lines() if restart_at is not None else []  # every rank takes part
             if lead:
                 print(report(pipe.schedule, timelines, times[1:] or times, memory), flush=True)
         return 0
