@@ -38,12 +38,14 @@ def test_snippet_runs(tmp_path, page, n, code):
 
 
 def _blocks(page: Path):
-    """The console examples of ``page``: each a list of (command, its shown output lines), run in turn."""
-    for block in re.findall(r"^```\n(\$ pipeloom .*?)^```$", page.read_text(), re.S | re.M):
+    """The console examples of ``page``: each a list of (command, its shown output lines, the
+    environment variables set before it, ``NAME=value pipeloom ...``), run in turn."""
+    for block in re.findall(r"^```\n(\$ (?:\w+=\S+ )*pipeloom .*?)^```$", page.read_text(), re.S | re.M):
         runs = []
         for line in block.replace("\\\n", "").splitlines():
             if line.startswith("$ "):
-                runs.append((line[2:], []))
+                env = dict(re.findall(r"(\w+)=(\S+) ", line[2:line.index("pipeloom")]))
+                runs.append((line[line.index("pipeloom"):], [], env))
             elif line.strip():
                 runs[-1][1].append(line.rstrip())
         yield runs
@@ -53,7 +55,7 @@ def _slow(runs) -> bool:
     """Whether a block runs a worker (a training run, sampling or a profile: a minute or so each) or
     a K-FAC plan search (each layout simulated over its refresh cycle: seconds a layout)."""
     return any(re.match(r"pipeloom (generate|profile)|pipeloom train(?!.*--dry-run)|pipeloom plan .*--optimizer (kfac|any)",
-                        command) for command, _ in runs)
+                        command) for command, *_ in runs)
 
 
 def _timed(command: str) -> bool:
@@ -81,11 +83,11 @@ def test_shown_output_is_what_the_command_prints(tmp_path, page, runs):
     one example run in turn in one directory (``generate`` reads what ``train`` saved)."""
     import shlex
 
-    for command, output in runs:
+    for command, output, env in runs:
         command, _, grep = command.partition(" | grep ")
         done = subprocess.run([sys.executable, "-m", "pipeloom", *shlex.split(command)[1:]], cwd=tmp_path,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=540,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+                              env={**os.environ, **env, "PYTHONPATH": str(ROOT)})
         assert done.returncode == 0, done.stdout[-2000:]
         printed = [_same(line.rstrip(), command) for line in done.stdout.splitlines() if grep in line]
         at = 0
