@@ -242,3 +242,19 @@ def test_peak_memory_reports_reserved_beside_allocated():
     x = torch.empty(2**26, device="cuda")
     del x
     assert peak.reserved() >= peak.bytes() >= 2**28
+
+
+def test_a_stretchs_peak_counts_above_its_start_and_keeps_the_runs():
+    """--report's measure on a GPU: a stretch's allocator peak above what was allocated at its start;
+    the run's peaks (allocated and reserved, --metrics') kept across the restart."""
+    from pipeloom.runtime.memory import PeakMemory
+
+    peak = PeakMemory(torch.device("cuda"))
+    x = torch.empty(2**26, device="cuda")  # 256 MiB
+    del x
+    kept = torch.empty(2**24, device="cuda")  # 64 MiB held across the restart
+    peak.restart()
+    y = torch.empty(2**24, device="cuda")
+    assert 2**26 <= peak.stretch() < 2**26 + 2**22
+    assert peak.bytes() >= 2**28 and peak.reserved() >= 2**28
+    del y, kept
