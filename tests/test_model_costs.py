@@ -14,7 +14,7 @@ from pipeloom.sim import (
     BYTES_PER_PARAM, DEVICES, MODELS, Device, ModelSpec, costs_from_model, get_device, peak_memory_bytes, simulate,
     stage_parameters,
 )
-from pipeloom.sim.memory import _with_gradients
+from pipeloom.sim.memory import _with_gradients, backward_transient
 
 # "Zero Bubble Pipeline Parallelism": the paper's profiled costs (ms; A100, s = 1024): p, b, T_F.
 PROFILED = {"1.5b": (8, 6, 18.522), "6.2b": (8, 3, 29.718), "14.6b": (16, 1, 11.347), "28.3b": (32, 1, 10.419)}
@@ -155,7 +155,10 @@ def test_peak_memory_counts_every_virtual_stage_of_a_rank():
     schedule = build("interleaved-1f1b", 4, 8, chunks=2)
     result = simulate(schedule, costs_from_model("4b", 4, 2048, 1, "a100", chunks=2))
     memory = peak_memory_bytes("4b", result, 2048)
-    state = [m - a for m, a in zip(memory, result.peak_activation)]
+    # less the loss's gradients of the last rank's backward (m_loss)
+    state = [m - a - backward_transient(result.costs, schedule.stages_of(r))
+             for r, (m, a) in enumerate(zip(memory, result.peak_activation))]
+    assert backward_transient(result.costs, [7]) == 8 * 2048 * MODELS["4b"].vocab
     params = stage_parameters("4b", 8, 2048)
     assert schedule.stages_of(3) == [3, 7]  # looped: the last stage (LM head) on the last rank
     assert state[3] == pytest.approx(BYTES_PER_PARAM * (params[3] + params[7]))

@@ -38,7 +38,7 @@ from ..schedule.deps import ListPeaks
 from ..schedule.ir import BW, B, F, Action, looped_placement, v_placement
 from ..sim import Result, simulate
 from ..sim.formulas import layer_flops
-from ..sim.memory import GRAD_BYTES_PER_PARAM, peak_memory_bytes, state_bytes_per_param
+from ..sim.memory import GRAD_BYTES_PER_PARAM, backward_transient, peak_memory_bytes, state_bytes_per_param
 from ..sim.model import optimizer_ms as sim_optimizer_ms
 from ..sim.stages import stage_layers, stage_parameters
 from .bounds import CriticalPath, critical_path
@@ -404,7 +404,7 @@ class Costing:
             state = sum(params[s] for s in stages)
             peak = peaks[rank] if peaks is not None else max(costs.m_b[s] for s in stages)
             first = max(held * state + peak, (held + grad) * state)
-            bound = max(bound, (held + grad) * shard + extra[rank] + first + max(costs.m_rerun[s] for s in stages))
+            bound = max(bound, (held + grad) * shard + extra[rank] + first + backward_transient(costs, stages))
         return bound
 
     def _layer_state(self, c: Candidate) -> float:

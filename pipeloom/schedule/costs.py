@@ -152,6 +152,10 @@ register_field("comm", split=False)
 #: Memory a recomputed stage holds again while its backward reruns its forward (the stage's
 #: activations without recomputation); read by the memory model, not by any action's timing.
 register_field("m_rerun")
+#: Memory a stage's backward holds beyond what its F kept while it computes the loss's gradient (the
+#: stage with the output layer: the gradient of the fp32 log-softmax and that of the logits, beside
+#: the log-softmax kept); read by the memory model, not by any action's timing.
+register_field("m_loss")
 #: The share of a compound action's shorter parts hidden under its longest (DualPipeV's overlapped
 #: F and B: 0, the default, runs them one after the other; 1 takes only the longer), in [0, 1].
 register_field("overlap", split=False)

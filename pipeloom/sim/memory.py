@@ -71,7 +71,8 @@ def peak_memory_bytes(
     attention, one score block alive while a layer computes (on a rank
     with layers), plus, with recomputation, the largest of the rank's
     stages' activations alive again while its backward reruns its forward
-    (the costs' ``m_rerun``). ``layers_per_stage``, ``vocab_parallel`` (default: the
+    (the costs' ``m_rerun``), and where the output layer is, the loss's gradients while its
+    backward computes them (``m_loss``): :func:`backward_transient`. ``layers_per_stage``, ``vocab_parallel`` (default: the
     schedule's ``options["vocab_parallel"]``), ``microbatch_size``, ``sp``
     and ``attention`` must match the ones the costs used. ``cast_bytes_per_param``: the low-precision
     copy of a stage's weights that autocast keeps while one of its forwards runs (a profile's, 2 under
@@ -85,7 +86,6 @@ def peak_memory_bytes(
     params = stage_parameters(model, schedule.stages, seq, split, mode)
     _positive(microbatch_size=microbatch_size)
     transient = _attention_memory(model, seq, microbatch_size, sp, _attention(attention, sp))[1]
-    rerun = result.costs.m_rerun
     grad = state_bytes_per_param(bytes_per_param, schedule.weight_versions)[1]
     layer = None
     if schedule.options.get("kfac"):  # the factors and inverses in use are held; the rest comes and goes
@@ -98,8 +98,16 @@ def peak_memory_bytes(
         peaks.append(state + _with_gradients(result, rank, {s: grad * params[s] for s in stages},
                                              {s: cast_bytes_per_param * params[s] for s in stages},
                                              _kfac_changes(result, rank, layer) if layer else ())
-                     + max(rerun[s] for s in stages) + (transient if any(split[s] for s in stages) else 0))
+                     + backward_transient(result.costs, stages) + (transient if any(split[s] for s in stages) else 0))
     return peaks
+
+
+def backward_transient(costs, stages) -> float:
+    """The most one of ``stages``' backwards holds beyond what its F kept, while it runs: a
+    recomputed stage's rerun activations (``m_rerun``) and, on the stage with the output layer,
+    the loss's gradients (``m_loss``), counted at the rank's peak."""
+    rerun, loss = costs.m_rerun, costs.m_loss
+    return max(rerun[s] + loss[s] for s in stages)
 
 
 def held_memory_bytes(model: ModelSpec | str, schedule, seq: int, *, layers_per_stage=None,

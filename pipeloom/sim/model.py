@@ -101,6 +101,13 @@ def offload_time_ratio(
     return 2 * costs.extra["offload"][1] / (costs.f[1] + costs.b[1] + costs.w[1])
 
 
+#: Bytes per logit the loss's backward holds beside the log-softmax it kept (fp32 under any precision:
+#: autocast runs the loss in fp32): the gradient of the log-softmax and that of the logits, which the
+#: backward of ``F.cross_entropy`` holds at once (measured on this CPU: the last rank's peak 2 x 4btV
+#: above the model without them, at vocabularies 4096 and 16384). A vocabulary-parallel head has its own.
+LOSS_GRADIENT_BYTES = 8
+
+
 def _activation_bytes(model: ModelSpec, split, seq: int, microbatch_size: int, sp: int, attention_kept: int,
                       mode: VocabMode, recompute, element: int = 2) -> tuple[list[float], list[float]]:
     """Per stage of ``split`` layers: bytes one microbatch keeps from F to its backward (``m_b``)
@@ -157,7 +164,9 @@ def costs_from_model(
     only its input (2bth bytes) and B first reruns the stage's forward (the
     last stage's loss too), as the runtime does: while it runs, the
     stage's whole activations are alive again (:func:`peak_memory_bytes` adds
-    them). W still needs its inputs, so ``m_w`` exceeds ``m_b`` and memory
+    them). The stage with the output layer holds the loss's gradients while its
+    backward computes them (``m_loss``, :data:`LOSS_GRADIENT_BYTES` a logit; with a
+    profile too, which does not measure them). W still needs its inputs, so ``m_w`` exceeds ``m_b`` and memory
     grows from B to W (use a fused-backward schedule with it). ``vocab_parallel`` (none,
     redis, naive, vocab-1, vocab-2) places the vocabulary layers as the
     module docstring says. ``sp`` and ``attention`` (``ring``, the default
@@ -228,6 +237,7 @@ def costs_from_model(
         m_b=m_b,
         m_w=m_w,
         extra={"offload": [1e3 * x / host_bandwidth for x in m_b], "fused": fused,
+               "m_loss": [0.0] * (stages - 1) + [0.0 if mode.splits else float(LOSS_GRADIENT_BYTES * b * t * v)],
                **({"m_rerun": rerun} if full else {})},
     )
     if kfac:
