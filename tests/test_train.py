@@ -87,7 +87,9 @@ def test_the_last_ranks_peak_holds_the_losss_gradients(tmp_path):
     """At a vocabulary where the logits outweigh the layers (4096, hidden 32), the last rank's measured
     peak above a step's start is what simulate predicts with the loss's gradients (m_loss: 8 bytes a
     logit; without them it predicts 0.4x)."""
-    done = train("--vocab", "4096", "--steps", "3", "--report", cwd=tmp_path, env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+    # self-launched: its processes start with the allocator setting (a fork of this one keeps this one's)
+    done = train("--vocab", "4096", "--steps", "3", "--report", cwd=tmp_path, launcher=True,
+                 env={"MALLOC_MMAP_THRESHOLD_": "65536"})
     measured, simulated = report_memory(done.stdout)
     assert measured[-1] == pytest.approx(simulated[-1], rel=0.05)
     assert simulated[-1] > 8 * 8 * 128 * 4096  # the loss's gradients alone (microbatch size 8, seq 128)
