@@ -27,12 +27,12 @@ DEVICES = ("cpu", "cuda")
 HARDWARE_OF = {"cpu": "cpu", "cuda": "h100"}
 #: The precision of a run on each device when none is given: bf16 autocast on a GPU, fp32 on a CPU.
 PRECISION_OF = {"cpu": "fp32", "cuda": "bf16"}
+PRECISIONS = ("fp32", "bf16")
 
 
 def device_of(hardware: str) -> str:
     """Where a run priced by the cost preset ``hardware`` trains: ``cpu`` for the cpu preset, else ``cuda``."""
     return "cpu" if hardware == "cpu" else "cuda"
-PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)

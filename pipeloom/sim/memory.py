@@ -81,9 +81,7 @@ def peak_memory_bytes(
     layer's factors (:func:`~.formulas.kfac_factor_bytes`; the refresh's copy from each factor's first
     curvature piece on), and its captures (:func:`_kfac_changes`)."""
     schedule, model = result.schedule, get_model(model)
-    mode = VocabMode.of(vocab_parallel or schedule.options.get("vocab_parallel") or "none")
-    split = stage_layers(model, schedule.stages, seq, layers_per_stage, mode)
-    params = stage_parameters(model, schedule.stages, seq, split, mode)
+    _, split, params = _stage_sizes(model, schedule, seq, layers_per_stage, vocab_parallel)
     _positive(microbatch_size=microbatch_size)
     transient = _attention_memory(model, seq, microbatch_size, sp, _attention(attention, sp))[1]
     grad = state_bytes_per_param(bytes_per_param, schedule.weight_versions)[1]
@@ -118,15 +116,21 @@ def held_memory_bytes(model: ModelSpec | str, schedule, seq: int, *, layers_per_
     K-FAC's factors and inverses in use. A step's peak less this is what the step adds (what
     ``pipeloom train --report`` measures above a step's start)."""
     model = get_model(model)
-    mode = VocabMode.of(vocab_parallel or schedule.options.get("vocab_parallel") or "none")
-    split = stage_layers(model, schedule.stages, seq, layers_per_stage, mode)
-    params = stage_parameters(model, schedule.stages, seq, split, mode)
+    mode, split, params = _stage_sizes(model, schedule, seq, layers_per_stage, vocab_parallel)
     shard = model.vocab_shard_params(schedule.pp) if mode.splits else 0
     held, grad = state_bytes_per_param(bytes_per_param, schedule.weight_versions)
     kfac = kfac_layer_state_bytes(model) if schedule.options.get("kfac") else 0.0
     stages = [schedule.stages_of(rank) for rank in range(schedule.pp)]
     return [(held + grad) * shard + held * sum(params[s] for s in mine) + kfac * sum(split[s] for s in mine)
             for mine in stages]  # a shard's gradient from the start
+
+
+def _stage_sizes(model: ModelSpec, schedule, seq: int, layers_per_stage, vocab_parallel: str | None) -> tuple:
+    """(the vocabulary mode, each stage's layers, each stage's parameters) of ``schedule``'s stages
+    (``vocab_parallel`` None: the schedule's ``options["vocab_parallel"]``)."""
+    mode = VocabMode.of(vocab_parallel or schedule.options.get("vocab_parallel") or "none")
+    split = stage_layers(model, schedule.stages, seq, layers_per_stage, mode)
+    return mode, split, stage_parameters(model, schedule.stages, seq, split, mode)
 
 
 def kfac_layer_state_bytes(model: ModelSpec | str) -> float:

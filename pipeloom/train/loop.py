@@ -250,7 +250,7 @@ class Trainer:
         if self.rank != 0:
             return []
         on_gpu = self.device.type == "cuda"
-        return memory_lines(self.device.type, peaks["stretch_bytes"], peaks["peak_memory_bytes"] if on_gpu else None,
+        return memory_lines(peaks["stretch_bytes"], peaks["peak_memory_bytes"] if on_gpu else None,
                             simulate_spec(self.spec)[0])
 
     def _stopped(self, code: int, done: int) -> int:

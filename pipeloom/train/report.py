@@ -93,13 +93,13 @@ def report(schedule, timelines, step_times, memory: list[str] = ()) -> str:
     return "\n".join(lines)
 
 
-def memory_lines(device_type: str, above_start: list[int], peaks: list[int] | None, simulated: dict) -> list[str]:
+def memory_lines(above_start: list[int], peaks: list[int] | None, simulated: dict) -> list[str]:
     """Measured memory per pipeline rank (the largest of its replicas) beside ``simulated``
     (``simulate --json``'s facts of the run): ``above_start``, the most a rank held above the start
     of the last call (:meth:`~pipeloom.runtime.memory.PeakMemory.stretch`), beside the simulated
     peak less what is held between steps (``peak_memory_bytes`` less ``held_memory_bytes``); on a
-    GPU ``peaks`` (``torch.cuda.max_memory_allocated`` since the model was built) beside
-    ``peak_memory_bytes``."""
+    GPU ``peaks`` (``torch.cuda.max_memory_allocated`` since the model was built; None on a CPU)
+    beside ``peak_memory_bytes``."""
     from ..techniques import size_text
 
     if "peak_memory_bytes" not in simulated:
@@ -111,7 +111,7 @@ def memory_lines(device_type: str, above_start: list[int], peaks: list[int] | No
         return (f"  {what}: measured {' '.join(size_text(x) for x in measured)} ({how}), simulated "
                 f"{' '.join(size_text(x) for x in expected)}; measured / simulated {ratios}")
 
-    how = ("allocated bytes" if device_type == "cuda" else "resident set" + (
+    how = ("allocated bytes" if peaks is not None else "resident set" + (
         "" if os.environ.get("MALLOC_MMAP_THRESHOLD_") else
         ", which keeps what glibc keeps after a free: start with MALLOC_MMAP_THRESHOLD_=65536 to follow the tensors"))
     lines = [line("memory per rank above a step's start", above_start,
